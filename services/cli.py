@@ -1,0 +1,26 @@
+"""The `flatwire` command: `flatwire up | scheduler | detokenizer | gateway | health`."""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "up": ("services.launcher", "run all three services on loopback until Ctrl-C"),
+    "scheduler": ("services.scheduler.server", "run the scheduler (model, batching, sampling)"),
+    "detokenizer": ("services.detokenizer.server", "run the detokenizer (text deltas, stop strings)"),
+    "gateway": ("services.gateway.server", "run the gateway (HTTP + public gRPC)"),
+    "health": ("services.common.healthcheck", "exit 0 when a gRPC service or HTTP URL is healthy"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        lines = [f"  {name:<12} {summary}" for name, (_, summary) in COMMANDS.items()]
+        print("usage: flatwire COMMAND [--help]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module, _ = COMMANDS[argv[0]]
+    importlib.import_module(module).main(argv[1:], prog=f"flatwire {argv[0]}")
+
+
+if __name__ == "__main__":
+    main()

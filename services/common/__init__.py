@@ -1,0 +1,1 @@
+"""Code every service shares: wire codecs, config, gRPC helpers, the model store."""

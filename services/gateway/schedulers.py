@@ -1,0 +1,161 @@
+"""The gateway's view of its scheduler replicas: balancing, health, failover.
+
+Each configured address may be a DNS name that resolves to several replicas (as
+compose `--scale` and Kubernetes headless services publish them); names are
+re-resolved on every health round, so replicas that come and go are followed.
+Requests go to the healthy replica with the least outstanding work. A replica that
+fails its health check is taken out of rotation and its in-flight requests are
+ended at once through `on_replica_lost`; it rejoins when it answers again.
+"""
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.rpc import create_channel
+from services.gateway.config import GatewayConfig
+
+log = logging.getLogger("flatwire.gateway")
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    outstanding: set[str] = field(default_factory=set)
+
+
+async def resolve(entry: str) -> list[str]:
+    """'name:port' -> one 'ip:port' per address the name resolves to."""
+    host, _, port = entry.rpartition(":")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    addresses = []
+    for family, _, _, _, sockaddr in infos:
+        ip = f"[{sockaddr[0]}]" if family == socket.AF_INET6 else sockaddr[0]
+        if f"{ip}:{port}" not in addresses:
+            addresses.append(f"{ip}:{port}")
+    return addresses
+
+
+class SchedulerPool:
+    def __init__(self, config: GatewayConfig, on_replica_lost: Callable[[str, str], None]):
+        self.config = config
+        self.replicas: dict[str, Replica] = {}
+        self._on_replica_lost = on_replica_lost
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._refresh()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+        for replica in self.replicas.values():
+            await replica.channel.close()
+
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas.values())
+
+    def stats(self) -> dict[str, dict]:
+        return {a: {"healthy": r.healthy, "outstanding": len(r.outstanding)} for a, r in self.replicas.items()}
+
+    async def model_info(self) -> scheduler_pb2.ModelInfo:
+        """From the first replica that answers (waits for one)."""
+        while True:
+            for replica in list(self.replicas.values()):
+                try:
+                    return await replica.stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=5)
+                except grpc.aio.AioRpcError:
+                    continue
+            await asyncio.sleep(0.2)
+            await self._refresh()
+
+    async def submit(self, request: scheduler_pb2.TokenizedRequest) -> str:
+        """Submit to the least-loaded healthy replica; returns its address."""
+        tried: set[str] = set()
+        while True:
+            candidates = [r for r in self.replicas.values() if r.healthy and r.address not in tried]
+            if not candidates:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="no healthy scheduler")
+            replica = min(candidates, key=lambda r: len(r.outstanding))
+            replica.outstanding.add(request.rid)
+            try:
+                await replica.stub.Submit(request, timeout=30)
+                return replica.address
+            except grpc.aio.AioRpcError as exc:
+                replica.outstanding.discard(request.rid)
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self._mark_down(replica, "unavailable on submit")
+                tried.add(replica.address)
+
+    def release(self, address: str, rid: str) -> None:
+        if replica := self.replicas.get(address):
+            replica.outstanding.discard(rid)
+
+    async def abort(self, address: str, rid: str) -> None:
+        replica = self.replicas.get(address)
+        if replica is None or not replica.healthy:
+            return
+        try:
+            await replica.stub.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # it finished meanwhile
+                log.warning("abort of %s on %s failed: %s", rid, address, exc.code())
+
+    # -- membership and health --------------------------------------------------------------------------
+
+    async def _refresh(self) -> None:
+        seen: set[str] = set()
+        for entry in self.config.schedulers:
+            for address in await resolve(entry):
+                seen.add(address)
+                if address not in self.replicas:
+                    channel = create_channel(address, self.config.max_message_mb)
+                    self.replicas[address] = Replica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel),
+                                                     health_pb2_grpc.HealthStub(channel))
+        for address in set(self.replicas) - seen:
+            replica = self.replicas.pop(address)
+            self._mark_down(replica, "no longer resolves")
+            await replica.channel.close()
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+
+    async def _check(self, replica: Replica) -> None:
+        timeout = max(self.config.health_interval_s, 3.0)  # a busy replica is slow, not dead
+        try:
+            reply = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            up = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            up = False
+        if up and not replica.healthy:
+            log.info("scheduler %s in rotation", replica.address)
+            replica.healthy = True
+        elif not up:
+            self._mark_down(replica, "health check failed")
+
+    def _mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("scheduler %s out of rotation: %s", replica.address, reason)
+        replica.healthy = False
+        if replica.outstanding:
+            self._on_replica_lost(replica.address, reason)
+            replica.outstanding.clear()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self._refresh()
