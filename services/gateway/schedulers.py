@@ -10,13 +10,13 @@ ended at once through `on_replica_lost`; it rejoins when it answers again.
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.discovery import resolve
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
 from services.gateway.config import GatewayConfig
@@ -32,21 +32,6 @@ class Replica:
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
     outstanding: set[str] = field(default_factory=set)
-
-
-async def resolve(entry: str) -> list[str]:
-    """'name:port' -> one 'ip:port' per address the name resolves to."""
-    host, _, port = entry.rpartition(":")
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return []
-    addresses = []
-    for family, _, _, _, sockaddr in infos:
-        ip = f"[{sockaddr[0]}]" if family == socket.AF_INET6 else sockaddr[0]
-        if f"{ip}:{port}" not in addresses:
-            addresses.append(f"{ip}:{port}")
-    return addresses
 
 
 class SchedulerPool:

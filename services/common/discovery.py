@@ -1,0 +1,23 @@
+"""Turning configured peer addresses into the replicas behind them.
+
+A 'name:port' entry may resolve to several addresses (compose `--scale`,
+Kubernetes headless services); each one is a replica.
+"""
+
+import asyncio
+import socket
+
+
+async def resolve(entry: str) -> list[str]:
+    """'name:port' -> one 'ip:port' per address the name resolves to (none if it does not)."""
+    host, _, port = entry.rpartition(":")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    addresses = []
+    for family, _, _, _, sockaddr in infos:
+        ip = f"[{sockaddr[0]}]" if family == socket.AF_INET6 else sockaddr[0]
+        if f"{ip}:{port}" not in addresses:
+            addresses.append(f"{ip}:{port}")
+    return addresses
