@@ -45,13 +45,13 @@ def _track(block: arrays_pb2.LogprobBlock, token_ids: np.ndarray) -> LogprobTrac
     if not block.rows:
         return None
     arrays = decode_block(block)
-    k, m = int(arrays.topk[0]), int(arrays.id_counts[0])
+    n, k, m = int(arrays.rows[0]), int(arrays.topk[0]), int(arrays.id_counts[0])
     return LogprobTrack(
         token_ids=token_ids,
         token_logprobs=arrays.token_logprobs,
-        topk_values=arrays.topk_values.reshape(-1, k),
-        topk_ids=arrays.topk_ids.reshape(-1, k),
-        ids_logprobs=arrays.ids_logprobs.reshape(-1, m),
+        topk_values=arrays.topk_values.reshape(n, k),
+        topk_ids=arrays.topk_ids.reshape(n, k),
+        ids_logprobs=arrays.ids_logprobs.reshape(n, m),
         null_prefix=int(arrays.null_prefix[0]),
     )
 

@@ -63,6 +63,7 @@ class Chunk:
 
     token_ids: list[int]
     text: str
+    rid: str = ""  # the request's id (meta_info.id while streaming)
     output: LogprobTrack | None = None  # rows of token_ids, when return_logprob
     prompt: LogprobTrack | None = None  # in the first chunk, when prompt logprobs were asked
     result: RequestResult | None = None  # the whole request, on the last chunk
@@ -99,9 +100,10 @@ def _track(arrays: list[LogprobArrays], token_ids: np.ndarray, logprob: schedule
     return LogprobTrack(
         token_ids=token_ids,
         token_logprobs=np.concatenate([a.token_logprobs for a in arrays]),
-        topk_values=np.concatenate([a.topk_values for a in arrays]).reshape(-1, k),
-        topk_ids=np.concatenate([a.topk_ids for a in arrays]).reshape(-1, k),
-        ids_logprobs=np.concatenate([a.ids_logprobs for a in arrays]).reshape(-1, m),
+        # Explicit row counts: reshape(-1, 0) cannot infer them when k or m is 0.
+        topk_values=np.concatenate([a.topk_values for a in arrays]).reshape(len(token_ids), k),
+        topk_ids=np.concatenate([a.topk_ids for a in arrays]).reshape(len(token_ids), k),
+        ids_logprobs=np.concatenate([a.ids_logprobs for a in arrays]).reshape(len(token_ids), m),
     )
 
 
@@ -171,7 +173,7 @@ class Engine:
         new_steps = state.steps[len(state.steps) - state.pending:] if state.pending else []
         state.pending = 0
         token_ids = [s.token_id for s in new_steps if s.token_id is not None]
-        chunk = Chunk(token_ids=token_ids, text="".join(s.text for s in new_steps))
+        chunk = Chunk(token_ids=token_ids, text="".join(s.text for s in new_steps), rid=state.rid)
         if state.inp.logprob.return_logprob and token_ids:
             chunk.output = _track([s.output for s in new_steps if s.output is not None],
                                   np.asarray(token_ids, dtype=I32), state.inp.logprob)

@@ -1,0 +1,16 @@
+"""Detokenizer options (every field is a flag and a FLATWIRE_* environment variable)."""
+
+from dataclasses import dataclass
+
+from services.common.config import ServiceConfig, option
+
+
+@dataclass
+class DetokenizerConfig(ServiceConfig):
+    """flatwire detokenizer: turns scheduler steps into text deltas, applies stop strings, routes to gateways."""
+
+    port: int = option(30020, "gRPC port")
+    schedulers: list[str] = option(["127.0.0.1:30010"], "scheduler addresses host:port; a DNS name that resolves "
+                                   "to several addresses counts as one replica each")
+    resolve_interval_s: float = option(5.0, "seconds between re-resolving scheduler names (replicas come and go)")
+    reconnect_max_s: float = option(2.0, "longest wait between reconnection attempts to a scheduler")

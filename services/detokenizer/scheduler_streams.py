@@ -1,0 +1,106 @@
+"""The detokenizer's side of its schedulers: one StreamSteps consumer per replica.
+
+Each configured address may be a DNS name resolving to several replicas; names are
+re-resolved periodically and each replica gets its own task, which reconnects with
+exponential backoff when its stream breaks.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from services.common.discovery import resolve
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.rpc import create_channel
+from services.detokenizer.config import DetokenizerConfig
+
+log = logging.getLogger("flatwire.detokenizer")
+ABORT_TIMEOUT_S = 10.0
+
+
+class SchedulerStreams:
+    def __init__(self, config: DetokenizerConfig, on_step: Callable[[scheduler_pb2.StepOutput, str], None],
+                 on_lost: Callable[[str], None]):
+        self.config = config
+        self._on_step = on_step
+        self._on_lost = on_lost
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
+        self._connected: set[str] = set()
+        self._unresolved: set[str] = set(config.schedulers)
+        self._pending_aborts: set[asyncio.Task] = set()
+
+    def all_connected(self) -> bool:
+        return not self._unresolved and bool(self._tasks) and self._connected == set(self._tasks)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._refresh()
+                await asyncio.sleep(self.config.resolve_interval_s)
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def abort(self, scheduler: str, request: scheduler_pb2.AbortRequest) -> None:
+        """Fire and forget: the step loop must not wait on a round trip."""
+        if stub := self._stubs.get(scheduler):
+            task = asyncio.create_task(self._abort(scheduler, stub, request))
+            self._pending_aborts.add(task)
+            task.add_done_callback(self._pending_aborts.discard)
+
+    async def _abort(self, scheduler: str, stub, request: scheduler_pb2.AbortRequest) -> None:
+        try:
+            await stub.Abort(request, timeout=ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it finished meanwhile
+                log.warning("abort of %s on %s failed: %s %s", request.rid, scheduler, exc.code(), exc.details())
+
+    async def _refresh(self) -> None:
+        seen: set[str] = set()
+        self._unresolved = set()
+        for entry in self.config.schedulers:
+            addresses = await resolve(entry)
+            if not addresses:
+                self._unresolved.add(entry)
+            seen.update(addresses)
+        for address in seen - self._tasks.keys():
+            self._tasks[address] = asyncio.create_task(self._follow(address))
+        for address in self._tasks.keys() - seen:
+            log.info("scheduler %s no longer resolves; unsubscribing", address)
+            self._tasks.pop(address).cancel()
+
+    async def _follow(self, address: str) -> None:
+        channel = create_channel(address, self.config.max_message_mb)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self._stubs[address] = stub
+        backoff = 0.1
+        try:
+            while True:
+                call = stub.StreamSteps(scheduler_pb2.StreamStepsRequest())
+                try:
+                    # A unary round trip on the same connection, answered after the stream was
+                    # opened, means the scheduler has registered this subscriber: from now on no
+                    # request it accepts can be missed.
+                    await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
+                    self._connected.add(address)
+                    log.info("subscribed to scheduler %s", address)
+                    backoff = 0.1
+                    async for step in call:
+                        self._on_step(step, address)
+                    log.warning("scheduler %s ended its step stream", address)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("scheduler %s stream: %s %s", address, exc.code(), exc.details())
+                finally:
+                    if address in self._connected:
+                        self._connected.discard(address)
+                        self._on_lost(address)
+                    call.cancel()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.reconnect_max_s)
+        finally:
+            self._stubs.pop(address, None)
+            await channel.close()

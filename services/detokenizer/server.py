@@ -1,0 +1,113 @@
+"""The detokenizer process: consumes every scheduler's steps, serves StreamOutputs per owner.
+
+gRPC health is SERVING only while the step stream of every scheduler replica is
+subscribed, so a gateway that checks it knows the whole path is up.
+"""
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2
+from transformers import AutoTokenizer
+
+from services.common.config import parse_config
+from services.common.logs import setup_logging
+from services.common.model_store import resolve_model
+from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
+from services.common.rpc import add_health_and_reflection, create_server
+from services.detokenizer.config import DetokenizerConfig
+from services.detokenizer.manager import DetokenizerManager
+from services.detokenizer.router import Router
+from services.detokenizer.scheduler_streams import SchedulerStreams
+
+log = logging.getLogger("flatwire.detokenizer")
+SERVICE_NAME = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
+HEALTH_POLL_S = 0.1
+
+
+class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def StreamOutputs(self, request, context):
+        if not request.owner:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "owner: required (the subscribing gateway's id)")
+        queue = self.router.subscribe(request.owner)
+        try:
+            # Sent at once (not with the first output), so the subscriber's wait_for_connection()
+            # returns as soon as it is routed to.
+            await context.send_initial_metadata(())
+            while True:
+                yield await queue.get()
+        finally:
+            self.router.unsubscribe(request.owner, queue)
+
+
+class Pipeline:
+    """Steps in, per-owner outputs and stop-string aborts out."""
+
+    def __init__(self, manager: DetokenizerManager, router: Router, config: DetokenizerConfig):
+        self.manager = manager
+        self.router = router
+        self.streams = SchedulerStreams(config, self.on_step, self.on_lost)
+
+    def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
+        owned, aborts = self.manager.process(step, scheduler)
+        for abort in aborts:
+            self.streams.abort(scheduler, abort)
+        self.router.publish(owned)
+
+    def on_lost(self, scheduler: str) -> None:
+        self.router.publish(self.manager.drop_scheduler(scheduler))
+
+
+async def _report_health(streams: SchedulerStreams, servicer) -> None:
+    last = None
+    while True:
+        status = (health_pb2.HealthCheckResponse.SERVING if streams.all_connected()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+async def serve(config: DetokenizerConfig) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
+    router = Router()
+    pipeline = Pipeline(DetokenizerManager(tokenizer), router, config)
+
+    server = create_server(config.max_message_mb)
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    tasks = [asyncio.create_task(pipeline.streams.run()), asyncio.create_task(_report_health(pipeline.streams, health))]
+    log.info("detokenizer serving on %s; schedulers %s", address, ", ".join(config.schedulers))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop(grace=1.0)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    config = parse_config(DetokenizerConfig, argv, prog)
+    setup_logging(config.log_level, "detokenizer")
+    if not config.schedulers:
+        raise SystemExit("--schedulers: at least one scheduler address is required")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The detokenizer's step processing against the real default tokenizer (no services).
+
+Steps are built as the scheduler sends them and fed to DetokenizerManager, then
+routed with Router, exactly as the service does.
+"""
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from services.common.arrays import LogprobArrays, block_offsets, decode_block, encode_block, request_slice
+from services.common.pb import arrays_pb2, scheduler_pb2
+from services.detokenizer.decode_status import REPLACEMENT_CHAR
+from services.detokenizer.manager import DetokenizerManager
+from services.detokenizer.router import Router
+from services.detokenizer.stop_strings import StopStrings
+
+Reason = arrays_pb2.FinishReason
+MULTIBYTE = "你好，世界！😀🎉 héllo wörld\n\n日本語のテキスト 👨‍👩‍👧 한국어 done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting batch_decode calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    def batch_decode(self, sequences, **options):
+        self.calls += 1
+        return self.tokenizer.batch_decode(sequences, **options)
+
+
+def params(**fields) -> scheduler_pb2.DetokenizeParams:
+    return scheduler_pb2.DetokenizeParams(**fields)
+
+
+def run(manager, requests: dict[str, tuple[list[int], scheduler_pb2.DetokenizeParams]],
+        finish_reason=Reason.FINISH_REASON_LENGTH, owner="gw"):
+    """Stream every request one token per step, all in the same steps; returns (deltas, finishes, aborts).
+
+    Each request ends with `finish_reason` on its last token; requests the detokenizer
+    stopped keep arriving until then, as steps in flight do.
+    """
+    deltas = {rid: [] for rid in requests}
+    finishes, aborts = {}, []
+    for step in range(max(len(ids) for ids, _ in requests.values())):
+        message = scheduler_pb2.StepOutput(step=step)
+        for rid, (ids, detokenize) in requests.items():
+            if step == 0:
+                message.started.add(rid=rid, owner=owner, detokenize=detokenize, prompt_tokens=3)
+            if step < len(ids):
+                message.rids.append(rid)
+                message.token_ids.append(ids[step])
+            if step == len(ids) - 1:
+                message.finished.add(rid=rid, reason=finish_reason, matched_token=ids[step])
+        owned, step_aborts = manager.process(message, "scheduler:1")
+        aborts += step_aborts
+        for index, rid in enumerate(message.rids):
+            if owned.owners[index] is not None:
+                deltas[rid].append(owned.texts[index])
+        for _, finish in owned.finished:
+            assert finish.rid not in finishes, "a request finished twice"
+            finishes[finish.rid] = finish
+    assert not manager.requests and not manager.stopped, "state left behind"
+    return deltas, finishes, aborts
+
+
+def test_streamed_deltas_concatenate_to_the_full_decode(tokenizer):
+    rng = random.Random(7)
+    requests = {
+        "multibyte": (tokenizer.encode(MULTIBYTE), params()),
+        "words": (tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3), params()),
+        **{f"noise{n}": ([rng.randrange(len(tokenizer)) for _ in range(40)], params()) for n in range(4)},
+    }
+    deltas, finishes, _ = run(DetokenizerManager(tokenizer), requests)
+    for rid, (ids, _) in requests.items():
+        assert "".join(deltas[rid]) == tokenizer.decode(ids), rid
+        assert finishes[rid].reason == Reason.FINISH_REASON_LENGTH
+    assert "".join(deltas["multibyte"]) == MULTIBYTE
+
+
+def test_characters_split_across_tokens_never_stream_replacement_chars(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids), "the text must split a character"
+    deltas, _, _ = run(DetokenizerManager(tokenizer), {"r": (ids, params())})
+    assert not any(REPLACEMENT_CHAR in delta for delta in deltas["r"])
+    assert "" in deltas["r"], "partial characters must be held back"
+
+
+def test_one_step_decodes_all_its_requests_in_two_batched_calls(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    manager = DetokenizerManager(counting)
+    ids = tokenizer.encode("several requests share this step")
+    run(manager, {f"r{n}": (ids, params(skip_special_tokens=True)) for n in range(5)})
+    assert counting.calls == 2 * len(ids)
+
+
+def test_skip_special_tokens(tokenizer):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("hello") + [im_end] + tokenizer.encode(" world")
+    deltas, _, _ = run(DetokenizerManager(tokenizer), {
+        "skip": (ids, params(skip_special_tokens=True)),
+        "keep": (ids, params(skip_special_tokens=False, spaces_between_special_tokens=True)),
+    })
+    assert "".join(deltas["skip"]) == "hello world"
+    assert "".join(deltas["keep"]) == "hello<|im_end|> world"
+
+
+def test_stop_token_is_not_text_unless_no_stop_trim(tokenizer):
+    ids = tokenizer.encode("the end") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {
+        "trim": (ids, params()), "keep": (ids, params(no_stop_trim=True)),
+    }, finish_reason=Reason.FINISH_REASON_STOP_TOKEN)
+    assert "".join(deltas["trim"]) == "the end"
+    assert "".join(deltas["keep"]) == "the end<|im_end|>"
+    assert finishes["trim"].reason == Reason.FINISH_REASON_STOP_TOKEN and not aborts
+
+
+def test_stop_string_spanning_tokens_trims_and_stops_the_request(tokenizer):
+    text = "Hello world, this is where we stop here and never go on"
+    ids = tokenizer.encode(text)
+    stop = "op he"  # "stop" and " here" are separate tokens
+    assert not any(stop in tokenizer.decode([i]) for i in ids)
+    deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {
+        "trim": (ids, params(stop=["never", stop])),
+        "keep": (ids, params(stop=[stop], no_stop_trim=True)),
+    })
+    assert "".join(deltas["trim"]) == "Hello world, this is where we st"
+    assert "".join(deltas["keep"]).startswith("Hello world, this is where we stop he")
+    assert "never" not in "".join(deltas["keep"])
+    for rid in ("trim", "keep"):
+        assert finishes[rid].reason == Reason.FINISH_REASON_STOP_STRING
+        assert finishes[rid].matched_stop == stop
+    assert sorted((a.rid, a.reason, a.matched_stop) for a in aborts) == [
+        ("keep", Reason.FINISH_REASON_STOP_STRING, stop), ("trim", Reason.FINISH_REASON_STOP_STRING, stop)]
+
+
+def test_stop_string_in_the_last_token_overrides_length(tokenizer):
+    ids = tokenizer.encode("one two three")
+    deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {"r": (ids, params(stop=[" three"]))})
+    assert "".join(deltas["r"]) == "one two"
+    assert finishes["r"].reason == Reason.FINISH_REASON_STOP_STRING and not aborts
+
+
+def test_stop_strings_first_match_and_partial_holdback():
+    stops = StopStrings.of(["world", "", "lo w", "xyz"])
+    assert stops.strings == ("world", "lo w", "xyz")
+    match = stops.find("hello world", 0)
+    assert (match.start, match.stop) == (3, "lo w")
+    assert stops.find("hello world", len("hello ")) == match, "a match ending in the new tail is found"
+    assert stops.find("hello world", len("hello world")) is None, "text searched before is not rescanned"
+    assert stops.partial_len("say hi", 6) == 0
+    assert stops.partial_len("say hello", 9) == 2
+    assert stops.partial_len("say worl", 8) == 4
+    assert stops.partial_len("say xy!", 6) == 2
+    assert StopStrings.of(["world"], no_stop_trim=True).partial_len("worl", 4) == 0
+
+
+def _block(rows: int, k: int, seed: int) -> arrays_pb2.LogprobBlock:
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(rows * k).astype("<f4")
+    values[::7] = -np.inf
+    return encode_block(LogprobArrays(
+        rows=np.ones(rows, dtype=np.int64), null_prefix=np.zeros(rows, dtype=np.int64),
+        token_logprobs=rng.standard_normal(rows).astype("<f4"), topk=np.full(rows, k, dtype=np.int64),
+        topk_values=values, topk_ids=rng.integers(0, 1000, rows * k).astype("<i4"),
+        id_counts=np.zeros(rows, dtype=np.int64), ids_logprobs=np.zeros(0, dtype="<f4")))
+
+
+def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
+    async def scenario():
+        manager, router = DetokenizerManager(tokenizer), Router()
+        queues = {owner: router.subscribe(owner) for owner in ("gw-a", "gw-b")}
+        token = tokenizer.encode(" fox")[0]
+        owners = {"a1": "gw-a", "b1": "gw-b", "a2": "gw-a", "x1": "gw-gone"}
+        step = scheduler_pb2.StepOutput(step=1, rids=list(owners), token_ids=[token] * 4,
+                                        output=_block(4, 5, 1), prompt_rids=["b1", "a2"], prompt=_block(2, 3, 2))
+        for rid, owner in owners.items():
+            step.started.add(rid=rid, owner=owner)
+        step.finished.add(rid="queued", reason=Reason.FINISH_REASON_ABORT)  # never started: owner unknown
+        owned, _ = manager.process(step, "scheduler:1")
+        router.publish(owned)
+        output, prompt = decode_block(step.output), decode_block(step.prompt)
+
+        def joined(arrays, keep, name):
+            offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
+            return b"".join(getattr(request_slice(arrays, offsets, i), name).tobytes() for i in keep)
+
+        got = {owner: queue.get_nowait() for owner, queue in queues.items()}
+        assert all(queue.empty() for queue in queues.values())
+        for owner, keep, keep_prompt in (("gw-a", [0, 2], [1]), ("gw-b", [1], [0])):
+            message = got[owner]
+            assert list(message.rids) == [step.rids[i] for i in keep]
+            assert [s.rid for s in message.started] == list(message.rids)
+            assert list(message.texts) == [" fox"] * len(keep)
+            assert list(message.prompt_rids) == [step.prompt_rids[i] for i in keep_prompt]
+            assert [f.rid for f in message.finished] == ["queued"]
+            mine = decode_block(message.output)
+            for name in ("token_logprobs", "topk_values", "topk_ids"):
+                assert getattr(mine, name).tobytes() == joined(output, keep, name)
+                assert getattr(decode_block(message.prompt), name).tobytes() == joined(prompt, keep_prompt, name)
+        # The owner with no subscriber keeps being decoded (it may reconnect).
+        assert manager.requests["x1"].status.decode_ids == [token]
+
+    asyncio.run(scenario())

@@ -1,0 +1,219 @@
+"""The detokenizer service between a real scheduler and subscribing owners (processes on loopback)."""
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+from transformers import AutoTokenizer
+
+from services.common.arrays import block_offsets, decode_block, request_slice
+from services.common.pb import arrays_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.rpc import create_channel
+
+Reason = arrays_pb2.FinishReason
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def detokenizer_address(start_service, scheduler_address) -> str:
+    _, address = start_service("detokenizer", "--schedulers", scheduler_address)
+    return address
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class Peers:
+    """Stubs for the scheduler and the detokenizer on one event loop."""
+
+    def __init__(self, scheduler_address: str, detokenizer_address: str):
+        self.channels = [create_channel(scheduler_address, 256), create_channel(detokenizer_address, 256)]
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channels[0])
+        self.detokenizer = detokenizer_pb2_grpc.DetokenizerStub(self.channels[1])
+
+    async def owner_stream(self, owner: str):
+        call = self.detokenizer.StreamOutputs(detokenizer_pb2.StreamOutputsRequest(owner=owner))
+        await call.wait_for_connection()  # the detokenizer answers once the owner is routed to
+        return call
+
+    async def scheduler_stream(self):
+        call = self.scheduler.StreamSteps(scheduler_pb2.StreamStepsRequest())
+        # Answered after the stream was opened on the same connection: the subscriber is registered.
+        await self.scheduler.GetModelInfo(scheduler_pb2.ModelInfoRequest())
+        return call
+
+    async def submit(self, owner: str, prompt: list[int], max_new_tokens: int = 16, seed: int = 1,
+                     top_k: int = 0, prompt_logprobs: bool = False, **detokenize) -> str:
+        rid = f"detok-test-{uuid.uuid4().hex[:8]}"
+        await self.scheduler.Submit(scheduler_pb2.TokenizedRequest(
+            rid=rid, owner=owner, input_ids=prompt,
+            sampling=scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed),
+            logprob=scheduler_pb2.LogprobParams(return_logprob=top_k > 0, top_logprobs_num=top_k,
+                                                logprob_start_len=0 if prompt_logprobs else -1),
+            detokenize=scheduler_pb2.DetokenizeParams(**detokenize)), timeout=30)
+        return rid
+
+    async def close(self):
+        for channel in self.channels:
+            await channel.close()
+
+
+async def until_finished(call, rids: set[str]) -> list[scheduler_pb2.StepOutput]:
+    """The stream's messages up to the one where the last of `rids` finished."""
+    pending, messages = set(rids), []
+
+    async def read():
+        async for message in call:
+            messages.append(message)
+            pending.difference_update(f.rid for f in message.finished)
+            if not pending:
+                return
+
+    await asyncio.wait_for(read(), TIMEOUT_S)
+    return messages
+
+
+def per_request(messages) -> dict[str, dict]:
+    """rid -> its token ids, texts and finish, in stream order."""
+    out: dict[str, dict] = {}
+    for message in messages:
+        for rid, token, text in zip(message.rids, message.token_ids, message.texts or [""] * len(message.rids)):
+            entry = out.setdefault(rid, {"ids": [], "text": "", "finish": None})
+            entry["ids"].append(token)
+            entry["text"] += text
+        for finish in message.finished:
+            out.setdefault(finish.rid, {"ids": [], "text": "", "finish": None})["finish"] = finish
+    return out
+
+
+def run(coroutine_fn, scheduler_address, detokenizer_address):
+    async def main():
+        peers = Peers(scheduler_address, detokenizer_address)
+        try:
+            return await coroutine_fn(peers)
+        finally:
+            await peers.close()
+    return asyncio.run(main())
+
+
+PROMPTS = [[9707, 11, 1879, 0], [100, 200, 300], [5, 6, 7, 8, 9, 10, 11]]
+
+
+def test_texts_concatenate_to_the_decode_of_the_output_ids(scheduler_address, detokenizer_address, tokenizer):
+    async def scenario(peers: Peers):
+        call = await peers.owner_stream("gw-text")
+        rids = [await peers.submit("gw-text", prompt, max_new_tokens=24, seed=n, skip_special_tokens=True)
+                for n, prompt in enumerate(PROMPTS)]
+        return rids, per_request(await until_finished(call, set(rids)))
+
+    rids, got = run(scenario, scheduler_address, detokenizer_address)
+    for rid in rids:
+        assert got[rid]["finish"].reason in (Reason.FINISH_REASON_LENGTH, Reason.FINISH_REASON_STOP_TOKEN)
+        assert got[rid]["ids"], rid
+        assert got[rid]["text"] == tokenizer.decode(got[rid]["ids"], skip_special_tokens=True)
+
+
+def test_top_k_bytes_arrive_exactly_as_the_scheduler_sent_them(scheduler_address, detokenizer_address):
+    async def scenario(peers: Peers):
+        direct = await peers.scheduler_stream()
+        routed = await peers.owner_stream("gw-bytes")
+        rids = [await peers.submit("gw-bytes", prompt, max_new_tokens=6, seed=n, top_k=(n + 1) * 7,
+                                   prompt_logprobs=True) for n, prompt in enumerate(PROMPTS)]
+        return rids, await until_finished(direct, set(rids)), await until_finished(routed, set(rids))
+
+    rids, direct, routed = run(scenario, scheduler_address, detokenizer_address)
+
+    def bytes_by_rid(messages, rid_field, block_field):
+        out: dict[str, bytes] = {}
+        for message in messages:
+            block = getattr(message, block_field)
+            if not block.rows:
+                continue
+            arrays = decode_block(block)
+            offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
+            for i, rid in enumerate(getattr(message, rid_field)):
+                part = request_slice(arrays, offsets, i)
+                out[rid] = out.get(rid, b"") + b"".join(
+                    a.tobytes() for a in (part.token_logprobs, part.topk_values, part.topk_ids))
+        return out
+
+    for rid_field, block_field in (("rids", "output"), ("prompt_rids", "prompt")):
+        sent, received = bytes_by_rid(direct, rid_field, block_field), bytes_by_rid(routed, rid_field, block_field)
+        assert set(received) == set(rids)
+        for rid in rids:
+            assert len(sent[rid]) > 0 and received[rid] == sent[rid], (rid, block_field)
+
+
+def test_each_owner_receives_only_its_own_requests(scheduler_address, detokenizer_address):
+    async def scenario(peers: Peers):
+        calls = {owner: await peers.owner_stream(owner) for owner in ("gw-one", "gw-two")}
+        mine = {"gw-one": set(), "gw-two": set()}
+        for n, prompt in enumerate(PROMPTS * 2):
+            owner = "gw-one" if n % 2 else "gw-two"
+            mine[owner].add(await peers.submit(owner, prompt, max_new_tokens=8, seed=n, top_k=3))
+        got = {owner: await until_finished(call, mine[owner]) for owner, call in calls.items()}
+        return mine, got
+
+    mine, got = run(scenario, scheduler_address, detokenizer_address)
+    for owner, messages in got.items():
+        seen = set()
+        for message in messages:
+            seen.update(message.rids, message.prompt_rids, (s.rid for s in message.started),
+                        (f.rid for f in message.finished))
+            assert len(message.texts) == len(message.rids) == len(message.token_ids) == len(message.output.rows)
+        assert seen == mine[owner]
+
+
+def test_a_stop_string_ends_the_request_and_the_scheduler_stops_it(scheduler_address, detokenizer_address,
+                                                                    tokenizer):
+    prompt, seed = PROMPTS[0], 1234
+
+    async def free_run(peers: Peers):
+        call = await peers.owner_stream("gw-stop")
+        rid = await peers.submit("gw-stop", prompt, max_new_tokens=24, seed=seed)
+        return per_request(await until_finished(call, {rid}))[rid]
+
+    reference = run(free_run, scheduler_address, detokenizer_address)
+    # A stop string that starts inside the 6th token and ends inside the 8th.
+    before = len(tokenizer.decode(reference["ids"][:5]))
+    after = len(tokenizer.decode(reference["ids"][:8]))
+    stop = reference["text"][before + 1:after - 1]
+    assert stop and not any(stop in tokenizer.decode([t]) for t in reference["ids"])
+    expected = reference["text"][:reference["text"].find(stop)]
+    max_new_tokens = 400
+
+    async def stopped_run(peers: Peers):
+        direct = await peers.scheduler_stream()
+        call = await peers.owner_stream("gw-stop")
+        rid = await peers.submit("gw-stop", prompt, max_new_tokens=max_new_tokens, seed=seed, stop=[stop])
+        routed = per_request(await until_finished(call, {rid}))
+        # Another request afterwards: the scheduler's steps up to its end show the stopped one gone.
+        later = await peers.submit("gw-stop", prompt, max_new_tokens=4, seed=seed)
+        return rid, routed, await until_finished(direct, {rid, later})
+
+    rid, routed, steps = run(stopped_run, scheduler_address, detokenizer_address)
+    assert routed[rid]["finish"].reason == Reason.FINISH_REASON_STOP_STRING
+    assert routed[rid]["finish"].matched_stop == stop
+    assert routed[rid]["text"] == expected
+    assert len(routed[rid]["ids"]) == 8, "the step that completed the match is the last one forwarded"
+
+    ended_at = next(n for n, m in enumerate(steps) if rid in {f.rid for f in m.finished})
+    finish = next(f for f in steps[ended_at].finished if f.rid == rid)
+    assert finish.reason == Reason.FINISH_REASON_STOP_STRING and finish.matched_stop == stop
+    generated = sum(list(m.rids).count(rid) for m in steps)
+    assert generated < max_new_tokens
+    assert not any(rid in m.rids for m in steps[ended_at + 1:])
+
+
+def test_subscribing_without_an_owner_is_rejected(scheduler_address, detokenizer_address):
+    async def scenario(peers: Peers):
+        call = peers.detokenizer.StreamOutputs(detokenizer_pb2.StreamOutputsRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()
+        return error.value
+
+    error = run(scenario, scheduler_address, detokenizer_address)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "owner" in error.details()
