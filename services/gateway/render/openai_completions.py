@@ -1,0 +1,73 @@
+"""OpenAI (legacy) completions' `choices[].logprobs`: tokens, token_logprobs, top_logprobs, text_offset.
+
+Tracks are rendered in order as one sequence: with echo, the prompt track then the
+output track. Null-prefix positions (the first prompt token) have a null logprob and
+null top_logprobs. top_logprobs rows are {text: logprob} objects holding the top-k
+candidates (as SGLang does; the sampled token is not added). Candidates whose texts
+collide would be duplicate keys: only the best of them is kept, as OpenAI does (use
+chat logprobs or the SGLang formats to see every candidate). text_offset is each
+token's character offset, counted from `text_offset`, in the concatenated token texts.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from services.common.arrays import F32, I32
+from services.gateway.render.pieces import json_array, json_values, token_texts, value_texts
+from services.gateway.result import LogprobTrack
+from services.gateway.token_table import TokenTable
+
+
+def completion_logprobs(tracks: Sequence[LogprobTrack], table: TokenTable, text_offset: int = 0) -> dict:
+    """tracks: [output], or [prompt, output] with echo (or one stream chunk's rows)."""
+    first = tracks[0]
+    if any(track.null_prefix for track in tracks[1:]):
+        raise ValueError("only the first track may start with null positions")
+    ids = np.concatenate([first.null_token_ids, *(t.token_ids for t in tracks)]).astype(I32, copy=False)
+    values = np.concatenate([np.full(first.null_prefix, np.nan, dtype=F32), *(t.token_logprobs for t in tracks)])
+    top_values = np.concatenate([t.topk_values for t in tracks])
+    top_ids = np.concatenate([t.topk_ids for t in tracks])
+    lengths = table.text_lengths[ids]
+    return {
+        "tokens": json_array(len(ids), head=[token_texts(table)[ids]]),
+        "token_logprobs": json_values(values),
+        "top_logprobs": _top_rows(top_values, top_ids, first.null_prefix, table),
+        "text_offset": json_values(text_offset + np.cumsum(lengths) - lengths),
+    }
+
+
+def _top_rows(values: np.ndarray, ids: np.ndarray, nulls: int, table: TokenTable):
+    rows, k = values.shape
+    if not k:
+        return json_array(rows, head=[b"{}"], nulls=nulls)
+    firsts, nexts = _keys(table)
+    keep = _best_per_text(table.memo("text.class", _text_classes)[ids], values)
+    keys = nexts[ids]
+    first_kept = keep.argmax(axis=1)  # every row keeps its best candidate
+    keys[np.arange(rows), first_kept] = firsts[ids[np.arange(rows), first_kept]]
+    texts = value_texts(values)
+    keys[~keep] = texts[~keep] = b""
+    return json_array(rows, items=[keys, texts], k=k, tail=[b"}"], nulls=nulls)
+
+
+def _best_per_text(classes: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """[rows, k] mask of the candidates to keep: the highest logprob of each text in its row."""
+    order = np.lexsort((-values, classes))  # per row: by text, then best first
+    grouped = np.take_along_axis(classes, order, axis=-1)
+    first = np.ones_like(grouped, dtype=bool)
+    first[:, 1:] = grouped[:, 1:] != grouped[:, :-1]
+    keep = np.empty_like(first)
+    np.put_along_axis(keep, order, first, axis=-1)
+    return keep
+
+
+def _text_classes(table: TokenTable) -> np.ndarray:
+    """[size] int: equal for ids with equal text (the last id having that text)."""
+    last_with_text = dict(zip(table.texts, range(table.size)))
+    return np.fromiter(map(last_with_text.__getitem__, table.texts), dtype=np.int64, count=table.size)
+
+
+def _keys(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:
+    """[size] pieces before each id's logprob in a row object: `{"text":` and `,"text":`."""
+    return table.memo("openai.completions.keys", lambda t: (b"{" + token_texts(t) + b":", b"," + token_texts(t) + b":"))

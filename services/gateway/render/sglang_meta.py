@@ -1,0 +1,46 @@
+"""The logprob part of a /generate response's meta_info, in the format the request asked for."""
+
+from dataclasses import dataclass
+
+from services.gateway.render import sglang_flat, sglang_nested
+from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.token_table import TokenTable
+
+
+@dataclass(frozen=True)
+class LogprobFormat:
+    """SGLang's request flags that shape the logprob fields (same names)."""
+
+    return_text_in_logprobs: bool = False
+    return_flat_raw_top_logprobs: bool = False  # prompt top-k as flat arrays
+    return_flat_raw_output_top_logprobs: bool = False  # output top-k as flat arrays
+    return_flat_raw_top_logprobs_b64: bool = False  # flat arrays as base64, not JSON lists
+
+
+def logprob_meta_info(result: RequestResult, fmt: LogprobFormat, table: TokenTable) -> dict:
+    """input/output token logprobs, top logprobs (nested or flat) and token-ids logprobs.
+
+    Empty when the request did not ask for logprobs. A missing prompt track renders as
+    empty prompt fields, as SGLang does. For a stream chunk, pass a result whose tracks
+    hold that chunk's rows.
+    """
+    output = result.output
+    if output is None:
+        return {}
+    ids = result.token_ids_logprob
+    prompt = result.prompt or LogprobTrack.empty(output.k, len(ids or ()))
+    text = fmt.return_text_in_logprobs
+    fields = {}
+    for side, track, flat in (
+        ("input", prompt, fmt.return_flat_raw_top_logprobs),
+        ("output", output, fmt.return_flat_raw_output_top_logprobs),
+    ):
+        fields[f"{side}_token_logprobs"] = sglang_nested.token_logprobs(track, table, text)
+        if track.k:
+            if flat:
+                fields |= sglang_flat.flat_top_logprobs(side, track, fmt.return_flat_raw_top_logprobs_b64)
+            else:
+                fields[f"{side}_top_logprobs"] = sglang_nested.top_logprobs(track, table, text)
+        if ids is not None:
+            fields[f"{side}_token_ids_logprobs"] = sglang_nested.token_ids_logprobs(track, ids, table, text)
+    return fields

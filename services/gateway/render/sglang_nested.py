@@ -1,0 +1,54 @@
+"""SGLang's nested logprob fields: `[logprob, token_id, text|null]` triples.
+
+`*_token_logprobs`: one triple per position (null-prefix positions carry a null
+logprob). `*_top_logprobs`: per position a list of k triples, null for null-prefix
+positions. `*_token_ids_logprobs`: per position one triple per requested id. Text is
+decode([id]) from the token table, only with return_text_in_logprobs.
+"""
+
+import numpy as np
+import orjson
+
+from services.common.arrays import F32, I32
+from services.gateway.render.pieces import id_texts, json_array, token_texts, value_texts
+from services.gateway.result import LogprobTrack
+from services.gateway.token_table import TokenTable
+
+
+def token_logprobs(track: LogprobTrack, table: TokenTable, with_text: bool) -> orjson.Fragment:
+    ids = np.concatenate([track.null_token_ids, track.token_ids]).astype(I32, copy=False)
+    values = np.concatenate([np.full(track.null_prefix, np.nan, dtype=F32), track.token_logprobs])
+    closes, _ = _tails(table, with_text)
+    return json_array(len(ids), head=[b"[", value_texts(values), closes[ids]])
+
+
+def top_logprobs(track: LogprobTrack, table: TokenTable, with_text: bool) -> orjson.Fragment:
+    return _triple_rows(track, track.topk_values, track.topk_ids, table, with_text)
+
+
+def token_ids_logprobs(
+    track: LogprobTrack, token_ids: list[int], table: TokenTable, with_text: bool
+) -> orjson.Fragment:
+    return _triple_rows(track, track.ids_logprobs, np.asarray(token_ids, dtype=I32), table, with_text)
+
+
+def _triple_rows(track: LogprobTrack, values: np.ndarray, ids: np.ndarray, table: TokenTable, with_text: bool):
+    """Rows of triples: `[[v,id,t],[v,id,t]]`; ids is [rows, k], or [k] for the same ids on every row."""
+    rows, k = values.shape
+    if not k:
+        return json_array(rows, head=[b"[]"], nulls=track.null_prefix)
+    closes, nexts = _tails(table, with_text)
+    tails = nexts[ids]
+    tails[..., -1] = closes[ids[..., -1]]
+    return json_array(rows, head=[b"[["], items=[value_texts(values), tails], k=k, tail=[b"]"], nulls=track.null_prefix)
+
+
+def _tails(table: TokenTable, with_text: bool) -> tuple[np.ndarray, np.ndarray]:
+    """[size] pieces following each id's logprob: closing its triple (`,id,"text"]`, or
+    `,id,null]` without text) and closing it then opening the next (`...],[`)."""
+
+    def build(t: TokenTable) -> tuple[np.ndarray, np.ndarray]:
+        closes = b"," + id_texts(t.size) + (b"," + token_texts(t) + b"]" if with_text else b",null]")
+        return closes, closes + b",["
+
+    return table.memo(f"sglang.tails.{'text' if with_text else 'id'}", build)
