@@ -29,7 +29,9 @@ def message_options(max_message_mb: int) -> list[tuple[str, int]]:
 
 
 def create_server(max_message_mb: int) -> grpc.aio.Server:
-    return grpc.aio.server(options=message_options(max_message_mb))
+    # Accept the clients' keepalive pings (above) instead of answering GOAWAY too_many_pings.
+    return grpc.aio.server(options=[*message_options(max_message_mb),
+                                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

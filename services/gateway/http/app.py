@@ -1,0 +1,72 @@
+"""The gateway's FastAPI app: SGLang /generate, OpenAI /v1/*, /health, /metrics."""
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+import orjson
+from fastapi import FastAPI, Request, Response
+
+from services.gateway.config import GatewayConfig
+from services.gateway.engine import Engine, RequestError
+from services.gateway.http import generate, openai_chat, openai_completions
+from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.errors import engine_error_response, invalid_request_response
+from services.gateway.protocol.parse import InvalidRequest
+
+log = logging.getLogger("flatwire.gateway")
+
+
+def _report_warming(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("warming the renderers failed", exc_info=task.exception())
+
+
+def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        warming = asyncio.create_task(asyncio.to_thread(gateway.warm_renderers))
+        warming.add_done_callback(_report_warming)
+        yield
+        warming.cancel()
+
+    app = FastAPI(title="flatwire gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.gateway = gateway
+    app.include_router(generate.router)
+    app.include_router(openai_chat.router)
+    app.include_router(openai_completions.router)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> Response:
+        gateway_of(request).metrics.errors.labels(request.url.path, str(exc.status)).inc()
+        return invalid_request_response(exc)
+
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, exc: RequestError) -> Response:
+        response = engine_error_response(exc)
+        gateway_of(request).metrics.errors.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """200 only while every hop (schedulers, detokenizers) is connected."""
+        if gateway_of(request).engine.healthy():
+            return Response(status_code=200)
+        return Response(status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry = gateway_of(request).metrics
+        return Response(registry.render(), media_type=registry.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gateway = gateway_of(request)
+        return Response(orjson.dumps({"object": "list", "data": [{
+            "id": gateway.engine.model_name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
+            "root": gateway.engine.model_name, "max_model_len": gateway.limits.max_context}]}),
+            media_type="application/json")
+
+    return app

@@ -1,0 +1,56 @@
+"""What every route needs: the engine, metrics, the model's limits, the token text table."""
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+from fastapi import Request
+
+from services.common.arrays import F32, I32
+
+from services.gateway.config import GatewayConfig
+from services.gateway.engine import Engine
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol.parse import ModelLimits
+from services.gateway.render.openai_chat import chat_logprobs
+from services.gateway.render.openai_completions import completion_logprobs
+from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
+from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.token_table import TokenTable
+
+
+@dataclass
+class Gateway:
+    engine: Engine
+    config: GatewayConfig
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def limits(self) -> ModelLimits:
+        info = self.engine.model_info
+        return ModelLimits(vocab_size=info.vocab_size, max_context=info.max_context,
+                           max_top_logprobs=info.max_top_logprobs)
+
+    @cached_property
+    def table(self) -> TokenTable:
+        return TokenTable(self.engine.tokenizer, self.limits.vocab_size)
+
+    def warm_renderers(self) -> None:
+        """Build the token table and every renderer's per-id pieces (seconds of CPU for a
+        250k vocabulary) by rendering one row in each format; run it in a thread at
+        startup so that no request stalls the event loop doing it."""
+        row = LogprobTrack(token_ids=np.zeros(1, I32), token_logprobs=np.zeros(1, F32),
+                           topk_values=np.zeros((1, 1), F32), topk_ids=np.zeros((1, 1), I32),
+                           ids_logprobs=np.zeros((1, 1), F32))
+        chat_logprobs(row, self.table)
+        completion_logprobs([row], self.table)
+        for with_text in (False, True):
+            result = RequestResult(rid="", prompt_tokens=1, output_ids=[0], text="", finish_reason=None, output=row,
+                                   token_ids_logprob=[0])
+            logprob_meta_info(result, LogprobFormat(return_text_in_logprobs=with_text), self.table)
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway

@@ -1,0 +1,28 @@
+"""Error responses, OpenAI-shaped on every route: {"error": {message, type, param, code}}."""
+
+from http import HTTPStatus
+
+import orjson
+from fastapi import Response
+
+from services.gateway.engine import RequestError
+from services.gateway.protocol.parse import InvalidRequest
+
+ENGINE_STATUS = {"invalid_argument": 400, "not_found": 404, "unavailable": 503}
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
+                   headers: dict | None = None) -> Response:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, HTTPStatus(status).phrase),
+                      "param": param, "code": code if code is not None else status}}
+    return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def invalid_request_response(exc: InvalidRequest) -> Response:
+    return error_response(exc.status, exc.message, exc.param, exc.code)
+
+
+def engine_error_response(exc: RequestError) -> Response:
+    return error_response(ENGINE_STATUS.get(exc.status, 500), exc.message, exc.field)

@@ -1,0 +1,134 @@
+"""SGLang's `POST /generate`: text or input_ids, single or batch, streaming or not."""
+
+import time
+
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from services.gateway.engine import Chunk, GenerateInput
+from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.meta_info import base_meta_info
+from services.gateway.http.prompts import check_lengths, encode_texts
+from services.gateway.http.sse import DONE, event, sse_response
+from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.protocol.parse import parse_body
+from services.gateway.protocol.sglang import GenerateRequest
+from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
+from services.gateway.result import RequestResult
+
+ENDPOINT = "/generate"
+CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, it marks the log line
+
+router = APIRouter()
+
+
+@router.post(ENDPOINT)
+async def generate(request: Request) -> Response:
+    gateway = gateway_of(request)
+    started = time.perf_counter()
+    gateway.metrics.requests.labels(ENDPOINT).inc()
+    req = parse_body(GenerateRequest, await request.body(), gateway.limits)
+    inputs = await _inputs(gateway, req)
+    gens = await unless_disconnected(
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+    if gens is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if req.stream:
+        return sse_response(_events(gateway, req, gens, started), gens.close,
+                            gateway.metrics.bytes_sent.labels(logprob_format(req)).inc)
+    try:
+        results = await unless_disconnected(request, gens.results())
+    finally:
+        await gens.close()
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    bodies = [_body(gateway, req, result) for result in results]
+    body = orjson.dumps(bodies if req.is_batch else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
+    gateway.metrics.bytes_sent.labels(logprob_format(req)).inc(len(body))
+    return Response(body, media_type="application/json")
+
+
+async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]:
+    prompts = req.prompts()
+    ids = await encode_texts(gateway.engine.tokenizer, prompts) if req.text is not None else prompts
+    logprob = req.logprob()
+    inputs = []
+    for i, prompt_ids in enumerate(ids):
+        options = req.sampling_for(i)
+        max_new = check_lengths(prompt_ids, gateway.limits, req.prompt_field, options.max_new_tokens,
+                                "sampling_params.max_new_tokens")
+        inputs.append(GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new), logprob=logprob,
+                                    detokenize=options.detokenize()))
+    return inputs
+
+
+def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
+    fmt = LogprobFormat(
+        return_text_in_logprobs=req.return_text_in_logprobs,
+        return_flat_raw_top_logprobs=req.return_flat_raw_top_logprobs,
+        return_flat_raw_output_top_logprobs=req.return_flat_raw_output_top_logprobs,
+        return_flat_raw_top_logprobs_b64=req.return_flat_raw_top_logprobs_b64)
+    return logprob_meta_info(result, fmt, gateway.table)
+
+
+def _body(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
+    meta = base_meta_info(result) | _logprob_meta(gateway, req, result)
+    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+class _StreamState:
+    """One prompt's stream. SGLang sends text, output_ids and logprobs cumulatively.
+
+    Each chunk's rows are rendered once and their JSON appended to what was rendered
+    before (the renderers return finished JSON fragments); the prompt's fields come
+    with the first chunk and are repeated as they are.
+    """
+
+    def __init__(self, prompt_tokens: int, token_ids_logprob: list[int] | None):
+        self.prompt_tokens = prompt_tokens
+        self.token_ids_logprob = token_ids_logprob
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.prompt_fields: dict = {}
+        self.output_items: dict[str, list[bytes]] = {}  # each output list's elements so far, as JSON
+
+    def payload(self, gateway: Gateway, req: GenerateRequest, chunk: Chunk, started: float) -> dict:
+        self.text += chunk.text
+        self.output_ids += chunk.token_ids
+        final = chunk.result
+        progress = RequestResult(
+            rid=chunk.rid, prompt_tokens=self.prompt_tokens, output_ids=list(self.output_ids), text=self.text,
+            finish_reason=final.finish_reason if final else None, matched_stop=final.matched_stop if final else None,
+            output=chunk.output, prompt=chunk.prompt, token_ids_logprob=self.token_ids_logprob,
+            e2e_latency=final.e2e_latency if final else time.perf_counter() - started,
+            error=final.error if final else None)
+        meta = base_meta_info(progress)
+        for key, value in _logprob_meta(gateway, req, progress).items():
+            if key.startswith("output_"):
+                elements = orjson.dumps(value)[1:-1]
+                self.output_items.setdefault(key, []).extend([elements] if elements else [])
+                meta[key] = orjson.Fragment(b"[" + b",".join(self.output_items[key]) + b"]")
+            elif chunk.prompt is not None or key not in self.prompt_fields:
+                self.prompt_fields[key] = value
+        meta |= self.prompt_fields
+        return {"text": self.text, "output_ids": progress.output_ids, "meta_info": meta}
+
+
+async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, started: float):
+    states = [_StreamState(len(inp.input_ids), list(inp.logprob.token_ids_logprob) or None)
+              for inp in gens.inputs]
+    async for i, chunk in gens.merged():
+        payload = states[i].payload(gateway, req, chunk, started)
+        if req.is_batch:
+            payload["index"] = i
+        yield event(payload)
+    yield DONE
+
+
+def logprob_format(req: GenerateRequest) -> str:
+    """The label of the response's logprob format, for the bytes-sent metric."""
+    if not req.return_logprob:
+        return "text"
+    if req.return_flat_raw_top_logprobs or req.return_flat_raw_output_top_logprobs:
+        return "flat_b64" if req.return_flat_raw_top_logprobs_b64 else "flat_json"
+    return "nested"

@@ -1,0 +1,94 @@
+"""OpenAI's `POST /v1/chat/completions`: messages through the chat template, n choices, SSE."""
+
+import time
+
+from fastapi import APIRouter, Request, Response
+
+from services.gateway.engine import GenerateInput
+from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.openai_common import (check_model, choice_meta_info, finish_fields, openai_format,
+                                                 response_id, usage)
+from services.gateway.http.prompts import check_lengths, encode_chat
+from services.gateway.http.sse import DONE, event, sse_response
+from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.protocol.openai import ChatCompletionRequest
+from services.gateway.protocol.parse import parse_body
+from services.gateway.render.openai_chat import chat_logprobs
+from services.gateway.render.pieces import dumps
+from services.gateway.result import LogprobTrack, RequestResult
+
+ENDPOINT = "/v1/chat/completions"
+CLIENT_CLOSED = 499
+
+router = APIRouter()
+
+
+@router.post(ENDPOINT)
+async def chat_completions(request: Request) -> Response:
+    gateway = gateway_of(request)
+    started = time.perf_counter()
+    gateway.metrics.requests.labels(ENDPOINT).inc()
+    req = parse_body(ChatCompletionRequest, await request.body(), gateway.limits)
+    check_model(gateway, req.model)
+    ids = await encode_chat(gateway.engine.tokenizer, req.messages)
+    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, max_field)
+    inp = GenerateInput(input_ids=ids, sampling=req.sampling(max_new), logprob=req.logprob(),
+                        detokenize=req.detokenize())
+    gens = await unless_disconnected(
+        request, Generations.start(gateway.engine, [inp] * req.n, gateway.metrics, ENDPOINT, started))
+    if gens is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if req.stream:
+        return sse_response(_events(gateway, req, gens, len(ids)), gens.close,
+                            gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc)
+    try:
+        results = await unless_disconnected(request, gens.results())
+    finally:
+        await gens.close()
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    body = dumps({
+        "id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+        "model": gateway.engine.model_name,
+        "choices": [_choice(gateway, req, i, result) for i, result in enumerate(results)],
+        "usage": usage(len(ids), sum(r.completion_tokens for r in results)),
+    })
+    gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc(len(body))
+    return Response(body, media_type="application/json")
+
+
+def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: LogprobTrack | None) -> dict | None:
+    if not req.logprobs or track is None:
+        return None
+    return chat_logprobs(track, gateway.table, candidates=not req.return_flat_raw_output_top_logprobs)
+
+
+def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: RequestResult) -> dict:
+    choice = {"index": index, "message": {"role": "assistant", "content": result.text},
+              "logprobs": _logprobs(gateway, req, result.output), **finish_fields(result)}
+    if req.return_meta_info:
+        choice["meta_info"] = choice_meta_info(gateway, req, result)
+    return choice
+
+
+async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generations, prompt_tokens: int):
+    head = {"id": response_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": gateway.engine.model_name}
+
+    def chunk_event(index: int, delta: dict, logprobs: dict | None = None, finish: dict | None = None) -> bytes:
+        finish = finish or {"finish_reason": None}
+        return event(head | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, **finish}]})
+
+    for i in range(req.n):
+        yield chunk_event(i, {"role": "assistant", "content": ""})
+    completion_tokens = 0
+    async for i, chunk in gens.merged():
+        completion_tokens += len(chunk.token_ids)
+        if chunk.token_ids or chunk.text:
+            yield chunk_event(i, {"content": chunk.text}, _logprobs(gateway, req, chunk.output))
+        if chunk.result is not None:
+            yield chunk_event(i, {}, finish=finish_fields(chunk.result))
+    if req.include_usage:
+        yield event(head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield DONE

@@ -1,0 +1,118 @@
+"""OpenAI's (legacy) `POST /v1/completions`: prompts as text or ids, n choices each, echo, SSE."""
+
+import time
+
+from fastapi import APIRouter, Request, Response
+
+from services.gateway.engine import GenerateInput
+from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.openai_common import (check_model, choice_meta_info, finish_fields, openai_format,
+                                                 response_id, usage)
+from services.gateway.http.prompts import check_lengths, encode_texts
+from services.gateway.http.sse import DONE, event, sse_response
+from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.protocol.openai import CompletionRequest
+from services.gateway.protocol.parse import parse_body
+from services.gateway.render.openai_completions import completion_logprobs
+from services.gateway.render.pieces import dumps
+from services.gateway.result import LogprobTrack, RequestResult
+
+ENDPOINT = "/v1/completions"
+CLIENT_CLOSED = 499
+
+router = APIRouter()
+
+
+@router.post(ENDPOINT)
+async def completions(request: Request) -> Response:
+    gateway = gateway_of(request)
+    started = time.perf_counter()
+    gateway.metrics.requests.labels(ENDPOINT).inc()
+    req = parse_body(CompletionRequest, await request.body(), gateway.limits)
+    check_model(gateway, req.model)
+    prompts = req.prompts()
+    tokenizer = gateway.engine.tokenizer
+    if isinstance(prompts[0], str):
+        ids, texts = await encode_texts(tokenizer, prompts), prompts
+    else:
+        ids, texts = prompts, (tokenizer.batch_decode(prompts) if req.echo else [""] * len(prompts))
+    inputs = []
+    for prompt_ids in ids:
+        max_new = check_lengths(prompt_ids, gateway.limits, "prompt", req.max_tokens, "max_tokens")
+        inp = GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new), logprob=req.logprob(),
+                            detokenize=req.detokenize())
+        inputs += [inp] * req.n  # choice p * n + j is prompt p's j-th sample
+    echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
+    gens = await unless_disconnected(
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+    if gens is None:
+        return Response(status_code=CLIENT_CLOSED)
+    prompt_tokens = sum(map(len, ids))
+    count_bytes = gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs is not None)).inc
+    if req.stream:
+        return sse_response(_events(gateway, req, gens, echoes, prompt_tokens), gens.close, count_bytes)
+    try:
+        results = await unless_disconnected(request, gens.results())
+    finally:
+        await gens.close()
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    body = dumps({
+        "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+        "model": gateway.engine.model_name,
+        "choices": [_choice(gateway, req, i, result, echoes[i]) for i, result in enumerate(results)],
+        "usage": usage(prompt_tokens, sum(r.completion_tokens for r in results)),
+    })
+    count_bytes(len(body))
+    return Response(body, media_type="application/json")
+
+
+def _logprobs(gateway: Gateway, req: CompletionRequest, prompt: LogprobTrack | None, output: LogprobTrack | None,
+              text_offset: int) -> dict | None:
+    """Offsets count characters of the choice's `text` (the echoed prompt included)."""
+    if req.logprobs is None:
+        return None
+    tracks = [track for track in ((prompt if req.echo else None), output) if track is not None]
+    if req.return_flat_raw_output_top_logprobs:  # the candidates are in meta_info
+        tracks = [_without_candidates(track) for track in tracks]
+    return completion_logprobs(tracks, gateway.table, text_offset)
+
+
+def _without_candidates(track: LogprobTrack) -> LogprobTrack:
+    return LogprobTrack(token_ids=track.token_ids, token_logprobs=track.token_logprobs,
+                        topk_values=track.topk_values[:, :0], topk_ids=track.topk_ids[:, :0],
+                        ids_logprobs=track.ids_logprobs, null_prefix=track.null_prefix,
+                        null_token_ids=track.null_token_ids)
+
+
+def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: RequestResult, echo: str) -> dict:
+    choice = {"index": index, "text": echo + result.text,
+              "logprobs": _logprobs(gateway, req, result.prompt, result.output, 0), **finish_fields(result)}
+    if req.return_meta_info:
+        choice["meta_info"] = choice_meta_info(gateway, req, result)
+    return choice
+
+
+async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, echoes: list[str],
+                  prompt_tokens: int):
+    head = {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+            "model": gateway.engine.model_name}
+    sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
+    completion_tokens = 0
+    async for i, chunk in gens.merged():
+        completion_tokens += len(chunk.token_ids)
+        text = chunk.text
+        if sent_chars[i] == 0 and echoes[i]:
+            text = echoes[i] + text
+        if text or chunk.token_ids or chunk.prompt is not None:
+            choice = {"index": i, "text": text,
+                      "logprobs": _logprobs(gateway, req, chunk.prompt, chunk.output, sent_chars[i]),
+                      "finish_reason": None}
+            sent_chars[i] += len(text)
+            yield event(head | {"choices": [choice]})
+        if chunk.result is not None:
+            yield event(head | {"choices": [{"index": i, "text": "", "logprobs": None,
+                                             **finish_fields(chunk.result)}]})
+    if req.include_usage:
+        yield event(head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield DONE

@@ -1,0 +1,134 @@
+"""Running a route's generations on the engine: submit, merge, collect, stop on disconnect.
+
+Every generation is an engine iterator; closing it before its last chunk aborts the
+request in the scheduler. Each helper here closes what it opened, whether it ends
+normally, fails, or is cancelled because the HTTP client went away.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import TypeVar
+
+from fastapi import Request
+
+from services.gateway.engine import Chunk, Engine, GenerateInput
+from services.gateway.metrics import GatewayMetrics, TokenTimer
+from services.gateway.result import RequestResult
+
+T = TypeVar("T")
+
+
+class Generations:
+    """A route's requests, submitted together; each one's first chunk already taken.
+
+    Taking the first chunk before answering turns the engine's refusal (a RequestError)
+    into an HTTP error instead of a broken stream.
+    """
+
+    def __init__(self, inputs: list[GenerateInput], iterators: list[AsyncIterator[Chunk]], firsts: list[Chunk],
+                 timers: list[TokenTimer]):
+        self.inputs = inputs
+        self._iterators = iterators
+        self._firsts = firsts
+        self._timers = timers
+
+    @classmethod
+    async def start(cls, engine: Engine, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
+                    started: float) -> "Generations":
+        iterators = [engine.generate(inp) for inp in inputs]
+        reads = [asyncio.ensure_future(anext(it)) for it in iterators]
+        try:
+            await asyncio.wait(reads)
+        except BaseException:  # cancelled: the client went away while waiting for the first tokens
+            for read in reads:
+                read.cancel()
+            await _close(iterators, reads)
+            raise
+        failure = next((read.exception() for read in reads if read.exception() is not None), None)
+        if failure is not None:
+            await _close(iterators)
+            raise failure
+        firsts = [read.result() for read in reads]
+        metrics.prompt_tokens.inc(sum(len(inp.input_ids) for inp in inputs))
+        timers = [TokenTimer(metrics, endpoint, started) for _ in inputs]
+        now = time.perf_counter()
+        for timer, first in zip(timers, firsts):
+            timer.tokens(len(first.token_ids), now)
+        return cls(inputs, iterators, firsts, timers)
+
+    async def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
+        """(index, chunk) pairs of all generations as they arrive, until each has its result."""
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for i, first in enumerate(self._firsts):
+                yield i, first
+                if first.result is None:
+                    pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=pending.get):
+                    i = pending.pop(future)
+                    chunk = future.result()
+                    self._timers[i].tokens(len(chunk.token_ids), time.perf_counter())
+                    yield i, chunk
+                    if chunk.result is None:
+                        pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
+        finally:
+            for future in pending:
+                future.cancel()
+            await _close(self._iterators, list(pending))
+
+    async def results(self) -> list[RequestResult]:
+        """Every generation's finished result, in input order."""
+        results: list[RequestResult | None] = [None] * len(self._iterators)
+        async for i, chunk in self.merged():
+            if chunk.result is not None:
+                results[i] = chunk.result
+        return results
+
+    async def close(self) -> None:
+        await _close(self._iterators)
+
+
+_closing: set[asyncio.Task] = set()  # strong references to close tasks in flight
+
+
+async def _close(iterators: list[AsyncIterator[Chunk]], pending: Iterable[asyncio.Future] = ()) -> None:
+    """Close the engine iterators (aborting unfinished requests), after the pending reads on them end.
+
+    The closing runs as its own task behind a shield: the caller is often being
+    cancelled (Starlette cancels a stream at every await once its client is gone), and
+    a cancellation landing inside an iterator's cleanup would skip the abort.
+    """
+
+    async def close_all() -> None:
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(it.aclose() for it in iterators), return_exceptions=True)
+
+    task = asyncio.ensure_future(close_all())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+    await asyncio.shield(task)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body was read already, so only a disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (with `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in (task, watcher):
+            if not future.done():
+                future.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()

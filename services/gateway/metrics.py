@@ -1,0 +1,57 @@
+"""The gateway's Prometheus metrics, served at GET /metrics.
+
+One registry per app, so several apps (tests) in one process don't collide.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("flatwire_requests", "HTTP generation requests received",
+                                ["endpoint"], registry=self.registry)
+        self.errors = Counter("flatwire_request_errors", "HTTP requests answered with an error",
+                              ["endpoint", "status"], registry=self.registry)
+        self.time_to_first_token = Histogram("flatwire_time_to_first_token_seconds",
+                                             "from request arrival to its first generated token",
+                                             ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram("flatwire_inter_token_latency_seconds",
+                                             "time between consecutive generated tokens (a chunk's gap spread "
+                                             "over its tokens)", ["endpoint"], buckets=LATENCY_BUCKETS,
+                                             registry=self.registry)
+        self.prompt_tokens = Counter("flatwire_prompt_tokens", "prompt tokens of submitted requests",
+                                     registry=self.registry)
+        self.generated_tokens = Counter("flatwire_generated_tokens", "tokens generated", registry=self.registry)
+        self.bytes_sent = Counter("flatwire_response_bytes", "response body bytes, by logprob format",
+                                  ["format"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TokenTimer:
+    """Time to first token and inter-token latency of one generation."""
+
+    def __init__(self, metrics: GatewayMetrics, endpoint: str, started: float):
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._last = started
+        self._first = True
+
+    def tokens(self, count: int, now: float) -> None:
+        if count == 0:
+            return
+        gap = now - self._last
+        if self._first:
+            self._metrics.time_to_first_token.labels(self._endpoint).observe(gap)
+            self._first = False
+        else:
+            self._metrics.inter_token_latency.labels(self._endpoint).observe(gap / count)
+        self._last = now
+        self._metrics.generated_tokens.inc(count)

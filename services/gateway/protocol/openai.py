@@ -1,0 +1,181 @@
+"""OpenAI's chat and text completion requests, with SGLang's extensions.
+
+Extensions: the SGLang sampling options (top_k, min_p, stop_token_ids, ignore_eos,
+skip_special_tokens, spaces_between_special_tokens, no_stop_trim), `return_meta_info`
+(each choice carries SGLang's meta_info), `return_flat_raw_output_top_logprobs` (the
+output candidates as flat arrays in meta_info instead of in `logprobs`) and
+`return_flat_raw_top_logprobs_b64` (those arrays as base64; the default on chat).
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from services.common.pb import scheduler_pb2
+from services.gateway.protocol.parse import InvalidRequest, check_token_ids, check_top_k
+from services.gateway.protocol.sampling import StopStrings, sampling_pb, stop_list
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIRequest(BaseModel):
+    """What chat and completions share."""
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: StopStrings = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # SGLang extensions
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_meta_info: bool = False
+    return_flat_raw_output_top_logprobs: bool = False
+    return_flat_raw_top_logprobs_b64: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("top_k must be -1 (no limit) or at least 1")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        return check_token_ids(value, info) if value else value
+
+    @model_validator(mode="after")
+    def _flat_flags(self) -> "OpenAIRequest":
+        if self.return_flat_raw_output_top_logprobs and not self.return_meta_info:
+            raise InvalidRequest("return_flat_raw_output_top_logprobs",
+                                 "return_flat_raw_output_top_logprobs requires return_meta_info")
+        if self.return_flat_raw_output_top_logprobs and self.stream:
+            raise InvalidRequest("return_flat_raw_output_top_logprobs",
+                                 "return_flat_raw_output_top_logprobs is not supported with stream=true yet")
+        if self.return_meta_info and self.stream:
+            raise InvalidRequest("return_meta_info", "return_meta_info is not supported with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, max_new_tokens: int) -> scheduler_pb2.SamplingParams:
+        return sampling_pb(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+
+    def detokenize(self) -> scheduler_pb2.DetokenizeParams:
+        return scheduler_pb2.DetokenizeParams(
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as the chat template wants it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    return_flat_raw_top_logprobs_b64: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return value if value is None else check_top_k("top_logprobs", value, info)
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob(self) -> scheduler_pb2.LogprobParams:
+        if not self.logprobs:
+            return scheduler_pb2.LogprobParams(logprob_start_len=-1)
+        return scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=self.top_logprobs or 0,
+                                           logprob_start_len=-1)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return value if value is None else check_top_k("logprobs", value, info)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value, info: ValidationInfo):
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            for row in (value if isinstance(value[0], list) else [value] if isinstance(value[0], int) else []):
+                check_token_ids(row, info)
+        return value
+
+    @model_validator(mode="after")
+    def _no_suffix(self) -> "CompletionRequest":
+        if self.suffix:
+            raise InvalidRequest("suffix", "suffix is not supported")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return prompt
+
+    def logprob(self) -> scheduler_pb2.LogprobParams:
+        if self.logprobs is None:
+            return scheduler_pb2.LogprobParams(logprob_start_len=-1)
+        # echo returns the prompt's logprobs too, from its first position.
+        return scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
+                                           logprob_start_len=0 if self.echo else -1)

@@ -1,0 +1,62 @@
+"""Sampling options shared by SGLang's `sampling_params` and the OpenAI routes."""
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+
+from services.common.pb import scheduler_pb2
+from services.gateway.protocol.parse import check_token_ids
+
+StopStrings = str | list[str] | None
+
+
+def stop_list(stop: StopStrings) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+def sampling_pb(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
+                seed: int | None, stop_token_ids: list[int], ignore_eos: bool) -> scheduler_pb2.SamplingParams:
+    return scheduler_pb2.SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
+        seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+
+
+class SamplingOptions(BaseModel):
+    """SGLang's SamplingParams fields that flatwire implements, with SGLang's defaults and checks."""
+
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: StopStrings = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = Field(None, ge=0, lt=2**64)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("top_k must be -1 (no limit) or at least 1")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        return check_token_ids(value, info) if value else value
+
+    def sampling(self, max_new_tokens: int | None = None) -> scheduler_pb2.SamplingParams:
+        return sampling_pb(
+            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+
+    def detokenize(self) -> scheduler_pb2.DetokenizeParams:
+        return scheduler_pb2.DetokenizeParams(
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim)

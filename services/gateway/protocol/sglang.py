@@ -1,0 +1,90 @@
+"""SGLang's `POST /generate` request (GenerateReqInput), the fields flatwire implements."""
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from services.common.pb import scheduler_pb2
+from services.gateway.protocol.parse import InvalidRequest, check_token_ids, check_top_k
+from services.gateway.protocol.sampling import SamplingOptions
+
+
+class GenerateRequest(BaseModel):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    # One object for every prompt of a batch, or one per prompt.
+    sampling_params: SamplingOptions | list[SamplingOptions] = Field(default_factory=SamplingOptions)
+    return_logprob: bool = False
+    # First prompt position with logprobs; -1: output logprobs only.
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0)
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    return_flat_raw_top_logprobs: bool = False  # prompt side as flat arrays instead of nested rows
+    return_flat_raw_output_top_logprobs: bool = False  # output side likewise
+    return_flat_raw_top_logprobs_b64: bool = False  # the flat arrays as base64 of <f4 / <i4 bytes
+    stream: bool = False
+
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _top_k(cls, value: int, info: ValidationInfo) -> int:
+        return check_top_k("top_logprobs_num", value, info)
+
+    @field_validator("token_ids_logprob")
+    @classmethod
+    def _ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        return check_token_ids(value, info) if value else value
+
+    @field_validator("input_ids")
+    @classmethod
+    def _input_ids(cls, value, info: ValidationInfo):
+        rows = value if value and isinstance(value[0], list) else [value or []]
+        for row in rows:
+            check_token_ids(row, info)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GenerateRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequest("text", "exactly one of text and input_ids must be given")
+        if self.is_batch and self.batch_size == 0:
+            raise InvalidRequest(self.prompt_field, "a batch must not be empty")
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != self.batch_size:
+            raise InvalidRequest("sampling_params", f"{len(self.sampling_params)} sampling_params for "
+                                                   f"{self.batch_size} prompts")
+        if self.return_flat_raw_top_logprobs_b64 and not (
+                self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
+            raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
+                                 "return_flat_raw_top_logprobs or return_flat_raw_output_top_logprobs")
+        if self.return_flat_raw_output_top_logprobs and self.stream:
+            raise InvalidRequest("return_flat_raw_output_top_logprobs",
+                                 "return_flat_raw_output_top_logprobs is not supported with stream=true yet")
+        return self
+
+    @property
+    def prompt_field(self) -> str:
+        return "text" if self.text is not None else "input_ids"
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        prompts = self.text if self.text is not None else self.input_ids
+        return len(prompts) if self.is_batch else 1
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list (one entry when not a batch)."""
+        prompts = self.text if self.text is not None else self.input_ids
+        return prompts if self.is_batch else [prompts]
+
+    def sampling_for(self, i: int) -> SamplingOptions:
+        return self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
+
+    def logprob(self) -> scheduler_pb2.LogprobParams:
+        if not self.return_logprob:
+            return scheduler_pb2.LogprobParams(logprob_start_len=-1)
+        return scheduler_pb2.LogprobParams(
+            return_logprob=True, top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
+            token_ids_logprob=self.token_ids_logprob or [])

@@ -1,0 +1,141 @@
+"""The `openai` package against the gateway's /v1 routes."""
+
+import base64
+
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Name three "},
+                                         {"type": "text", "text": "colours."}]}]
+K = 4
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    [served] = client.models.list().data
+    return served.id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat(client, **kwargs):
+    model = client.models.list().data[0].id  # the served name: the model directory's path here
+    return client.chat.completions.create(**{"model": model, "messages": MESSAGES, "max_tokens": 10,
+                                             "temperature": 0, **kwargs})
+
+
+def test_chat_with_logprobs(client, tokenizer):
+    response = chat(client, logprobs=True, top_logprobs=K)
+    assert isinstance(response, openai.types.chat.ChatCompletion)
+    [choice] = response.choices
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens == 10
+    template = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}],
+        tokenize=False, add_generation_prompt=True)
+    assert response.usage.prompt_tokens == len(tokenizer.encode(template, add_special_tokens=False))
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 10
+    assert "".join(entry.token for entry in content) == choice.message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == K
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the pick is the best candidate
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        assert all(a.logprob >= b.logprob for a, b in zip(entry.top_logprobs, entry.top_logprobs[1:]))
+    assert b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace") == choice.message.content
+
+
+def test_chat_stream_matches_non_stream(client):
+    whole = chat(client, logprobs=True, top_logprobs=K)
+    chunks = list(chat(client, logprobs=True, top_logprobs=K, stream=True, stream_options={"include_usage": True}))
+    assert all(isinstance(c, openai.types.chat.ChatCompletionChunk) for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole.choices[0].logprobs.content]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_chat_n_and_stop(client):
+    response = chat(client, n=3, temperature=1.0, seed=7)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.completion_tokens == sum(10 for _ in response.choices)
+    full = chat(client, max_tokens=16).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stopped = chat(client, max_tokens=16, stop=[stop]).choices[0]
+    assert stopped.message.content == full[:full.index(stop)] and stopped.finish_reason == "stop"
+    streams = list(chat(client, n=2, stream=True, max_tokens=5))
+    for index in (0, 1):
+        assert len([c for c in streams if c.choices[0].index == index and c.choices[0].finish_reason]) == 1
+
+
+def test_chat_flat_candidates_in_meta_info(client):
+    nested = chat(client, logprobs=True, top_logprobs=K).choices[0]
+    flat = chat(client, logprobs=True, top_logprobs=K, extra_body={
+        "return_meta_info": True, "return_flat_raw_output_top_logprobs": True}).choices[0]
+    assert [e.logprob for e in flat.logprobs.content] == [e.logprob for e in nested.logprobs.content]
+    assert all(e.top_logprobs == [] for e in flat.logprobs.content)
+    meta = flat.model_extra["meta_info"]
+    assert meta["output_top_logprobs_shape"] == [10, K]
+    values = np.frombuffer(base64.b64decode(meta["output_top_logprobs_val_flat_b64"]), "<f4").reshape(10, K)
+    expected = np.array([[c.logprob for c in e.top_logprobs] for e in nested.logprobs.content], dtype=np.float32)
+    np.testing.assert_array_equal(values, expected)
+    as_json = chat(client, logprobs=True, top_logprobs=K, extra_body={
+        "return_meta_info": True, "return_flat_raw_output_top_logprobs": True,
+        "return_flat_raw_top_logprobs_b64": False}).choices[0].model_extra["meta_info"]
+    np.testing.assert_array_equal(np.array(as_json["output_top_logprobs_val_flat"], np.float32).reshape(10, K),
+                                  values)
+
+
+def test_completions(client, model, tokenizer):
+    prompt = "Tokyo 東京 and a fox 🦊 walk into"
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=K,
+                                         echo=True)
+    assert isinstance(response, openai.types.Completion)
+    [choice] = response.choices
+    assert choice.text.startswith(prompt)
+    logprobs = choice.logprobs
+    n_prompt = len(tokenizer.encode(prompt))
+    assert len(logprobs.tokens) == n_prompt + 6 == response.usage.total_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(len(row) <= K for row in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[0] == 0
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert choice.text == prompt + plain.choices[0].text
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_completions_batch_of_token_ids(client, model, tokenizer):
+    prompts = [tokenizer.encode("one"), tokenizer.encode("two three")]
+    response = client.completions.create(model=model, prompt=prompts, max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text  # greedy: both samples of a prompt agree
+    assert response.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_errors_are_typed(client):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert missing.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        chat(client, logprobs=True, top_logprobs=100_000)
+    assert too_many.value.body["param"] == "top_logprobs"
+    assert chat(client).choices[0].finish_reason == "length"  # still serving
