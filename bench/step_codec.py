@@ -1,0 +1,124 @@
+"""Scheduler step costs (issue 2's closing numbers).
+
+1. Encoding and decoding one StepOutput for B requests at k=128, through the
+   scheduler's own code: output.step_output(...).SerializeToString() from the host
+   arrays one step copies back; StepOutput.FromString + decode_block (+ one slice
+   per request) on the receiving side.
+2. The default model's decode step on this machine (ModelRunner + batch_step, in
+   process, no gRPC): batch 1 and 32, greedy without logprobs, greedy with k=128,
+   and seeded sampling (temperature 1, top-p 0.9).
+
+    python -m bench.step_codec     # writes bench/out/step_codec.md and .json
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from bench.common import Progress, Table, fmt_bytes, fmt_time, measure, timing_of, write_results
+from services.common.arrays import block_offsets, decode_block, request_slice
+from services.common.model_store import resolve_model
+from services.common.pb import scheduler_pb2
+from services.scheduler.batch_step import run_step
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.output import step_output
+from services.scheduler.request import Request
+
+VOCAB = 248077
+
+
+def make_request(i: int, prompt_len: int, k: int, temperature: float = 0.0, seed: int | None = None) -> Request:
+    rng = np.random.default_rng(i)
+    return Request(rid=f"req-{i:04d}", owner="bench", input_ids=rng.integers(0, 240_000, prompt_len),
+                   detokenize=scheduler_pb2.DetokenizeParams(), max_new_tokens=1 << 30, temperature=temperature,
+                   top_p=0.9 if temperature else 1.0, top_k=0, min_p=0.0, stop_ids=frozenset(),
+                   return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=-1, token_ids_logprob=[], seed=seed)
+
+
+def codec(batch: int, k: int) -> dict:
+    rng = np.random.default_rng(0)
+    requests = [make_request(i, 8, k) for i in range(batch)]
+    host = {
+        "next_ids": rng.integers(0, VOCAB, batch).astype(np.int32),
+        "token_logprobs": -rng.random(batch, dtype=np.float32) * 10,
+        "topk_values": -np.sort(rng.random((batch, k), dtype=np.float32) * 10, axis=1),
+        "topk_ids": rng.integers(0, VOCAB, (batch, k)).astype(np.int32),
+        "ids_logprobs": np.zeros((batch, 0), np.float32),
+    }
+
+    def encode() -> bytes:
+        return step_output(7, [], requests, host, [], []).SerializeToString()
+
+    wire = encode()
+
+    def decode():
+        message = scheduler_pb2.StepOutput.FromString(wire)
+        return message, decode_block(message.output)
+
+    def decode_and_slice():
+        message, arrays = decode()
+        offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
+        return [request_slice(arrays, offsets, i) for i in range(len(message.rids))]
+
+    return {"encode": measure(encode, repeats=9), "decode": measure(decode, repeats=9),
+            "decode_and_slice": measure(decode_and_slice, repeats=9), "bytes": len(wire)}
+
+
+def decode_steps(runner: ModelRunner, batch: int, k: int, temperature: float, steps: int, repeats: int) -> list[float]:
+    """Per-step seconds (one entry per repeat of `steps` decode steps) after one prefill."""
+    requests = [make_request(i, 32, k, temperature, seed=i if temperature else None) for i in range(batch)]
+    for slot, request in enumerate(requests):
+        request.slot = slot
+    for request, token in zip(requests, run_step(runner, [], requests, 256)["next_ids"].tolist()):
+        request.output_ids.append(token)
+    per_step = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            host = run_step(runner, requests, [], 256)
+            for request, token in zip(requests, host["next_ids"].tolist()):
+                request.output_ids.append(token)
+        per_step.append((time.perf_counter() - start) / steps)
+    return per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="local checkpoint (default: the embedded default model)")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    cases = [(1, 0, 0.0), (1, 128, 0.0), (1, 0, 1.0), (32, 0, 0.0), (32, 128, 0.0), (32, 0, 1.0)]
+    progress = Progress(2 + len(cases), "step_codec")
+    codecs = {}
+    for batch in (32,):
+        codecs[batch] = codec(batch, 128)
+        progress.step(f"codec B={batch} k=128")
+    codec_table = Table("One StepOutput, k=128", ["requests", "encode (step_output + SerializeToString)",
+                                                   "decode (FromString + decode_block)", "+ a slice per request",
+                                                   "bytes"])
+    for batch, result in codecs.items():
+        codec_table.add(batch, fmt_time(result["encode"].median), fmt_time(result["decode"].median),
+                        fmt_time(result["decode_and_slice"].median), fmt_bytes(result["bytes"]))
+
+    runner = ModelRunner(resolve_model(args.model), "auto", "auto", 0, 32)
+    progress.step(f"model loaded on {runner.device}")
+    step_table = Table(f"Decode step of the model ({runner.device}, {str(runner.dtype).removeprefix('torch.')})",
+                       ["batch", "mode", "step (median)", "per request"],
+                       note="In process: flat forward + logits + sampling/logprobs + one host copy; "
+                            "prompts of 32 tokens, median over repeats.")
+    steps = {}
+    for batch, k, temperature in cases:
+        mode = ("sampled (T=1, top-p 0.9, seeded)" if temperature else "greedy") + (f", top-{k} logprobs" if k else "")
+        timing = timing_of(decode_steps(runner, batch, k, temperature, args.steps, args.repeats), args.steps)
+        steps[f"B={batch} {mode}"] = timing
+        step_table.add(batch, mode, fmt_time(timing.median), fmt_time(timing.median / batch))
+        progress.step(f"B={batch} {mode}: {fmt_time(timing.median)}")
+    print(write_results("step_codec", "python -m bench.step_codec", [codec_table, step_table],
+                        {"codec": codecs, "decode_step": steps}))
+
+
+if __name__ == "__main__":
+    main()

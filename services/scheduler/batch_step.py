@@ -1,0 +1,83 @@
+"""One model step for a scheduled batch: forward, logprobs, sampling, one host copy."""
+
+import numpy as np
+import torch
+
+from services.scheduler.host_copy import copy_to_host
+from services.scheduler.model_runner import ModelRunner, StepTokens
+from services.scheduler.request import Request
+from services.scheduler.sampler import SamplingBatch, chunked_logprob_rows, logprob_rows, sample
+
+
+def _flat_tokens(decode: list[Request], prefill: list[Request]) -> StepTokens:
+    lengths = np.array([r.prompt_len for r in prefill], dtype=np.int64)
+    return StepTokens(
+        input_ids=np.concatenate([np.array([r.output_ids[-1] for r in decode], dtype=np.int64),
+                                  *(r.input_ids for r in prefill)]),
+        positions=np.concatenate([np.array([r.length - 1 for r in decode], dtype=np.int64),
+                                  *(np.arange(n) for n in lengths)]),
+        slots=np.concatenate([np.array([r.slot for r in decode], dtype=np.int64),
+                              np.repeat(np.array([r.slot for r in prefill], dtype=np.int64), lengths)]),
+        decode_lengths=np.array([r.length for r in decode], dtype=np.int64),
+        prefill_lengths=lengths,
+    )
+
+
+def _padded_ids(requests: list[Request], device) -> torch.Tensor:
+    """token_ids_logprob of each row, zero-padded to the longest list: [B, n_max]."""
+    width = max((len(r.token_ids_logprob) for r in requests), default=0)
+    ids = np.zeros((len(requests), width), dtype=np.int64)
+    for row, request in enumerate(requests):
+        ids[row, :len(request.token_ids_logprob)] = request.token_ids_logprob
+    return torch.from_numpy(ids).to(device)
+
+
+def run_step(runner: ModelRunner, decode: list[Request], prefill: list[Request],
+             chunk_rows: int) -> dict[str, np.ndarray]:
+    """Rows are decode requests then prefill requests; returns the step's host arrays (see output.py)."""
+    rows = decode + prefill
+    step = _flat_tokens(decode, prefill)
+    with torch.inference_mode():
+        hidden = runner.forward(step)
+        prompt_ends = len(decode) + np.cumsum(step.prefill_lengths)
+        last_rows = torch.from_numpy(np.concatenate([np.arange(len(decode)), prompt_ends - 1])).to(runner.device)
+        logits = runner.logits(hidden[last_rows])
+        sampled = [(i, r) for i, r in enumerate(rows) if r.temperature > 0]
+        params = SamplingBatch(
+            rows=[i for i, _ in sampled], temperature=[r.temperature for _, r in sampled],
+            top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
+            min_p=[r.min_p for _, r in sampled], generators=[r.generator(runner.device) for _, r in sampled])
+        next_ids = sample(logits, params)
+        out = {"next_ids": next_ids}
+        if any(r.return_logprob for r in rows):
+            lp = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in rows), _padded_ids(rows, runner.device))
+            out.update(token_logprobs=lp.token_logprobs, topk_values=lp.topk_values, topk_ids=lp.topk_ids,
+                       ids_logprobs=lp.ids_logprobs)
+        out.update(_prompt_logprobs(runner, hidden, prefill, prompt_ends, chunk_rows))
+        return copy_to_host(out)
+
+
+def _prompt_logprobs(runner: ModelRunner, hidden: torch.Tensor, prefill: list[Request], prompt_ends: np.ndarray,
+                     chunk_rows: int) -> dict[str, torch.Tensor]:
+    """Prompt logprob rows of each prefill asking for them, flattened and concatenated in request order.
+
+    Position p's logprob comes from the hidden state at p - 1, for p in [start, L).
+    """
+    parts = []
+    for request, end in zip(prefill, prompt_ends.tolist()):
+        if not request.wants_prompt_logprobs:
+            continue
+        first = request.prompt_logprob_start
+        begin = end - request.prompt_len  # the prompt's first row in the flat sequence
+        targets = torch.from_numpy(request.input_ids[first:]).to(runner.device)
+        ids = torch.tensor([request.token_ids_logprob], dtype=torch.long, device=runner.device)
+        parts.append(chunked_logprob_rows(hidden[begin + first - 1:end - 1], targets, request.top_logprobs_num, ids,
+                                          runner.logits, chunk_rows))
+    if not parts:
+        return {}
+    return {
+        "prompt_token_logprobs": torch.cat([p.token_logprobs for p in parts]),
+        "prompt_topk_values": torch.cat([p.topk_values.reshape(-1) for p in parts]),
+        "prompt_topk_ids": torch.cat([p.topk_ids.reshape(-1) for p in parts]),
+        "prompt_ids_logprobs": torch.cat([p.ids_logprobs.reshape(-1) for p in parts]),
+    }

@@ -1,0 +1,30 @@
+"""Scheduler options (every field is a flag and a FLATWIRE_* environment variable)."""
+
+from dataclasses import dataclass
+
+from services.common.config import ServiceConfig, option
+
+
+@dataclass
+class SchedulerConfig(ServiceConfig):
+    """flatwire scheduler: owns the model, batches requests, streams one StepOutput per step."""
+
+    device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    dtype: str = option("auto", "auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, bfloat16, float16")
+    max_running_requests: int = option(32, "requests decoded together (KV cache slots)")
+    max_tokens_per_step: int = option(
+        4096, "prefill token budget per step; a prompt longer than this is still admitted alone")
+    max_context: int = option(0, "longest sequence (prompt + output); 0: min(model maximum, 4096)")
+    max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
+    logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype: unknown dtype {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
+        for name in ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
+        if self.max_context < 0:
+            raise ValueError("--max-context: must be 0 (automatic) or positive")

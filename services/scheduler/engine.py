@@ -1,0 +1,181 @@
+"""Continuous batching: the engine thread and its scheduling policy.
+
+Each iteration takes new requests and aborts from the inbox, frees aborted
+requests' slots, admits waiting requests (first come, first served) while a KV
+slot is free and the step's prefill budget allows (a prompt longer than the whole
+budget is admitted alone, so nothing starves), runs one step over every running
+request plus the admitted prompts, and publishes one StepOutput. Requests join and
+leave between steps; a new request never waits for running ones to finish, only
+for a free slot. The thread blocks while there is no work.
+
+Torch runs in this thread only; gRPC handlers talk to it through the inbox.
+"""
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from services.common.pb import arrays_pb2, scheduler_pb2
+from services.scheduler.batch_step import run_step
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.output import step_output
+from services.scheduler.request import Request
+
+log = logging.getLogger(__name__)
+
+Reason = arrays_pb2.FinishReason
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig,
+                 publish: Callable[[scheduler_pb2.StepOutput], None]):
+        self.runner = runner
+        self.config = config
+        self.publish = publish
+        self.stats = scheduler_pb2.SchedulerStats(kv_slots_total=runner.cache.num_slots)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: set[str] = set()  # rids submitted and not yet finished
+        self._live_lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._step = 0
+        self._finished_total = 0
+        self._aborted_total = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # -- called from other threads --------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._thread.join()
+
+    def submit(self, request: Request) -> bool:
+        """Queue a validated request; False when its rid is already live."""
+        with self._live_lock:
+            if request.rid in self._live:
+                return False
+            self._live.add(request.rid)
+        self._inbox.put(request)
+        return True
+
+    def abort(self, rid: str, reason: int, matched_stop: str) -> bool:
+        """Ask the engine to drop a request at its next step; False when the rid is unknown."""
+        with self._live_lock:
+            if rid not in self._live:
+                return False
+        self._inbox.put(scheduler_pb2.AbortRequest(rid=rid, reason=reason, matched_stop=matched_stop))
+        return True
+
+    # -- engine thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            new, aborts = self._drain_inbox(block=not (self._waiting or self._running))
+            if not self._stopping:
+                self._iterate(new, aborts)
+
+    def _iterate(self, new: list[Request], aborts: list[scheduler_pb2.AbortRequest]) -> None:
+        """Aborts, admission, one model step, finishes; then one StepOutput if anything happened."""
+        finished = [f for f in map(self._remove, aborts) if f is not None]
+        decode = list(self._running)
+        prefill = self._admit()
+        rows, host = decode + prefill, {}
+        if rows:
+            try:
+                host = run_step(self.runner, decode, prefill, self.config.logits_chunk_rows)
+            except Exception as exc:  # keep serving: fail this step's requests, not the process
+                log.exception("step failed")
+                finished += [self._finish(r, Reason.FINISH_REASON_ABORT, message=f"scheduler error: {exc}")
+                             for r in rows]
+                rows, prefill = [], []
+            else:
+                finished += self._advance(rows, host["next_ids"].tolist())
+        if new or rows or finished:
+            self._step += 1
+            prompt_requests = [r for r in prefill if r.wants_prompt_logprobs]
+            message = step_output(self._step, new, rows, host, prompt_requests, finished)
+            self._update_stats()  # before publishing: a subscriber never sees stats older than the step
+            self.publish(message)
+
+    def _drain_inbox(self, block: bool) -> tuple[list[Request], list[scheduler_pb2.AbortRequest]]:
+        new, aborts = [], []
+        item = self._inbox.get() if block else None
+        while True:
+            if isinstance(item, Request):
+                new.append(item)
+                self._waiting.append(item)
+            elif isinstance(item, scheduler_pb2.AbortRequest):
+                aborts.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return new, aborts
+
+    def _admit(self) -> list[Request]:
+        admitted, budget = [], self.config.max_tokens_per_step
+        while self._waiting and self.runner.cache.free_slots:
+            request = self._waiting[0]
+            if admitted and request.prompt_len > budget:
+                break
+            self._waiting.popleft()
+            request.slot = self.runner.cache.allocate()
+            budget -= request.prompt_len
+            admitted.append(request)
+        self._running += admitted
+        return admitted
+
+    def _advance(self, rows: list[Request], next_ids: list[int]) -> list[scheduler_pb2.Finish]:
+        """Append each row's new token and finish the requests that are done."""
+        finished = []
+        for request, token in zip(rows, next_ids):
+            request.output_ids.append(token)
+            if token in request.stop_ids:
+                finished.append(self._finish(request, Reason.FINISH_REASON_STOP_TOKEN, matched_token=token))
+            elif len(request.output_ids) >= request.max_new_tokens or request.length >= self.runner.max_context:
+                finished.append(self._finish(request, Reason.FINISH_REASON_LENGTH))
+        return finished
+
+    def _remove(self, abort: scheduler_pb2.AbortRequest) -> scheduler_pb2.Finish | None:
+        request = next((r for r in [*self._running, *self._waiting] if r.rid == abort.rid), None)
+        if request is None:
+            return None  # finished before the abort arrived
+        return self._finish(request, abort.reason or Reason.FINISH_REASON_ABORT, matched_stop=abort.matched_stop,
+                            message="aborted" if abort.reason in (0, Reason.FINISH_REASON_ABORT) else "")
+
+    def _finish(self, request: Request, reason: int, matched_token: int = 0, matched_stop: str = "",
+                message: str = "") -> scheduler_pb2.Finish:
+        if request.slot >= 0:
+            self.runner.cache.release(request.slot)
+            request.slot = -1
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        with self._live_lock:
+            self._live.discard(request.rid)
+        if reason == Reason.FINISH_REASON_ABORT:
+            self._aborted_total += 1
+        else:
+            self._finished_total += 1
+        return scheduler_pb2.Finish(rid=request.rid, reason=reason, matched_token=matched_token,
+                                    matched_stop=matched_stop, message=message)
+
+    def _update_stats(self) -> None:
+        # Swapped whole so that GetStats (another thread) reads a consistent snapshot.
+        self.stats = scheduler_pb2.SchedulerStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_slots_used=self.runner.cache.used_slots,
+            kv_slots_total=self.runner.cache.num_slots,
+            kv_tokens_used=sum(r.length for r in self._running),
+            steps=self._step,
+            finished=self._finished_total,
+            aborted=self._aborted_total,
+        )

@@ -1,0 +1,123 @@
+"""A request's validated parameters and its state while the scheduler holds it."""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.common.pb import scheduler_pb2
+
+
+class InvalidRequest(ValueError):
+    """A TokenizedRequest the scheduler refuses; the message starts with the field name."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int
+    max_top_logprobs: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class Request:
+    rid: str
+    owner: str
+    input_ids: np.ndarray  # [prompt_len] int64
+    detokenize: scheduler_pb2.DetokenizeParams
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int  # 0: off
+    min_p: float
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    return_logprob: bool
+    top_logprobs_num: int  # 0 unless return_logprob
+    logprob_start_len: int  # -1 unless return_logprob
+    token_ids_logprob: list[int]  # empty unless return_logprob
+    seed: int | None
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence so far (prompt + generated)."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
+
+    @property
+    def prompt_logprob_start(self) -> int:
+        """First prompt position that gets a logprob row (position 0 never has one)."""
+        return max(self.logprob_start_len, 1)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The request's own random stream (seeded requests only), so that its draws
+        do not depend on which other requests share the step."""
+        if self.seed is not None and self._generator is None:
+            self._generator = torch.Generator(device).manual_seed(self.seed)
+        return self._generator
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(f"{name}: {message}")
+
+
+def _check_ids(ids, name: str, vocab_size: int) -> None:
+    array = np.asarray(ids, dtype=np.int64)
+    _check(bool((array >= 0).all() and (array < vocab_size).all()), name, f"token ids must be in [0, {vocab_size})")
+
+
+def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Request:
+    """Validate a TokenizedRequest; raises InvalidRequest naming the offending field."""
+    sampling, logprob = msg.sampling, msg.logprob
+    _check(bool(msg.rid), "rid", "must not be empty")
+    input_ids = np.array(msg.input_ids, dtype=np.int64)
+    _check(len(input_ids) > 0, "input_ids", "must not be empty")
+    _check_ids(input_ids, "input_ids", limits.vocab_size)
+    _check(len(input_ids) < limits.max_context, "input_ids",
+           f"{len(input_ids)} tokens leave no room to generate within max_context {limits.max_context}")
+    _check(sampling.max_new_tokens > 0, "sampling.max_new_tokens", "must be positive")
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be >= 0")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    _check(0 < top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+    min_p = sampling.min_p if sampling.HasField("min_p") else 0.0
+    _check(0 <= min_p <= 1, "sampling.min_p", "must be in [0, 1]")
+    _check_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits.vocab_size)
+
+    wants = logprob.return_logprob
+    _check(logprob.top_logprobs_num <= limits.max_top_logprobs, "logprob.top_logprobs_num",
+           f"{logprob.top_logprobs_num} exceeds the maximum {limits.max_top_logprobs}")
+    _check(-1 <= logprob.logprob_start_len < len(msg.input_ids), "logprob.logprob_start_len",
+           "must be -1 (no prompt logprobs) or a prompt position")
+    _check_ids(logprob.token_ids_logprob, "logprob.token_ids_logprob", limits.vocab_size)
+
+    eos = () if sampling.ignore_eos else limits.eos_token_ids
+    return Request(
+        rid=msg.rid,
+        owner=msg.owner,
+        input_ids=input_ids,
+        detokenize=msg.detokenize,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(sampling.top_k, 0) if sampling.HasField("top_k") else 0,
+        min_p=min_p,
+        stop_ids=frozenset(sampling.stop_token_ids) | frozenset(eos),
+        return_logprob=wants,
+        top_logprobs_num=logprob.top_logprobs_num if wants else 0,
+        logprob_start_len=logprob.logprob_start_len if wants else -1,
+        token_ids_logprob=list(logprob.token_ids_logprob) if wants else [],
+        seed=sampling.seed if sampling.HasField("seed") else None,
+    )

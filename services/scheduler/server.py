@@ -1,0 +1,126 @@
+"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats.
+
+Handlers run on the asyncio loop; the model runs in the engine thread. Each step
+message is handed back to the loop with call_soon_threadsafe and broadcast to every
+StreamSteps subscriber's queue.
+"""
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+
+from services.common.config import parse_config
+from services.common.model_store import resolve_model
+from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.rpc import add_health_and_reflection, create_server, mark_serving
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine import Engine
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.request import InvalidRequest, Limits, parse_request
+
+log = logging.getLogger("flatwire.scheduler")
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerConfig, model_name: str, runner: ModelRunner):
+        self.limits = Limits(vocab_size=runner.vocab_size, max_context=runner.max_context,
+                             max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids))
+        self.model_info = scheduler_pb2.ModelInfo(
+            model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
+            eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
+            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            max_running_requests=config.max_running_requests)
+        self._loop = asyncio.get_running_loop()
+        self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream
+        self.engine = Engine(runner, config, publish=self._publish_threadsafe)
+
+    def _publish_threadsafe(self, message: scheduler_pb2.StepOutput) -> None:
+        self._loop.call_soon_threadsafe(self._broadcast, message)
+
+    def _broadcast(self, message: scheduler_pb2.StepOutput | None) -> None:
+        for subscriber in self._subscribers:
+            subscriber.put_nowait(message)
+
+    def end_streams(self) -> None:
+        """Finish every StepOutput stream with OK (shutdown), rather than cutting it."""
+        self._broadcast(None)
+
+    async def Submit(self, request, context):
+        try:
+            parsed = parse_request(request, self.limits)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not self.engine.submit(parsed):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running")
+        return scheduler_pb2.SubmitReply()
+
+    async def Abort(self, request, context):
+        if request.reason not in (arrays_pb2.FINISH_REASON_UNSPECIFIED, arrays_pb2.FINISH_REASON_ABORT,
+                                  arrays_pb2.FINISH_REASON_STOP_STRING):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reason: must be ABORT or STOP_STRING")
+        if not self.engine.abort(request.rid, request.reason, request.matched_stop):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"rid: no running request {request.rid!r}")
+        return scheduler_pb2.AbortReply()
+
+    async def StreamSteps(self, request, context):
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            # Tells the subscriber it is registered: every step from now on reaches it.
+            await context.send_initial_metadata(())
+            while (message := await queue.get()) is not None:
+                yield message
+        finally:
+            self._subscribers.discard(queue)
+
+    async def GetModelInfo(self, request, context):
+        return self.model_info
+
+    async def GetStats(self, request, context):
+        return self.engine.stats
+
+
+async def serve(config: SchedulerConfig) -> None:
+    model_dir = resolve_model(config.model, config.cache_dir)
+    runner = await asyncio.to_thread(
+        ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests)
+    service = SchedulerService(config, config.model or model_dir.name, runner)
+    server = create_server(config.max_message_mb)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    service.engine.start()
+    await server.start()
+    await mark_serving(health, [SERVICE_NAME])
+    log.info("scheduler serving on %s", address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await asyncio.to_thread(service.engine.stop)  # its last steps are queued before the end of the streams
+    service.end_streams()
+    await server.stop(grace=1.0)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    try:
+        config = parse_config(SchedulerConfig, argv, prog)
+    except ValueError as exc:
+        sys.exit(f"{prog or 'scheduler'}: {exc}")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+        log.info("interrupted")
+
+
+if __name__ == "__main__":
+    main()

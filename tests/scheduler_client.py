@@ -1,0 +1,115 @@
+"""A test-side scheduler client: submits requests as one owner and collects that
+owner's outputs from the StepOutput stream (as a detokenizer would)."""
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from services.common.arrays import LogprobArrays, block_offsets, decode_block, request_slice
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.rpc import message_options
+
+
+@dataclass
+class Collected:
+    """Everything the stream said about one request."""
+
+    start: scheduler_pb2.RequestStart | None = None
+    start_step: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # step numbers that carried a token
+    output: list[LogprobArrays] = field(default_factory=list)  # one per token in steps that had an output block
+    prompt: LogprobArrays | None = None
+    finish: scheduler_pb2.Finish | None = None
+    finish_step: int = -1
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def topk(self) -> tuple[np.ndarray, np.ndarray]:
+        """Output top-k as [tokens, k] values and ids."""
+        k = int(self.output[0].topk[0])
+        return (np.stack([o.topk_values for o in self.output]).reshape(-1, k),
+                np.stack([o.topk_ids for o in self.output]).reshape(-1, k))
+
+
+class SchedulerClient:
+    def __init__(self, address: str):
+        self.owner = f"test-{uuid.uuid4().hex[:8]}"
+        self.channel = grpc.insecure_channel(address, options=message_options(256))
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.requests: dict[str, Collected] = {}
+        self.messages: list[scheduler_pb2.StepOutput] = []  # every step message seen
+        self._lock = threading.Lock()
+        self._stream = self.stub.StreamSteps(scheduler_pb2.StreamStepsRequest())
+        self._stream.initial_metadata()  # the server has registered us
+        self._thread = threading.Thread(target=self._consume, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._thread.join(timeout=5)
+        self.channel.close()
+
+    def submit(self, rid: str | None = None, **fields) -> str:
+        rid = rid or uuid.uuid4().hex
+        with self._lock:
+            self.requests.setdefault(rid, Collected())
+        self.stub.Submit(scheduler_pb2.TokenizedRequest(rid=rid, owner=self.owner, **fields), timeout=30)
+        return rid
+
+    def wait(self, rid: str, timeout: float = 120) -> Collected:
+        collected = self.requests[rid]
+        if not collected.done.wait(timeout):
+            raise TimeoutError(f"{rid}: no finish after {timeout}s ({len(collected.token_ids)} tokens)")
+        return collected
+
+    def wait_tokens(self, rid: str, count: int, timeout: float = 60) -> None:
+        """Block until `rid` has produced `count` tokens."""
+        deadline = time.monotonic() + timeout
+        while len(self.requests[rid].token_ids) < count:
+            if self.requests[rid].done.is_set() or time.monotonic() > deadline:
+                raise TimeoutError(f"{rid}: {len(self.requests[rid].token_ids)} of {count} tokens")
+            time.sleep(0.005)
+
+    def stats(self) -> scheduler_pb2.SchedulerStats:
+        return self.stub.GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+
+    def _consume(self) -> None:
+        try:
+            for message in self._stream:
+                self._record(message)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise
+
+    def _record(self, message: scheduler_pb2.StepOutput) -> None:
+        with self._lock:
+            self.messages.append(message)
+            mine = self.requests
+            for start in message.started:
+                if start.owner == self.owner:
+                    mine[start.rid].start = start
+                    mine[start.rid].start_step = message.step
+            output = decode_block(message.output) if message.HasField("output") else None
+            if output is not None:
+                output_offsets = block_offsets(output.rows, output.topk, output.id_counts)
+            for row, rid in enumerate(message.rids):
+                if rid in mine:
+                    mine[rid].token_ids.append(message.token_ids[row])
+                    mine[rid].steps.append(message.step)
+                    if output is not None:
+                        mine[rid].output.append(request_slice(output, output_offsets, row))
+            if message.prompt_rids:
+                prompt = decode_block(message.prompt)
+                prompt_offsets = block_offsets(prompt.rows, prompt.topk, prompt.id_counts)
+                for row, rid in enumerate(message.prompt_rids):
+                    if rid in mine:
+                        mine[rid].prompt = request_slice(prompt, prompt_offsets, row)
+            for finish in message.finished:
+                if finish.rid in mine:
+                    mine[finish.rid].finish = finish
+                    mine[finish.rid].finish_step = message.step
+                    mine[finish.rid].done.set()

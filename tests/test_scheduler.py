@@ -1,0 +1,139 @@
+"""The scheduler's outputs against transformers, over gRPC, with requests batched together."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.common.pb import arrays_pb2, scheduler_pb2
+from tests.scheduler_client import SchedulerClient
+
+VOCAB_SAMPLE = 240_000  # prompt ids drawn below the special tokens
+TIE = 1e-5  # reference candidates closer than this may swap places in the top-k
+
+
+@pytest.fixture(scope="module")
+def client(scheduler_address):
+    client = SchedulerClient(scheduler_address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def greedy(max_new_tokens: int) -> scheduler_pb2.SamplingParams:
+    return scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB_SAMPLE, length).tolist()
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """float32 log-softmax at every position of one forward over the whole sequence."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def assert_topk_matches(values: np.ndarray, ids: np.ndarray, ref_rows: torch.Tensor) -> None:
+    """[rows, k] top-k equal to the reference's, ids exact except between near-tied candidates."""
+    ref_values, ref_ids = ref_rows.topk(values.shape[1], dim=-1)
+    np.testing.assert_allclose(values, ref_values.numpy(), atol=1e-4, rtol=0)
+    ref_values, ref_ids = ref_values.numpy(), ref_ids.numpy()
+    gap_before = np.abs(np.diff(ref_values, axis=1, prepend=np.inf))
+    gap_after = np.abs(np.diff(ref_values, axis=1, append=-np.inf))
+    unambiguous = np.minimum(gap_before, gap_after) > TIE
+    np.testing.assert_array_equal(ids[unambiguous], ref_ids[unambiguous])
+    assert unambiguous.mean() > 0.5  # the check compares something
+
+
+def test_batched_greedy_matches_transformers(client, reference):
+    """Four requests of different lengths arriving at different times: tokens and logprobs
+    match transformers' generate and a full-sequence log_softmax reference."""
+    specs = {  # name: (prompt, top_logprobs_num, logprob_start_len, token_ids_logprob)
+        "a": (prompt(1, 6), 5, 0, [10, 200_000]),
+        "b": (prompt(2, 23), 20, 11, []),
+        "c": (prompt(3, 57), 0, -1, []),
+        "d": (prompt(4, 14), 3, 0, [7]),
+    }
+    new_tokens = 10
+
+    def submit(name):
+        ids, k, start, token_ids = specs[name]
+        return client.submit(
+            input_ids=ids, sampling=greedy(new_tokens),
+            logprob=scheduler_pb2.LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=start,
+                                                token_ids_logprob=token_ids))
+
+    rids = {"a": submit("a")}
+    client.wait_tokens(rids["a"], 2)
+    rids["b"], rids["c"] = submit("b"), submit("c")
+    client.wait_tokens(rids["b"], 1)
+    rids["d"] = submit("d")
+    results = {name: client.wait(rid) for name, rid in rids.items()}
+
+    # They really were batched: a decoded while b and c prefilled, and d joined running requests.
+    assert set(results["a"].steps) & set(results["b"].steps)
+    assert set(results["d"].steps) & set(results["c"].steps)
+
+    for name, result in results.items():
+        ids, k, start, token_ids = specs[name]
+        assert result.start.prompt_tokens == len(ids) and result.start.owner == client.owner
+        assert result.start_step <= result.steps[0]
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):]
+        assert result.token_ids == expected.tolist(), name
+        reason = arrays_pb2.FINISH_REASON_LENGTH if len(expected) == new_tokens else arrays_pb2.FINISH_REASON_STOP_TOKEN
+        assert result.finish.reason == reason
+        if not k:
+            assert result.prompt is None
+            continue
+        ref = reference_logprobs(reference, ids + result.token_ids)
+        output_rows = ref[len(ids) - 1:len(ids) - 1 + len(result.token_ids)]
+        values, top_ids = result.topk()
+        assert_topk_matches(values, top_ids, output_rows)
+        token_logprobs = np.concatenate([o.token_logprobs for o in result.output])
+        np.testing.assert_allclose(token_logprobs, output_rows.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+        if token_ids:
+            ids_logprobs = np.stack([o.ids_logprobs for o in result.output])
+            np.testing.assert_allclose(ids_logprobs, output_rows[:, token_ids], atol=1e-4, rtol=0)
+
+        first = max(start, 1)
+        prompt_rows = ref[first - 1:len(ids) - 1]
+        got = result.prompt
+        assert got.rows.tolist() == [len(ids) - first]
+        assert got.null_prefix.tolist() == [int(start == 0)]
+        assert_topk_matches(got.topk_values.reshape(-1, k), got.topk_ids.reshape(-1, k), prompt_rows)
+        np.testing.assert_allclose(got.token_logprobs, prompt_rows.gather(1, torch.tensor(ids[first:])[:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+        if token_ids:
+            np.testing.assert_allclose(got.ids_logprobs.reshape(-1, len(token_ids)), prompt_rows[:, token_ids],
+                                       atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05),
+], ids=["plain", "top_p-top_k-min_p"])
+def test_seeded_sampling_reproducible_across_batches(client, params):
+    ids = prompt(5, 9)
+
+    def sampled(seed):
+        return scheduler_pb2.SamplingParams(max_new_tokens=12, seed=seed, **params)
+
+    solo = client.wait(client.submit(input_ids=ids, sampling=sampled(7))).token_ids
+    # Same seed while other requests share the steps (prefilling and decoding around it).
+    others = [client.submit(input_ids=prompt(10 + n, n), sampling=greedy(16)) for n in (5, 31, 12)]
+    client.wait_tokens(others[0], 1)
+    batched_rid = client.submit(input_ids=ids, sampling=sampled(7))
+    late = client.submit(input_ids=prompt(20, 17), sampling=greedy(4))
+    batched = client.wait(batched_rid)
+    for rid in [*others, late]:
+        client.wait(rid)
+    assert set(batched.steps) & set(client.requests[others[1]].steps)
+
+    assert batched.token_ids == solo
+    assert client.wait(client.submit(input_ids=ids, sampling=sampled(8))).token_ids != solo
