@@ -21,3 +21,9 @@ async def resolve(entry: str) -> list[str]:
         if f"{ip}:{port}" not in addresses:
             addresses.append(f"{ip}:{port}")
     return addresses
+
+
+def subscription_health_name(scheduler: str) -> str:
+    """The gRPC health service under which a detokenizer reports following `scheduler`'s
+    (an 'ip:port' replica) step stream: the gateway sends it requests only once this is SERVING."""
+    return f"flatwire.steps/{scheduler}"

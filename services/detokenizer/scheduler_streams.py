@@ -35,6 +35,10 @@ class SchedulerStreams:
     def all_connected(self) -> bool:
         return not self._unresolved and bool(self._tasks) and self._connected == set(self._tasks)
 
+    def subscriptions(self) -> dict[str, bool]:
+        """Each followed replica -> whether its step stream is subscribed (no output of it can be missed)."""
+        return {address: address in self._connected for address in self._tasks}
+
     async def run(self) -> None:
         try:
             while True:

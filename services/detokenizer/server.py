@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
 from services.common.config import parse_config
+from services.common.discovery import subscription_health_name
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
@@ -64,14 +65,19 @@ class Pipeline:
 
 
 async def _report_health(streams: SchedulerStreams, servicer) -> None:
-    last = None
+    """Overall, and per scheduler replica (subscription_health_name), for the gateways' balancing."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    last: dict[str, int] = {}
     while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if streams.all_connected()
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if status != last:
-            for name in ("", SERVICE_NAME):
+        overall = serving if streams.all_connected() else not_serving
+        current = {"": overall, SERVICE_NAME: overall} | {
+            subscription_health_name(address): serving if subscribed else not_serving
+            for address, subscribed in streams.subscriptions().items()}
+        current |= {name: not_serving for name in last.keys() - current.keys()}  # replicas gone
+        for name, status in current.items():
+            if last.get(name) != status:
                 await servicer.set(name, status)
-            last = status
+        last = current
         await asyncio.sleep(HEALTH_POLL_S)
 
 

@@ -5,7 +5,9 @@ compose `--scale` and Kubernetes headless services publish them); names are
 re-resolved on every health round, so replicas that come and go are followed.
 Requests go to the healthy replica with the least outstanding work. A replica that
 fails its health check is taken out of rotation and its in-flight requests are
-ended at once through `on_replica_lost`; it rejoins when it answers again.
+ended at once through `on_replica_lost`. A replica (new, or back) joins only once
+it answers and every detokenizer reports following its step stream: outputs of a
+request submitted earlier would be lost, and the request would never end.
 """
 
 import asyncio
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.discovery import resolve
+from services.common.discovery import resolve, subscription_health_name
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
 from services.gateway.config import GatewayConfig
@@ -40,6 +42,8 @@ class SchedulerPool:
         self.replicas: dict[str, Replica] = {}
         self._on_replica_lost = on_replica_lost
         self._health_task: asyncio.Task | None = None
+        self._detokenizer_channels = [create_channel(a, config.max_message_mb) for a in config.detokenizers]
+        self._detokenizers = [health_pb2_grpc.HealthStub(channel) for channel in self._detokenizer_channels]
 
     async def start(self) -> None:
         await self._refresh()
@@ -48,8 +52,8 @@ class SchedulerPool:
     async def stop(self) -> None:
         if self._health_task:
             self._health_task.cancel()
-        for replica in self.replicas.values():
-            await replica.channel.close()
+        for channel in [r.channel for r in self.replicas.values()] + self._detokenizer_channels:
+            await channel.close()
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
@@ -121,16 +125,16 @@ class SchedulerPool:
 
     async def _check(self, replica: Replica) -> None:
         timeout = max(self.config.health_interval_s, 3.0)  # a busy replica is slow, not dead
-        try:
-            reply = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            up = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            up = False
-        if up and not replica.healthy:
+        up, *followed = await asyncio.gather(
+            _serving(replica.health, "", timeout),
+            *(_serving(d, subscription_health_name(replica.address), timeout) for d in self._detokenizers))
+        if not up:
+            self._mark_down(replica, "health check failed")
+        elif False in followed:  # a detokenizer does not carry its outputs (None: did not answer; no change)
+            self._mark_down(replica, "a detokenizer is not subscribed to it")
+        elif all(followed) and not replica.healthy:
             log.info("scheduler %s in rotation", replica.address)
             replica.healthy = True
-        elif not up:
-            self._mark_down(replica, "health check failed")
 
     def _mark_down(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
@@ -144,3 +148,12 @@ class SchedulerPool:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             await self._refresh()
+
+
+async def _serving(health: health_pb2_grpc.HealthStub, service: str, timeout: float) -> bool | None:
+    """SERVING -> True; NOT_SERVING or unknown service -> False; no answer -> None."""
+    try:
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        return False if exc.code() == grpc.StatusCode.NOT_FOUND else None
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
