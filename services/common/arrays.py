@@ -81,14 +81,15 @@ def encode_block(arrays: LogprobArrays) -> arrays_pb2.LogprobBlock:
 
 
 def decode_block(block: arrays_pb2.LogprobBlock) -> LogprobArrays:
+    # list() first: numpy converts a protobuf repeated field element by element, a list at once.
     return LogprobArrays(
-        rows=np.array(block.rows, dtype=np.int64),
-        null_prefix=np.array(block.null_prefix, dtype=np.int64),
+        rows=np.array(list(block.rows), dtype=np.int64),
+        null_prefix=np.array(list(block.null_prefix), dtype=np.int64),
         token_logprobs=np.frombuffer(block.token_logprobs, dtype=F32),
-        topk=np.array(block.topk, dtype=np.int64),
+        topk=np.array(list(block.topk), dtype=np.int64),
         topk_values=np.frombuffer(block.topk_values, dtype=F32),
         topk_ids=np.frombuffer(block.topk_ids, dtype=I32),
-        id_counts=np.array(block.id_counts, dtype=np.int64),
+        id_counts=np.array(list(block.id_counts), dtype=np.int64),
         ids_logprobs=np.frombuffer(block.ids_logprobs, dtype=F32),
     )
 

@@ -13,6 +13,7 @@ import sys
 import grpc
 
 from services.common.config import parse_config
+from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import add_health_and_reflection, create_server, mark_serving
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         config = parse_config(SchedulerConfig, argv, prog)
     except ValueError as exc:
         sys.exit(f"{prog or 'scheduler'}: {exc}")
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, "scheduler")
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading

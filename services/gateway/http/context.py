@@ -8,7 +8,6 @@ import numpy as np
 from fastapi import Request
 
 from services.common.arrays import F32, I32
-
 from services.gateway.config import GatewayConfig
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics

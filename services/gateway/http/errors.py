@@ -8,6 +8,8 @@ from fastapi import Response
 from services.gateway.engine import RequestError
 from services.gateway.protocol.parse import InvalidRequest
 
+# nginx's "client closed request": nobody reads it, it marks the log line of a request whose client left.
+CLIENT_CLOSED = 499
 ENGINE_STATUS = {"invalid_argument": 400, "not_found": 404, "unavailable": 503}
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}

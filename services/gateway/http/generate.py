@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request, Response
 
 from services.gateway.engine import Chunk, GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
@@ -17,7 +18,6 @@ from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
 
 ENDPOINT = "/generate"
-CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, it marks the log line
 
 router = APIRouter()
 

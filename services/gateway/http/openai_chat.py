@@ -6,8 +6,15 @@ from fastapi import APIRouter, Request, Response
 
 from services.gateway.engine import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
-from services.gateway.http.openai_common import (check_model, choice_meta_info, finish_fields, openai_format,
-                                                 response_id, usage)
+from services.gateway.http.errors import CLIENT_CLOSED
+from services.gateway.http.openai_common import (
+    check_model,
+    choice_meta_info,
+    finish_fields,
+    openai_format,
+    response_id,
+    usage,
+)
 from services.gateway.http.prompts import check_lengths, encode_chat
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
@@ -18,7 +25,6 @@ from services.gateway.render.pieces import dumps
 from services.gateway.result import LogprobTrack, RequestResult
 
 ENDPOINT = "/v1/chat/completions"
-CLIENT_CLOSED = 499
 
 router = APIRouter()
 

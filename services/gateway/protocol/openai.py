@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import InvalidRequest, check_token_ids, check_top_k
-from services.gateway.protocol.sampling import StopStrings, sampling_pb, stop_list
+from services.gateway.protocol.sampling import StopStrings, StopTokenIds, TopK, sampling_pb, stop_list
 
 
 class StreamOptions(BaseModel):
@@ -34,9 +34,9 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # SGLang extensions
-    top_k: int = -1
+    top_k: TopK = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -44,18 +44,6 @@ class OpenAIRequest(BaseModel):
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError("top_k must be -1 (no limit) or at least 1")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
-        return check_token_ids(value, info) if value else value
 
     @model_validator(mode="after")
     def _flat_flags(self) -> "OpenAIRequest":

@@ -1,11 +1,27 @@
 """Sampling options shared by SGLang's `sampling_params` and the OpenAI routes."""
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, Field, ValidationInfo
 
 from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import check_token_ids
 
 StopStrings = str | list[str] | None
+
+
+def _check_top_k(value: int) -> int:
+    if value == 0 or value < -1:
+        raise ValueError("top_k must be -1 (no limit) or at least 1")
+    return value
+
+
+def _check_stop_token_ids(value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+    return check_token_ids(value, info) if value else value
+
+
+TopK = Annotated[int, AfterValidator(_check_top_k)]
+StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)]
 
 
 def stop_list(stop: StopStrings) -> list[str]:
@@ -27,27 +43,15 @@ class SamplingOptions(BaseModel):
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: TopK = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop: StopStrings = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = Field(None, ge=0, lt=2**64)
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError("top_k must be -1 (no limit) or at least 1")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
-        return check_token_ids(value, info) if value else value
 
     def sampling(self, max_new_tokens: int | None = None) -> scheduler_pb2.SamplingParams:
         return sampling_pb(
