@@ -217,3 +217,23 @@ def test_subscribing_without_an_owner_is_rejected(scheduler_address, detokenizer
 
     error = run(scenario, scheduler_address, detokenizer_address)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "owner" in error.details()
+
+
+def test_requests_of_a_gateway_that_went_away_are_aborted(start_service, scheduler_address):
+    """An owner that unsubscribes and stays away past the grace period gets its requests stopped."""
+    _, detokenizer = start_service("detokenizer", "--schedulers", scheduler_address, "--owner-grace-s", "0.5")
+
+    async def scenario(peers: Peers):
+        direct = await peers.scheduler_stream()
+        call = await peers.owner_stream("gw-gone")
+        rid = await peers.submit("gw-gone", PROMPTS[0], max_new_tokens=100_000)
+        async for message in call:  # running
+            if rid in message.rids:
+                break
+        call.cancel()  # the gateway is gone
+        finished = await until_finished(direct, {rid})
+        return rid, per_request(finished)[rid]
+
+    rid, seen = run(scenario, scheduler_address, detokenizer)
+    assert seen["finish"].reason == Reason.FINISH_REASON_ABORT
+    assert len(seen["ids"]) < 100_000

@@ -14,3 +14,5 @@ class DetokenizerConfig(ServiceConfig):
                                    "to several addresses counts as one replica each")
     resolve_interval_s: float = option(5.0, "seconds between re-resolving scheduler names (replicas come and go)")
     reconnect_max_s: float = option(2.0, "longest wait between reconnection attempts to a scheduler")
+    owner_grace_s: float = option(10.0, "seconds a gateway may stay unsubscribed before its running requests are "
+                                  "aborted (it died, or lost its connection for good)")

@@ -101,6 +101,10 @@ class DetokenizerManager:
             self.requests.pop(finish.rid, None)
         return owned, aborts
 
+    def requests_of(self, owner: str) -> list[tuple[str, str]]:
+        """(rid, scheduler) of every running request that `owner` submitted."""
+        return [(rid, state.scheduler) for rid, state in self.requests.items() if state.owner == owner]
+
     def drop_scheduler(self, scheduler: str) -> OwnedStep:
         """Its stream is gone: end its requests (their remaining steps are lost) and tell their owners."""
         owned = OwnedStep(scheduler_pb2.StepOutput())

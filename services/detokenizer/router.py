@@ -37,6 +37,9 @@ class Router:
         if not self._queues[owner]:
             del self._queues[owner]
 
+    def subscribed(self, owner: str) -> bool:
+        return owner in self._queues
+
     def publish(self, owned: OwnedStep) -> None:
         """Send each subscribed owner the part of the step that is theirs; others' parts are dropped."""
         if not self._queues:

@@ -29,8 +29,9 @@ HEALTH_POLL_S = 0.1
 
 
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, on_owner_left):
         self.router = router
+        self._on_owner_left = on_owner_left
 
     async def StreamOutputs(self, request, context):
         if not request.owner:
@@ -44,6 +45,8 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
                 yield await queue.get()
         finally:
             self.router.unsubscribe(request.owner, queue)
+            if not self.router.subscribed(request.owner):
+                self._on_owner_left(request.owner)
 
 
 class Pipeline:
@@ -52,7 +55,9 @@ class Pipeline:
     def __init__(self, manager: DetokenizerManager, router: Router, config: DetokenizerConfig):
         self.manager = manager
         self.router = router
+        self.owner_grace_s = config.owner_grace_s
         self.streams = SchedulerStreams(config, self.on_step, self.on_lost)
+        self._abandoning: dict[str, asyncio.Task] = {}
 
     def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
         owned, aborts = self.manager.process(step, scheduler)
@@ -62,6 +67,25 @@ class Pipeline:
 
     def on_lost(self, scheduler: str) -> None:
         self.router.publish(self.manager.drop_scheduler(scheduler))
+
+    def on_owner_left(self, owner: str) -> None:
+        """A gateway unsubscribed: unless it is back within the grace period, stop its requests,
+        which nobody would read (a dead gateway's requests would otherwise run to max_new_tokens)."""
+        if owner not in self._abandoning:
+            task = asyncio.create_task(self._abandon(owner))
+            self._abandoning[owner] = task
+            task.add_done_callback(lambda _: self._abandoning.pop(owner, None))
+
+    async def _abandon(self, owner: str) -> None:
+        await asyncio.sleep(self.owner_grace_s)
+        if self.router.subscribed(owner):
+            return
+        requests = self.manager.requests_of(owner)
+        if requests:
+            log.warning("gateway %s gone for %.0fs: aborting its %d requests", owner, self.owner_grace_s,
+                        len(requests))
+        for rid, scheduler in requests:
+            self.streams.abort(scheduler, scheduler_pb2.AbortRequest(rid=rid))
 
 
 async def _report_health(streams: SchedulerStreams, servicer) -> None:
@@ -87,7 +111,7 @@ async def serve(config: DetokenizerConfig) -> None:
     pipeline = Pipeline(DetokenizerManager(tokenizer), router, config)
 
     server = create_server(config.max_message_mb)
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router), server)
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router, pipeline.on_owner_left), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
