@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from services.common.arrays import LogprobArrays, block_offsets, decode_block, encode_block, request_slice
 from services.common.pb import arrays_pb2, scheduler_pb2
+from services.detokenizer.batch_decode import batch_decoder
 from services.detokenizer.decode_status import REPLACEMENT_CHAR
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
@@ -28,15 +29,21 @@ def tokenizer(model_dir):
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting batch_decode calls."""
+    """The real tokenizer, counting batched decode calls (through transformers or straight to Rust)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.clean_up_tokenization_spaces = tokenizer.clean_up_tokenization_spaces
+        self._tokenizer = self  # the Rust backend's decode_batch, counted too
         self.calls = 0
 
     def batch_decode(self, sequences, **options):
         self.calls += 1
         return self.tokenizer.batch_decode(sequences, **options)
+
+    def decode_batch(self, sequences, skip_special_tokens):
+        self.calls += 1
+        return self.tokenizer._tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
 
 def params(**fields) -> scheduler_pb2.DetokenizeParams:
@@ -102,6 +109,14 @@ def test_one_step_decodes_all_its_requests_in_two_batched_calls(tokenizer):
     ids = tokenizer.encode("several requests share this step")
     run(manager, {f"r{n}": (ids, params(skip_special_tokens=True)) for n in range(5)})
     assert counting.calls == 2 * len(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_direct_rust_decode_equals_transformers_batch_decode(tokenizer, skip):
+    sequences = [tokenizer.encode(text) + [248046, 248045] for text in ("plain words", "中文 🎉 mixed", "")]
+    sequences.append([0xE4 - 0x21, 248044])  # a lone byte token, then a special token
+    assert batch_decoder(tokenizer)(sequences, skip, True) == tokenizer.batch_decode(sequences,
+                                                                                     skip_special_tokens=skip)
 
 
 def test_skip_special_tokens(tokenizer):

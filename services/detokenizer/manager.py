@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from services.common.pb import arrays_pb2, scheduler_pb2
+from services.detokenizer.batch_decode import batch_decoder
 from services.detokenizer.decode_status import DecodeStatus
 from services.detokenizer.router import OwnedStep
 from services.detokenizer.stop_strings import StopStrings
@@ -43,7 +44,7 @@ class _Entry:
 
 class DetokenizerManager:
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+        self._batch_decode = batch_decoder(tokenizer)
         self.requests: dict[str, RequestState] = {}
         # Requests ended here by a stop string -> their scheduler, until the scheduler's own
         # Finish for them arrives (steps already in flight still carry them).
@@ -124,9 +125,8 @@ class DetokenizerManager:
         results: list = [None] * len(entries)
         for (skip, spaces), members in groups.items():
             statuses = [entries[n].state.status for n in members]
-            options = dict(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
-            surr_texts = self.tokenizer.batch_decode([s.surr_ids() for s in statuses], **options)
-            read_texts = self.tokenizer.batch_decode([s.read_ids() for s in statuses], **options)
+            surr_texts = self._batch_decode([s.surr_ids() for s in statuses], skip, spaces)
+            read_texts = self._batch_decode([s.read_ids() for s in statuses], skip, spaces)
             for n, status, surr_text, read_text in zip(members, statuses, surr_texts, read_texts):
                 searched = len(status.decoded_text)
                 results[n] = (searched, *status.advance(surr_text, read_text))
