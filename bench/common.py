@@ -176,7 +176,8 @@ def machine_line() -> str:
     m = machine()
     libs = ", ".join(f"{k} {v}" for k, v in m.items() if k not in ("cpu", "cores", "os", "python", "load_average_1m"))
     # The load says how much other work shared the cores while this ran.
-    return f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, {libs}; load average {m['load_average_1m']} at the end"
+    return (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, {libs}; "
+            f"load average {m['load_average_1m']} at the end")
 
 
 def write_results(name: str, command: str, tables: list[Table], data: dict[str, Any], notes: str = "") -> str:

@@ -24,9 +24,10 @@ import grpc
 import numpy as np
 
 from bench.common import Interleaved, Progress, Table, Timing, fmt_bytes, fmt_ratio, fmt_time, write_results
-from services.common.arrays import F32, I32, LogprobArrays, block_offsets, decode_block, encode_block, request_slice
+from services.common.arrays import F32, I32, LogprobArrays, encode_block
 from services.common.pb import scheduler_pb2
 from services.common.rpc import DEFAULT_MAX_MESSAGE_MB, create_channel, create_server
+from services.gateway.accumulator import StepBlock
 
 VOCAB = 248077  # the Qwen3.5 vocabulary of the default model
 STREAM_METHOD = "/flatwire.v1.Scheduler/StreamSteps"
@@ -96,15 +97,13 @@ def encode_step(step: StepArrays, number: int = 0) -> bytes:
 
 
 def decode_step(data: bytes) -> list:
-    """Parse and split per request, as the gateway's dispatch does."""
+    """Parse and split per request, as the gateway's dispatch does (StepBlock byte ranges)."""
     message = scheduler_pb2.StepOutput.FromString(data)
     if message.prompt_rids:
-        prompt = decode_block(message.prompt)
-        offsets = block_offsets(prompt.rows, prompt.topk, prompt.id_counts)
-        return [(rid, request_slice(prompt, offsets, i)) for i, rid in enumerate(message.prompt_rids)]
-    output = decode_block(message.output)
-    offsets = block_offsets(output.rows, output.topk, output.id_counts)
-    return [(rid, message.token_ids[i], request_slice(output, offsets, i)) for i, rid in enumerate(message.rids)]
+        prompt = StepBlock.of(message.prompt)
+        return [(rid, prompt.ranges(i)) for i, rid in enumerate(message.prompt_rids)]
+    output = StepBlock.of(message.output)
+    return [(rid, message.token_ids[i], output.ranges(i)) for i, rid in enumerate(message.rids)]
 
 
 # ---- SGLang: nested Python lists of (logprob, token_id, text) through pickle ----
@@ -257,17 +256,11 @@ def breakdown_cases(shape: Shape) -> dict[str, Callable[[], object]]:
     """The gateway side of one hop, step by step (where decode + slice goes)."""
     data = encode_step(make_step(shape))
     message = scheduler_pb2.StepOutput.FromString(data)
-    arrays = decode_block(message.output)
-    offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
-
-    def arrays_and_offsets():
-        decoded = decode_block(message.output)
-        return block_offsets(decoded.rows, decoded.topk, decoded.id_counts)
-
+    block = StepBlock.of(message.output)
     return {
         "StepOutput.FromString": lambda: scheduler_pb2.StepOutput.FromString(data),
-        "decode_block + block_offsets": arrays_and_offsets,
-        f"request_slice x {shape.requests}": lambda: [request_slice(arrays, offsets, i) for i in range(shape.requests)],
+        "StepBlock.of (offsets)": lambda: StepBlock.of(message.output),
+        f"byte ranges x {shape.requests}": lambda: [block.ranges(i) for i in range(shape.requests)],
     }
 
 
@@ -354,9 +347,9 @@ def tables(results: list[HopResult], prompt: dict, slopes: list[dict], target: H
                 ["B", "k", "message", "encode", "transport", "decode + slice", "hop (sum)", "streamed (pipelined)"],
                 "encode: numpy -> encode_block -> SerializeToString. transport: pre-serialized messages "
                 "streamed back to back, per message (first to last arrival). decode + slice: FromString -> "
-                "decode_block -> one request_slice per request. hop (sum) = encode + transport + decode, "
-                "no overlap credited. streamed: the server encodes each message from numpy and the client "
-                "decodes and slices each, per message; server and client overlap on the two cores.")
+                "StepBlock.of -> byte ranges per request, as the gateway dispatches. "
+                "hop (sum) = encode + transport + decode, no overlap credited. streamed: the server encodes "
+                "each message from numpy and the client decodes and slices each, per message; server and client overlap on the two cores.")
     nested = Table("The same step as SGLang-style nested lists through pickle (serialization only)",
                    ["B", "k", "pickle", "flat", "build lists", "pickle.dumps", "pickle.loads",
                     "nested total", "flat encode + decode", "nested / flat time", "nested / flat bytes"],

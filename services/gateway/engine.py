@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from services.common.arrays import I32, LogprobArrays, block_offsets, decode_block, request_slice
+from services.common.arrays import I32
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import create_channel
+from services.gateway.accumulator import Accumulator, StepBlock, track_of
 from services.gateway.config import GatewayConfig
 from services.gateway.result import LogprobTrack, RequestResult
 from services.gateway.schedulers import SchedulerPool
@@ -70,41 +71,16 @@ class Chunk:
 
 
 @dataclass
-class _Step:
-    """One step's contribution to one request."""
-
-    token_id: int | None
-    text: str
-    output: LogprobArrays | None
-
-
-@dataclass
 class RequestState:
     rid: str
     inp: GenerateInput
     started_at: float
+    outputs: Accumulator
     scheduler: str = ""
-    steps: list[_Step] = field(default_factory=list)
-    pending: int = 0  # steps not yet handed to the consumer
     prompt: LogprobTrack | None = None
     prompt_sent: bool = False
     result: RequestResult | None = None
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def _track(arrays: list[LogprobArrays], token_ids: np.ndarray, logprob: scheduler_pb2.LogprobParams) -> LogprobTrack:
-    """Join per-step single-request slices into one track."""
-    k, m = logprob.top_logprobs_num, len(logprob.token_ids_logprob)
-    if not arrays:
-        return LogprobTrack.empty(k, m)
-    return LogprobTrack(
-        token_ids=token_ids,
-        token_logprobs=np.concatenate([a.token_logprobs for a in arrays]),
-        # Explicit row counts: reshape(-1, 0) cannot infer them when k or m is 0.
-        topk_values=np.concatenate([a.topk_values for a in arrays]).reshape(len(token_ids), k),
-        topk_ids=np.concatenate([a.topk_ids for a in arrays]).reshape(len(token_ids), k),
-        ids_logprobs=np.concatenate([a.ids_logprobs for a in arrays]).reshape(len(token_ids), m),
-    )
 
 
 class Engine:
@@ -139,7 +115,7 @@ class Engine:
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         rid = uuid.uuid4().hex
-        state = RequestState(rid=rid, inp=inp, started_at=time.perf_counter())
+        state = RequestState(rid=rid, inp=inp, started_at=time.perf_counter(), outputs=Accumulator(inp.logprob))
         self._requests[rid] = state
         request = scheduler_pb2.TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
@@ -170,16 +146,10 @@ class Engine:
             raise RequestError(status, detail.split(":", 1)[0] if status != "unavailable" else None, detail) from None
 
     def _take_chunk(self, state: RequestState) -> Chunk:
-        new_steps = state.steps[len(state.steps) - state.pending:] if state.pending else []
-        state.pending = 0
-        token_ids = [s.token_id for s in new_steps if s.token_id is not None]
-        chunk = Chunk(token_ids=token_ids, text="".join(s.text for s in new_steps), rid=state.rid)
-        if state.inp.logprob.return_logprob and token_ids:
-            chunk.output = _track([s.output for s in new_steps if s.output is not None],
-                                  np.asarray(token_ids, dtype=I32), state.inp.logprob)
+        token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
+        chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=state.result)
         if state.prompt is not None and not state.prompt_sent:
             chunk.prompt, state.prompt_sent = state.prompt, True
-        chunk.result = state.result
         return chunk
 
     # -- outputs ----------------------------------------------------------------------------------------
@@ -208,25 +178,17 @@ class Engine:
     def _dispatch(self, step: scheduler_pb2.StepOutput) -> None:
         touched: set[str] = set()
         if step.rids:
-            output = decode_block(step.output) if step.output.rows else None
-            offsets = block_offsets(output.rows, output.topk, output.id_counts) if output else None
-            for i, rid in enumerate(step.rids):
-                state = self._requests.get(rid)
-                if state is None:
-                    continue
-                arrays = None
-                if output is not None and state.inp.logprob.return_logprob:
-                    arrays = request_slice(output, offsets, i)
-                state.steps.append(_Step(step.token_ids[i], step.texts[i] if step.texts else "", arrays))
-                state.pending += 1
-                touched.add(rid)
+            block = StepBlock.of(step.output) if step.output.rows else None
+            texts = step.texts or [""] * len(step.rids)
+            for i, (rid, token_id, text) in enumerate(zip(step.rids, step.token_ids, texts)):
+                if state := self._requests.get(rid):
+                    state.outputs.add(token_id, text, block, i)
+                    touched.add(rid)
         if step.prompt_rids:
-            prompt = decode_block(step.prompt)
-            offsets = block_offsets(prompt.rows, prompt.topk, prompt.id_counts)
+            block = StepBlock.of(step.prompt)
             for i, rid in enumerate(step.prompt_rids):
-                state = self._requests.get(rid)
-                if state is not None:
-                    state.prompt = _prompt_track(state, prompt, offsets, i)
+                if state := self._requests.get(rid):
+                    state.prompt = _prompt_track(state, block, step.prompt.null_prefix[i], i)
                     touched.add(rid)
         for finish in step.finished:
             state = self._requests.get(finish.rid)
@@ -237,16 +199,17 @@ class Engine:
             self._requests[rid].wakeup.set()
 
     def _finish(self, state: RequestState, finish: scheduler_pb2.Finish) -> None:
-        output_ids = [s.token_id for s in state.steps if s.token_id is not None]
+        output_ids, text, output = state.outputs.whole()
         result = RequestResult(
             rid=state.rid,
             prompt_tokens=len(state.inp.input_ids),
             output_ids=output_ids,
-            text="".join(s.text for s in state.steps),
+            text=text,
             finish_reason=FINISH_NAMES.get(finish.reason, "abort"),
             e2e_latency=time.perf_counter() - state.started_at,
             token_ids_logprob=list(state.inp.logprob.token_ids_logprob) or None,
             prompt=state.prompt,
+            output=output,
         )
         if finish.reason == FinishReason.FINISH_REASON_STOP_TOKEN:
             result.matched_stop = finish.matched_token
@@ -254,9 +217,6 @@ class Engine:
             result.matched_stop = finish.matched_stop
         elif finish.reason == FinishReason.FINISH_REASON_ABORT:
             result.error = finish.message or "aborted"
-        if state.inp.logprob.return_logprob:
-            result.output = _track([s.output for s in state.steps if s.output is not None],
-                                   np.asarray(output_ids, dtype=I32), state.inp.logprob)
         state.result = result
 
     def _fail_requests_on(self, scheduler: str, reason: str) -> None:
@@ -269,13 +229,13 @@ class Engine:
                 state.wakeup.set()
 
 
-def _prompt_track(state: RequestState, prompt: LogprobArrays, offsets, i: int) -> LogprobTrack:
+def _prompt_track(state: RequestState, block: StepBlock, null_prefix: int, i: int) -> LogprobTrack:
     """Request i's prompt logprobs: rows for positions [start + null_prefix, L)."""
-    part = request_slice(prompt, offsets, i)
-    null_prefix = int(part.null_prefix[0]) if len(part.null_prefix) else 0
     start = max(state.inp.logprob.logprob_start_len, 0)
-    ids = np.asarray(state.inp.input_ids, dtype=I32)
-    track = _track([part], ids[start + null_prefix:], state.inp.logprob)
+    ids = state.inp.input_ids
+    logprob = state.inp.logprob
+    track = track_of([block.ranges(i)], ids[start + null_prefix:], logprob.top_logprobs_num,
+                     len(logprob.token_ids_logprob))
     track.null_prefix = null_prefix
-    track.null_token_ids = ids[start:start + null_prefix]
+    track.null_token_ids = np.asarray(ids[start:start + null_prefix], dtype=I32)
     return track
