@@ -349,7 +349,8 @@ def tables(results: list[HopResult], prompt: dict, slopes: list[dict], target: H
                 "streamed back to back, per message (first to last arrival). decode + slice: FromString -> "
                 "StepBlock.of -> byte ranges per request, as the gateway dispatches. "
                 "hop (sum) = encode + transport + decode, no overlap credited. streamed: the server encodes "
-                "each message from numpy and the client decodes and slices each, per message; server and client overlap on the two cores.")
+                "each message from numpy and the client decodes and slices each, per message; server and "
+                "client overlap on the two cores.")
     nested = Table("The same step as SGLang-style nested lists through pickle (serialization only)",
                    ["B", "k", "pickle", "flat", "build lists", "pickle.dumps", "pickle.loads",
                     "nested total", "flat encode + decode", "nested / flat time", "nested / flat bytes"],
