@@ -290,7 +290,7 @@ def targets(rows: list[dict], concurrency: int) -> Table:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--single-rounds", type=int, nargs=2, default=[3, 1], metavar=("R160", "R1000"),
+    parser.add_argument("--single-rounds", type=int, nargs=2, default=[3, 3], metavar=("R160", "R1000"),
                         help="interleaved rounds of the single requests at 160 and 1000 tokens")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--concurrent-tokens", type=int, default=500,

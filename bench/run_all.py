@@ -119,7 +119,11 @@ ANALYSIS = """\
   (the response minus the same response at k=0) is within 3x of the floor (replay targets).
 - **End to end on this CPU** the scheduler's decode step (a 248k-row lm_head read per step) sets the
   pace, so end-to-end ratios mostly show the scheduler; the gateway and detokenizer CPU columns show
-  the logprob path's own load.
+  the logprob path's own load (a few hundredths of a core for one request). k=128 flat and k=128
+  nested do the same scheduler and detokenizer work (nested does more in the gateway), yet their single
+  1000-token times differ by about as much as flat differs from k=0: that comparison sits within the
+  run-to-run spread of a 36 s CPU-bound run on this shared machine. The top-k kernel's own cost at
+  batch 1 is in the step_codec table (greedy vs greedy with top-128 logprobs).
 """
 
 
