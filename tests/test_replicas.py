@@ -147,3 +147,35 @@ def test_restarted_replica_rejoins_rotation(cluster):
         metas = results(cluster.generate_all(8, SHORT))
         assert all(meta["finish_reason"]["type"] == "length" for meta in metas), metas
     print(f"\nrestarted replica served {victim.stats().finished} requests")
+
+
+def test_one_detokenizer_per_scheduler(model_dir, log_dir):
+    """The other topology: each replica followed by its own detokenizer; the gateway listens to both."""
+    schedulers = [Scheduler(model_dir, log_dir), Scheduler(model_dir, log_dir)]
+    http_port, grpc_port = free_port(), free_port()
+    detokenizers = [f"127.0.0.1:{free_port()}" for _ in schedulers]
+    started = []
+    try:
+        for scheduler in schedulers:
+            scheduler.launch()
+            started.append(scheduler.proc)
+        for scheduler, detokenizer in zip(schedulers, detokenizers):
+            scheduler.proc.wait_healthy(scheduler.address)
+            proc = ServiceProcess("detokenizer", ["--port", detokenizer.rsplit(":", 1)[1], "--model", str(model_dir),
+                                                  "--schedulers", scheduler.address], log_dir)
+            started.append(proc)
+            proc.wait_healthy(detokenizer)
+        gateway = ServiceProcess("gateway", [
+            "--port", str(http_port), "--grpc-port", str(grpc_port), "--model", str(model_dir),
+            "--schedulers", ",".join(s.address for s in schedulers), "--detokenizers", ",".join(detokenizers),
+            "--health-interval-s", "0.2"], log_dir)
+        started.append(gateway)
+        gateway.wait_healthy(f"127.0.0.1:{grpc_port}")
+        cluster = Cluster(schedulers, f"http://127.0.0.1:{http_port}")
+        metas = results(cluster.generate_all(12, SHORT))
+        assert all(meta["finish_reason"] == {"type": "length", "length": 8} for meta in metas), metas
+        served = cluster.finished()
+        assert sum(served) == 12 and min(served) > 0, served
+    finally:
+        for proc in reversed(started):
+            proc.stop()

@@ -128,13 +128,15 @@ class SchedulerPool:
         up, *followed = await asyncio.gather(
             _serving(replica.health, "", timeout),
             *(_serving(d, subscription_health_name(replica.address), timeout) for d in self._detokenizers))
+        # followed: per detokenizer, True (carries this replica's outputs), False (does not), None (no answer).
         if not up:
             self._mark_down(replica, "health check failed")
-        elif False in followed:  # a detokenizer does not carry its outputs (None: did not answer; no change)
-            self._mark_down(replica, "a detokenizer is not subscribed to it")
-        elif all(followed) and not replica.healthy:
-            log.info("scheduler %s in rotation", replica.address)
-            replica.healthy = True
+        elif True in followed:
+            if not replica.healthy:
+                log.info("scheduler %s in rotation", replica.address)
+                replica.healthy = True
+        elif all(f is False for f in followed):
+            self._mark_down(replica, "no detokenizer follows its step stream")
 
     def _mark_down(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
