@@ -3,7 +3,8 @@
 One Engine per gateway process. It owns the scheduler pool (submit, abort, load
 balancing, health) and one output stream per detokenizer, on which arrive the
 StepOutputs of the requests this gateway owns. Each request's outputs are kept as
-per-step array views and joined once, when the request finishes.
+byte ranges of the step buffers (accumulator.py) and joined when read: per stream
+chunk, and once when the request finishes.
 """
 
 import asyncio
