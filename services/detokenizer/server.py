@@ -6,7 +6,6 @@ subscribed, so a gateway that checks it knows the whole path is up.
 
 import asyncio
 import logging
-import signal
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -18,6 +17,7 @@ from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.rpc import add_health_and_reflection, create_server
+from services.common.signals import stop_requested
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
@@ -119,11 +119,7 @@ async def serve(config: DetokenizerConfig) -> None:
     tasks = [asyncio.create_task(pipeline.streams.run()), asyncio.create_task(_report_health(pipeline.streams, health))]
     log.info("detokenizer serving on %s; schedulers %s", address, ", ".join(config.schedulers))
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_requested()
     log.info("stopping")
     for task in tasks:
         task.cancel()

@@ -7,7 +7,6 @@ StreamSteps subscriber's queue.
 
 import asyncio
 import logging
-import signal
 import sys
 
 import grpc
@@ -17,6 +16,7 @@ from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import add_health_and_reflection, create_server, mark_serving
+from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.model_runner import ModelRunner
@@ -100,11 +100,7 @@ async def serve(config: SchedulerConfig) -> None:
     await mark_serving(health, [SERVICE_NAME])
     log.info("scheduler serving on %s", address)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_requested()
     log.info("stopping")
     await asyncio.to_thread(service.engine.stop)  # its last steps are queued before the end of the streams
     service.end_streams()

@@ -36,10 +36,7 @@ async def generate(request: Request) -> Response:
     if req.stream:
         return sse_response(_events(gateway, req, gens, started), gens.close,
                             gateway.metrics.bytes_sent.labels(logprob_format(req)).inc)
-    try:
-        results = await unless_disconnected(request, gens.results())
-    finally:
-        await gens.close()
+    results = await gens.results_unless_disconnected(request)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     bodies = [_body(gateway, req, result) for result in results]

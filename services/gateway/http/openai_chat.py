@@ -48,10 +48,7 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         return sse_response(_events(gateway, req, gens, len(ids)), gens.close,
                             gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc)
-    try:
-        results = await unless_disconnected(request, gens.results())
-    finally:
-        await gens.close()
+    results = await gens.results_unless_disconnected(request)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({

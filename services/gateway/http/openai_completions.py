@@ -57,10 +57,7 @@ async def completions(request: Request) -> Response:
     count_bytes = gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs is not None)).inc
     if req.stream:
         return sse_response(_events(gateway, req, gens, echoes, prompt_tokens), gens.close, count_bytes)
-    try:
-        results = await unless_disconnected(request, gens.results())
-    finally:
-        await gens.close()
+    results = await gens.results_unless_disconnected(request)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({

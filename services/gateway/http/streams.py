@@ -90,6 +90,13 @@ class Generations:
     async def close(self) -> None:
         await _close(self._iterators)
 
+    async def results_unless_disconnected(self, request: Request) -> list[RequestResult] | None:
+        """Every result (see results), or None if the client left first; closes the generations either way."""
+        try:
+            return await unless_disconnected(request, self.results())
+        finally:
+            await self.close()
+
 
 _closing: set[asyncio.Task] = set()  # strong references to close tasks in flight
 
