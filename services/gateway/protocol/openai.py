@@ -13,34 +13,24 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 
 from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import InvalidRequest, check_token_ids, check_top_k
-from services.gateway.protocol.sampling import StopStrings, StopTokenIds, TopK, sampling_pb, stop_list
+from services.gateway.protocol.sampling import SamplingFields
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(SamplingFields):
     """What chat and completions share."""
 
     model: str
     n: int = Field(1, ge=1, le=128)
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: StopStrings = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # SGLang extensions
-    top_k: TopK = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop_token_ids: StopTokenIds = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
+    # SGLang extensions (besides the sampling fields)
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
@@ -64,17 +54,6 @@ class OpenAIRequest(BaseModel):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
-
-    def sampling(self, max_new_tokens: int) -> scheduler_pb2.SamplingParams:
-        return sampling_pb(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
-
-    def detokenize(self) -> scheduler_pb2.DetokenizeParams:
-        return scheduler_pb2.DetokenizeParams(
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim)
 
 
 class TextPart(BaseModel):

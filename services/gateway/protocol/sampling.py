@@ -30,33 +30,26 @@ def stop_list(stop: StopStrings) -> list[str]:
     return [stop] if isinstance(stop, str) else stop
 
 
-def sampling_pb(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float,
-                seed: int | None, stop_token_ids: list[int], ignore_eos: bool) -> scheduler_pb2.SamplingParams:
-    return scheduler_pb2.SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
-        seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+class SamplingFields(BaseModel):
+    """The sampling and detokenizing options /generate and the OpenAI routes share (SGLang's names,
+    defaults and checks), and the scheduler messages built from them."""
 
-
-class SamplingOptions(BaseModel):
-    """SGLang's SamplingParams fields that flatwire implements, with SGLang's defaults and checks."""
-
-    max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: TopK = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stop: StopStrings = None
     stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    seed: int | None = Field(None, ge=0, lt=2**64)
 
-    def sampling(self, max_new_tokens: int | None = None) -> scheduler_pb2.SamplingParams:
-        return sampling_pb(
-            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+    def sampling(self, max_new_tokens: int) -> scheduler_pb2.SamplingParams:
+        return scheduler_pb2.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
 
     def detokenize(self) -> scheduler_pb2.DetokenizeParams:
@@ -64,3 +57,9 @@ class SamplingOptions(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim)
+
+
+class SamplingOptions(SamplingFields):
+    """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
+
+    max_new_tokens: int = Field(128, ge=0)
