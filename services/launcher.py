@@ -49,8 +49,16 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     config = parse_config(UpConfig, argv, prog)
+    # Ctrl-C or `kill`: both stop the three services. Set explicitly, since a shell that starts
+    # us in the background leaves SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     model = str(resolve_model(config.model, config.cache_dir))
     scheduler = f"127.0.0.1:{config.scheduler_port}"
     detokenizer = f"127.0.0.1:{config.detokenizer_port}"
