@@ -1,8 +1,12 @@
 """`flatwire up`: scheduler, detokenizer and gateway as processes on loopback.
 
 Builds (or finds) the model first, starts the three services, waits until the
-gateway's /health is 200, prints where to connect, and stops all three on Ctrl-C
-or as soon as one of them exits.
+gateway's /health is 200, prints where to connect, then supervises them: a service
+that exits is restarted with the same command after an exponential backoff
+(--restart-delay-s doubling up to --restart-max-delay-s, back to the first delay once
+the service has stayed up --restart-reset-s). A service that exits during startup
+stops everything instead, since that is usually a setup error (port taken, bad model)
+that a restart would not fix. Ctrl-C or SIGTERM stops all three.
 """
 
 import signal
@@ -30,6 +34,42 @@ class UpConfig:
     detokenizer_port: int = option(30020, "detokenizer port (loopback)")
     device: str = option("auto", "scheduler device: auto, cpu or cuda")
     startup_timeout_s: float = option(600.0, "give up if the pipeline is not healthy by then")
+    restart_delay_s: float = option(1.0, "wait before restarting a crashed service; doubles on each crash")
+    restart_max_delay_s: float = option(30.0, "cap on the restart delay")
+    restart_reset_s: float = option(60.0, "a service up this long gets the first restart delay again")
+
+
+@dataclass
+class Supervised:
+    """One child service, restarted with exponential backoff when it exits."""
+
+    name: str
+    command: list[str]
+    backoff_s: float
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while the service is down, waiting to be restarted
+
+    def start(self) -> None:
+        # The services handle SIGINT themselves; the launcher forwards it.
+        self.proc = subprocess.Popen(self.command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def supervise(self, config: UpConfig) -> None:
+        """Schedule a restart if the service has exited; do it once the delay is over."""
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                print(f"flatwire up: restarting {self.name}", file=sys.stderr, flush=True)
+                self.start()
+        elif self.proc.poll() is not None:
+            if now - self.started_at >= config.restart_reset_s:
+                self.backoff_s = config.restart_delay_s
+            print(f"flatwire up: {self.name} exited with code {self.proc.returncode}; "
+                  f"restarting it in {self.backoff_s:g} s", file=sys.stderr, flush=True)
+            self.restart_at = now + self.backoff_s
+            self.backoff_s = min(self.backoff_s * 2, config.restart_max_delay_s)
 
 
 def _wait(check, what: str, procs: list[subprocess.Popen], deadline: float) -> None:
@@ -69,28 +109,29 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "gateway": ["--host", config.host, "--port", str(config.port), "--grpc-port", str(config.grpc_port),
                     "--schedulers", scheduler, "--detokenizers", detokenizer, *common],
     }
-    procs: list[subprocess.Popen] = []
+    services = [Supervised(name, [sys.executable, "-m", "services", name, *args], config.restart_delay_s)
+                for name, args in commands.items()]
     deadline = time.monotonic() + config.startup_timeout_s
     http = f"http://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:{config.port}"
     try:
-        for name, args in commands.items():
-            # The services handle SIGINT themselves; the launcher forwards it.
-            procs.append(subprocess.Popen([sys.executable, "-m", "services", name, *args],
-                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)))
+        for service in services:
+            service.start()
+        procs = [service.proc for service in services]
         _wait(lambda: check_health(scheduler), "the scheduler", procs, deadline)
         _wait(lambda: check_health(detokenizer), "the detokenizer", procs, deadline)
         _wait(lambda: _http_ok(f"{http}/health"), "the gateway", procs, deadline)
         print(f"\nflatwire is up (model {model})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"
-              f"  Ctrl-C stops all three.\n", flush=True)
-        while all(p.poll() is None for p in procs):
+              f"  Ctrl-C stops all three; a service that crashes is restarted.\n", flush=True)
+        while True:
+            for service in services:
+                service.supervise(config)
             time.sleep(0.5)
-        print("a service exited; stopping the others", file=sys.stderr)
-        sys.exit(1)
     except KeyboardInterrupt:
         pass
     finally:
+        procs = [service.proc for service in services if service.proc is not None]
         for proc in reversed(procs):
             if proc.poll() is None:
                 proc.terminate()

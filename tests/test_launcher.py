@@ -1,34 +1,120 @@
-"""`flatwire up` starts the three services, serves, and stops them all on Ctrl-C."""
+"""`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C."""
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from services.common.rpc import check_health
+from services.launcher import Supervised, UpConfig
 from tests.procs import ROOT, free_port
 
 
-def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
+def _start_up(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`flatwire up` on free ports, once it has printed that it is up."""
     ports = {name: free_port() for name in ("port", "grpc-port", "scheduler-port", "detokenizer-port")}
     args = [f"--{name}={port}" for name, port in ports.items()]
-    log = open(tmp_path / "up.log", "w+")
+    log = open(log_path, "w+")
     up = subprocess.Popen([sys.executable, "-m", "services", "up", "--model", str(model_dir), *args],
                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while "flatwire is up" not in log_path.read_text():
+        if up.poll() is not None or time.monotonic() > deadline:
+            up.kill()
+            raise AssertionError(f"flatwire up did not come up:\n{log_path.read_text()}")
+        time.sleep(0.5)
+    return up, ports
+
+
+def _stop_up(up: subprocess.Popen, ports: dict[str, int], log_path: Path) -> None:
+    """Ctrl-C stops the launcher cleanly and all three services with it."""
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=30) == 0, log_path.read_text()
+    for name in ("scheduler-port", "detokenizer-port", "grpc-port"):
+        assert not check_health(f"127.0.0.1:{ports[name]}", timeout=0.5), f"{name} still serving"
+
+
+def _generate(port: int, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/generate", timeout=timeout,
+                      json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+
+
+def _child_pid(parent: int, service: str) -> int | None:
+    """The pid of `parent`'s child running `python -m services <service>`, from /proc (no psutil here)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or f"PPid:\t{parent}\n" not in (entry / "status").read_text():
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # the process went away while we looked
+            continue
+        if argv[2:4] == [b"services", service.encode()]:
+            return int(entry.name)
+    return None
+
+
+def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
+    up, ports = _start_up(model_dir, tmp_path / "up.log")
     try:
-        deadline = time.monotonic() + 240
-        while "flatwire is up" not in (tmp_path / "up.log").read_text():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, "flatwire up did not come up"
-            time.sleep(0.5)
-        reply = httpx.post(f"http://127.0.0.1:{ports['port']}/generate", timeout=60,
-                           json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+        reply = _generate(ports["port"])
         assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
         assert check_health(f"127.0.0.1:{ports['grpc-port']}")
     finally:
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0, (tmp_path / "up.log").read_text()
-    for name in ("scheduler-port", "detokenizer-port", "grpc-port"):
-        assert not check_health(f"127.0.0.1:{ports[name]}", timeout=0.5), f"{name} still serving"
+        _stop_up(up, ports, tmp_path / "up.log")
+
+
+def test_up_restarts_a_crashed_service(model_dir, tmp_path):
+    log_path = tmp_path / "up.log"
+    up, ports = _start_up(model_dir, log_path)
+    try:
+        detokenizer = _child_pid(up.pid, "detokenizer")
+        assert detokenizer is not None, "no detokenizer child found"
+        os.kill(detokenizer, signal.SIGKILL)
+
+        deadline = time.monotonic() + 10
+        while "detokenizer exited with code -9; restarting it in" not in log_path.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, f"no restart logged:\n{log_path.read_text()}"
+            time.sleep(0.2)
+
+        # The gateway may answer 503 (or not answer in time) until the new detokenizer is up.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                reply = _generate(ports["port"], timeout=10)
+                if reply.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"no /generate success after restart:\n{log_path.read_text()}"
+            time.sleep(1)
+        assert reply.json()["meta_info"]["completion_tokens"] == 4
+        assert up.poll() is None, log_path.read_text()
+        assert _child_pid(up.pid, "detokenizer") not in (None, detokenizer)
+    finally:
+        _stop_up(up, ports, log_path)
+
+
+def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
+    config = UpConfig(restart_delay_s=1, restart_max_delay_s=4, restart_reset_s=60)
+    service = Supervised("detokenizer", [sys.executable, "-c", "raise SystemExit(3)"], config.restart_delay_s)
+
+    def crash(up_for: float = 0) -> float:
+        """Start the service and let it exit, as if after `up_for` seconds up; the restart delay it gets."""
+        service.start()
+        service.proc.wait(timeout=30)
+        service.started_at -= up_for
+        service.supervise(config)
+        return round(service.restart_at - time.monotonic())
+
+    assert [crash() for _ in range(4)] == [1, 2, 4, 4]
+    assert crash(up_for=60) == 1
+    assert "detokenizer exited with code 3; restarting it in 1 s" in capsys.readouterr().err
+    service.restart_at = time.monotonic()
+    crashed = service.proc
+    service.supervise(config)
+    assert service.proc is not crashed and service.restart_at is None
+    service.proc.wait(timeout=30)
