@@ -92,7 +92,8 @@ def encode_step(step: StepArrays, number: int = 0) -> bytes:
     if shape.prompt:
         message = scheduler_pb2.StepOutput(step=number, prompt_rids=step.rids, prompt=block)
     else:
-        message = scheduler_pb2.StepOutput(step=number, rids=step.rids, token_ids=step.token_ids.tolist(), output=block)
+        message = scheduler_pb2.StepOutput(step=number, rids=step.rids, token_ids=step.token_ids.tolist(),
+                                           positions=[number] * len(step.rids), output=block)
     return message.SerializeToString()
 
 

@@ -109,7 +109,7 @@ def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, seed: int =
     steps = []
     for n in range(tokens):
         message = scheduler_pb2.StepOutput(
-            step=n, rids=rids, token_ids=[int(ids[n])] * batch,
+            step=n, rids=rids, token_ids=[int(ids[n])] * batch, positions=[n] * batch,
             output=encode_block(LogprobArrays(
                 rows=per_request, null_prefix=np.zeros(0, np.int64), token_logprobs=chosen[n], topk=per_request * k,
                 topk_values=values[n].reshape(-1), topk_ids=topk_ids[n].reshape(-1), id_counts=per_request * 0,
@@ -118,8 +118,8 @@ def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, seed: int =
             message.started.extend(scheduler_pb2.RequestStart(rid=rid, owner=OWNER, detokenize=detokenize,
                                                               prompt_tokens=8) for rid in rids)
         if n == tokens - 1:
-            message.finished.extend(scheduler_pb2.Finish(rid=rid, reason=arrays_pb2.FINISH_REASON_LENGTH)
-                                    for rid in rids)
+            message.finished.extend(scheduler_pb2.Finish(rid=rid, reason=arrays_pb2.FINISH_REASON_LENGTH,
+                                                         output_tokens=tokens) for rid in rids)
         steps.append(message.SerializeToString())
     return Workload(tokens, k, batch, rids, steps)
 

@@ -67,8 +67,9 @@ def run(manager, requests: dict[str, tuple[list[int], scheduler_pb2.DetokenizePa
             if step < len(ids):
                 message.rids.append(rid)
                 message.token_ids.append(ids[step])
+                message.positions.append(step)
             if step == len(ids) - 1:
-                message.finished.add(rid=rid, reason=finish_reason, matched_token=ids[step])
+                message.finished.add(rid=rid, reason=finish_reason, matched_token=ids[step], output_tokens=len(ids))
         owned, step_aborts = manager.process(message, "scheduler:1")
         aborts += step_aborts
         for index, rid in enumerate(message.rids):
@@ -193,15 +194,15 @@ def _block(rows: int, k: int, seed: int) -> arrays_pb2.LogprobBlock:
 
 def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
     async def scenario():
-        manager, router = DetokenizerManager(tokenizer), Router()
+        manager, router = DetokenizerManager(tokenizer), Router(adopt_for_s=60)
         queues = {owner: router.subscribe(owner) for owner in ("gw-a", "gw-b")}
         token = tokenizer.encode(" fox")[0]
         owners = {"a1": "gw-a", "b1": "gw-b", "a2": "gw-a", "x1": "gw-gone"}
-        step = scheduler_pb2.StepOutput(step=1, rids=list(owners), token_ids=[token] * 4,
+        step = scheduler_pb2.StepOutput(step=1, rids=list(owners), token_ids=[token] * 4, positions=[0] * 4,
                                         output=_block(4, 5, 1), prompt_rids=["b1", "a2"], prompt=_block(2, 3, 2))
         for rid, owner in owners.items():
             step.started.add(rid=rid, owner=owner)
-        step.finished.add(rid="queued", reason=Reason.FINISH_REASON_ABORT)  # never started: owner unknown
+        step.finished.add(rid="a2", reason=Reason.FINISH_REASON_LENGTH, output_tokens=1)
         owned, _ = manager.process(step, "scheduler:1")
         router.publish(owned)
         output, prompt = decode_block(step.output), decode_block(step.prompt)
@@ -218,12 +219,81 @@ def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
             assert [s.rid for s in message.started] == list(message.rids)
             assert list(message.texts) == [" fox"] * len(keep)
             assert list(message.prompt_rids) == [step.prompt_rids[i] for i in keep_prompt]
-            assert [f.rid for f in message.finished] == ["queued"]
+            assert [f.rid for f in message.finished] == (["a2"] if owner == "gw-a" else [])
             mine = decode_block(message.output)
             for name in ("token_logprobs", "topk_values", "topk_ids"):
                 assert getattr(mine, name).tobytes() == joined(output, keep, name)
                 assert getattr(decode_block(message.prompt), name).tobytes() == joined(prompt, keep_prompt, name)
-        # The owner with no subscriber keeps being decoded (it may reconnect).
+        # The owner with no subscriber keeps being decoded, its outputs waiting for it to (re)connect.
         assert manager.requests["x1"].status.decode_ids == [token]
+        assert list(router.subscribe("gw-gone").get_nowait().rids) == ["x1"]
 
     asyncio.run(scenario())
+
+
+# -- positions: replays, gaps and resumes ------------------------------------------------------------------
+
+
+def _steps(rid: str, ids: list[int], owner: str = "gw") -> list[scheduler_pb2.StepOutput]:
+    """One request streamed one token per step, as the scheduler sends it; LENGTH on the last."""
+    steps = []
+    for position, token in enumerate(ids):
+        step = scheduler_pb2.StepOutput(step=position + 1, rids=[rid], token_ids=[token], positions=[position])
+        if position == 0:
+            step.started.add(rid=rid, owner=owner, detokenize=params(), prompt_tokens=3)
+        if position == len(ids) - 1:
+            step.finished.add(rid=rid, reason=Reason.FINISH_REASON_LENGTH, output_tokens=len(ids))
+        steps.append(step)
+    return steps
+
+
+def _feed(manager, steps) -> tuple[dict[int, str], list, list]:
+    """Text per position, finishes and aborts the manager emitted for these steps."""
+    texts, finishes, aborts = {}, [], []
+    for step in steps:
+        for part in manager.expand(step):
+            owned, step_aborts = manager.process(part, "scheduler:1")
+            aborts += step_aborts
+            for index, owner in enumerate(owned.owners):
+                if owner is not None:
+                    assert part.positions[index] not in texts, "a position emitted twice"
+                    texts[part.positions[index]] = owned.texts[index]
+            finishes += [finish for _, finish in owned.finished]
+    return texts, finishes, aborts
+
+
+def test_replayed_steps_are_taken_once(tokenizer):
+    steps = _steps("r", tokenizer.encode(MULTIBYTE))
+    manager = DetokenizerManager(tokenizer)
+    texts, finishes, _ = _feed(manager, steps[:10])
+    # The stream was cut and resubscribed: the scheduler replays steps 4.. again.
+    more, finishes_after, _ = _feed(manager, steps[4:])
+    assert sorted(texts) + sorted(more) == list(range(len(steps)))
+    assert "".join(texts[p] for p in sorted(texts)) + "".join(more[p] for p in sorted(more)) == MULTIBYTE
+    assert [f.output_tokens for f in finishes + finishes_after] == [len(steps)]
+
+
+@pytest.mark.parametrize("resumed_at", [0, 1, 7, 20])
+def test_a_resumed_request_gets_the_same_deltas_as_without_the_restart(tokenizer, resumed_at):
+    ids = tokenizer.encode(MULTIBYTE)
+    steps = _steps("r", ids)
+    undisturbed, _, _ = _feed(DetokenizerManager(tokenizer), steps)
+    # A new detokenizer: the scheduler resumes the request from its first resumed_at ids, then replays the rest.
+    head = scheduler_pb2.StepOutput()
+    head.resumed.add(start=steps[0].started[0], output_ids=ids[:resumed_at])
+    first = scheduler_pb2.StepOutput()
+    first.CopyFrom(steps[resumed_at])
+    del first.started[:]  # the start came with the resume
+    restarted, finishes, _ = _feed(DetokenizerManager(tokenizer), [head, first, *steps[resumed_at + 1:]])
+    assert restarted == undisturbed
+    assert [f.reason for f in finishes] == [Reason.FINISH_REASON_LENGTH]
+
+
+def test_a_gap_fails_the_request_and_aborts_it(tokenizer):
+    steps = _steps("r", tokenizer.encode("one two three four five six"))
+    manager = DetokenizerManager(tokenizer)
+    texts, finishes, aborts = _feed(manager, [steps[0], steps[1], steps[3]])
+    assert sorted(texts) == [0, 1]
+    assert [(f.reason, f.output_tokens) for f in finishes] == [(Reason.FINISH_REASON_ERROR, 2)]
+    assert "2..2" in finishes[0].message
+    assert [a.rid for a in aborts] == ["r"] and not manager.requests

@@ -79,4 +79,6 @@ class ServiceConfig:
     model: str | None = option(None, "local Hugging Face checkpoint; default: the embedded default model")
     cache_dir: str | None = option(None, "where the default model is built (default ~/.cache/flatwire)")
     max_message_mb: int = option(1024, "gRPC send/receive message limit in MiB")
+    keepalive_s: float = option(20.0, "gRPC keepalive ping interval of this service's channels; its server permits "
+                                "pings twice as often (keep it equal on every service)")
     log_level: str = option("info", "logging level")

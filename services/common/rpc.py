@@ -2,7 +2,12 @@
 
 gRPC's default 4 MiB receive limit is far below a long prompt's top-k (32k x 128
 is 33 MB), so every server and channel here raises both limits to the configured
-size (DESIGN.md, wire rule 4).
+size.
+
+Keepalive: every channel pings its server every `keepalive_s` (with or without calls,
+so a dead peer of an idle step stream is noticed), and every server permits pings
+twice that often. A server that permitted less would answer GOAWAY too_many_pings
+after a few pings and cut the long-lived streams.
 """
 
 import grpc
@@ -10,16 +15,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 DEFAULT_MAX_MESSAGE_MB = 1024
+DEFAULT_KEEPALIVE_S = 20.0
+# Calls a server has received that no handler has taken yet. Past the soft limit gRPC cancels new
+# ones at random, past the hard one all of them; its defaults (1000, 3000) cancel part of any burst
+# of a few thousand unary calls, such as a client's big batch of Submits.
+MAX_PENDING_CALLS = 16384
 
 
-def message_options(max_message_mb: int) -> list[tuple[str, int]]:
+def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> list[tuple[str, int]]:
     limit = max_message_mb * 1024 * 1024
+    keepalive_ms = max(int(keepalive_s * 1000), 1)
     return [
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
-        # Long-lived step streams: keep idle connections alive and notice dead peers.
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", max(keepalive_ms // 2, 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # A restarted peer should be found again within seconds, not gRPC's default two minutes.
@@ -28,10 +38,14 @@ def message_options(max_message_mb: int) -> list[tuple[str, int]]:
     ]
 
 
-def create_server(max_message_mb: int) -> grpc.aio.Server:
-    # Accept the clients' keepalive pings (above) instead of answering GOAWAY too_many_pings.
-    return grpc.aio.server(options=[*message_options(max_message_mb),
-                                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)])
+def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> grpc.aio.Server:
+    return grpc.aio.server(options=[
+        *message_options(max_message_mb, keepalive_s),
+        # The clients' pings (above) come every keepalive_s, data or not: permit twice as many.
+        ("grpc.http2.min_ping_interval_without_data_ms", max(int(keepalive_s * 500), 1)),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+    ])
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -47,8 +61,8 @@ async def mark_serving(servicer: health.aio.HealthServicer, service_names: list[
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def create_channel(address: str, max_message_mb: int) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=message_options(max_message_mb))
+def create_channel(address: str, max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=message_options(max_message_mb, keepalive_s))
 
 
 def check_health(address: str, timeout: float = 2.0) -> bool:

@@ -15,4 +15,6 @@ class DetokenizerConfig(ServiceConfig):
     resolve_interval_s: float = option(5.0, "seconds between re-resolving scheduler names (replicas come and go)")
     reconnect_max_s: float = option(2.0, "longest wait between reconnection attempts to a scheduler")
     owner_grace_s: float = option(10.0, "seconds a gateway may stay unsubscribed before its running requests are "
-                                  "aborted (it died, or lost its connection for good)")
+                                  "aborted (it died, or lost its connection for good); its outputs wait meanwhile")
+    scheduler_grace_s: float = option(30.0, "seconds a scheduler's step stream may stay broken before its requests "
+                                      "here are failed (within it, resubscribing replays what was missed)")

@@ -4,6 +4,13 @@ Mirrors SGLang's DetokenizerManager: a DecodeStatus per request, and all request
 of a step decoded with two batched tokenizer calls (surrogate windows, read
 windows) per distinct (skip_special_tokens, spaces_between_special_tokens) pair,
 usually one. Work per step is proportional to the requests in it.
+
+Each request's tokens are taken in position order, exactly once: a position seen
+before (a replay after the step stream was cut) is skipped, one past the next
+expected (which a consistent replay never leaves) fails the request. The
+tokens a request resumed from its output ids (RequestResume) misses here are
+decoded one per step, as the original steps did, so its text deltas are the same
+to the character as if nothing had happened.
 """
 
 from collections import defaultdict
@@ -26,6 +33,7 @@ class RequestState:
     spaces_between_special_tokens: bool
     stops: StopStrings
     status: DecodeStatus = field(default_factory=DecodeStatus)
+    next_position: int = 0  # of the next output token to decode
 
     @classmethod
     def of(cls, start: scheduler_pb2.RequestStart, scheduler: str) -> "RequestState":
@@ -50,17 +58,39 @@ class DetokenizerManager:
         # Finish for them arrives (steps already in flight still carry them).
         self.stopped: dict[str, str] = {}
 
+    def expand(self, step: scheduler_pb2.StepOutput) -> list[scheduler_pb2.StepOutput]:
+        """The step, preceded by one step per position of the tokens its resumed requests miss here."""
+        behind = [resume for resume in step.resumed if resume.start.rid not in self.requests
+                  or self.requests[resume.start.rid].next_position < len(resume.output_ids)]
+        if not behind:
+            return [step]
+        steps = [scheduler_pb2.StepOutput(started=[resume.start for resume in behind])]  # known ones: ignored
+        for position in range(max(len(resume.output_ids) for resume in behind)):
+            level = [resume for resume in behind if position < len(resume.output_ids)]
+            steps.append(scheduler_pb2.StepOutput(rids=[resume.start.rid for resume in level],
+                                                  token_ids=[resume.output_ids[position] for resume in level],
+                                                  positions=[position] * len(level)))
+        return [*steps, step]
+
     def process(self, step: scheduler_pb2.StepOutput, scheduler: str) -> tuple[OwnedStep, list]:
         """One scheduler step -> (the step with texts and owners, AbortRequests to send to `scheduler`)."""
         for start in step.started:
-            self.requests[start.rid] = RequestState.of(start, scheduler)
+            if start.rid not in self.requests:  # a replayed start of a request known here changes nothing
+                self.requests[start.rid] = RequestState.of(start, scheduler)
         scheduler_finish = {finish.rid: finish for finish in step.finished}
         owned = OwnedStep(step, texts=[""] * len(step.rids), owners=[None] * len(step.rids))
-        entries = []
-        for index, (rid, token) in enumerate(zip(step.rids, step.token_ids)):
+        entries, aborts = [], []
+        for index, (rid, token, position) in enumerate(zip(step.rids, step.token_ids, step.positions)):
             state = self.requests.get(rid)
-            if state is None:  # ended here by a stop string, or never announced
+            if state is None or position < state.next_position:  # ended here, never announced, or replayed
                 continue
+            if position > state.next_position:
+                owned.finished.append((state.owner, self._fail(
+                    rid, f"detokenizer: output positions {state.next_position}..{position - 1} of the request "
+                         f"never arrived from scheduler {scheduler}")))
+                aborts.append(scheduler_pb2.AbortRequest(rid=rid))
+                continue
+            state.next_position += 1
             finish = scheduler_finish.get(rid)
             # Like SGLang, the stop token is not part of the text unless no_stop_trim.
             if not (finish and finish.reason == Reason.FINISH_REASON_STOP_TOKEN and not state.stops.no_stop_trim):
@@ -68,7 +98,6 @@ class DetokenizerManager:
             owned.owners[index] = state.owner
             entries.append(_Entry(index, rid, state, finish))
 
-        aborts = []
         for entry, (searched, text, printable_end) in zip(entries, self._decode(entries)):
             state, finish = entry.state, entry.finish
             match = state.stops.find(text, searched) if state.stops.strings else None
@@ -79,7 +108,7 @@ class DetokenizerManager:
                                                              matched_stop=match.stop))
                     self.stopped[entry.rid] = scheduler
                 finish = scheduler_pb2.Finish(rid=entry.rid, reason=Reason.FINISH_REASON_STOP_STRING,
-                                              matched_stop=match.stop)
+                                              matched_stop=match.stop, output_tokens=state.next_position)
             elif finish:
                 end = len(text)
             else:
@@ -94,8 +123,8 @@ class DetokenizerManager:
                 continue
             if self.stopped.pop(finish.rid, None) is not None:  # already reported as STOP_STRING
                 continue
-            state = self.requests.get(finish.rid)
-            owned.finished.append((state.owner if state else None, finish))
+            if state := self.requests.get(finish.rid):  # unknown: finished here already (a replay)
+                owned.finished.append((state.owner, finish))
         owned.prompt_owners = [state.owner if (state := self.requests.get(rid)) else None
                                for rid in step.prompt_rids]
         for _, finish in owned.finished:
@@ -106,16 +135,26 @@ class DetokenizerManager:
         """(rid, scheduler) of every running request that `owner` submitted."""
         return [(rid, state.scheduler) for rid, state in self.requests.items() if state.owner == owner]
 
-    def drop_scheduler(self, scheduler: str) -> OwnedStep:
-        """Its stream is gone: end its requests (their remaining steps are lost) and tell their owners."""
+    def drop_scheduler(self, scheduler: str, why: str) -> OwnedStep:
+        """Its requests cannot go on (it restarted, or stayed away): fail them and tell their owners."""
         owned = OwnedStep(scheduler_pb2.StepOutput())
         for rid in [rid for rid, state in self.requests.items() if state.scheduler == scheduler]:
-            state = self.requests.pop(rid)
-            owned.finished.append((state.owner, scheduler_pb2.Finish(
-                rid=rid, reason=Reason.FINISH_REASON_ABORT, message=f"lost the step stream of scheduler {scheduler}")))
+            owned.finished.append((self.requests[rid].owner, self._fail(rid, why)))
         for rid in [rid for rid, address in self.stopped.items() if address == scheduler]:
             del self.stopped[rid]
         return owned
+
+    def drop_owner(self, owner: str) -> list[tuple[str, str]]:
+        """Forget a gateway's requests; returns their (rid, scheduler) to abort."""
+        requests = self.requests_of(owner)
+        for rid, _ in requests:
+            del self.requests[rid]
+        return requests
+
+    def _fail(self, rid: str, why: str) -> scheduler_pb2.Finish:
+        state = self.requests.pop(rid)
+        return scheduler_pb2.Finish(rid=rid, reason=Reason.FINISH_REASON_ERROR, message=why,
+                                    output_tokens=state.next_position)
 
     def _decode(self, entries: list[_Entry]) -> list[tuple[int, str, int]]:
         """Per entry: (confirmed length before this step, whole text, streamable length)."""

@@ -2,7 +2,9 @@
 
 Each configured address may be a DNS name resolving to several replicas; names are
 re-resolved periodically and each replica gets its own task, which reconnects with
-exponential backoff when its stream breaks.
+exponential backoff when its stream breaks. A new subscription starts with the
+scheduler's replay (see services/scheduler/journal.py); when the replica answers
+with another instance id than before, it restarted and `on_restarted` is told first.
 """
 
 import asyncio
@@ -22,10 +24,12 @@ ABORT_TIMEOUT_S = 10.0
 
 class SchedulerStreams:
     def __init__(self, config: DetokenizerConfig, on_step: Callable[[scheduler_pb2.StepOutput, str], None],
-                 on_lost: Callable[[str], None]):
+                 on_lost: Callable[[str], None], on_restarted: Callable[[str], None]):
         self.config = config
         self._on_step = on_step
         self._on_lost = on_lost
+        self._on_restarted = on_restarted
+        self._instances: dict[str, str] = {}  # replica -> instance id last subscribed to
         self._tasks: dict[str, asyncio.Task] = {}
         self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
         self._connected: set[str] = set()
@@ -78,7 +82,7 @@ class SchedulerStreams:
             self._tasks.pop(address).cancel()
 
     async def _follow(self, address: str) -> None:
-        channel = create_channel(address, self.config.max_message_mb)
+        channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._stubs[address] = stub
         backoff = 0.1
@@ -89,7 +93,10 @@ class SchedulerStreams:
                     # A unary round trip on the same connection, answered after the stream was
                     # opened, means the scheduler has registered this subscriber: from now on no
                     # request it accepts can be missed.
-                    await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
+                    info = await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
+                    if self._instances.setdefault(address, info.instance_id) != info.instance_id:
+                        self._instances[address] = info.instance_id
+                        self._on_restarted(address)
                     self._connected.add(address)
                     log.info("subscribed to scheduler %s", address)
                     backoff = 0.1
@@ -99,9 +106,8 @@ class SchedulerStreams:
                 except grpc.aio.AioRpcError as exc:
                     log.warning("scheduler %s stream: %s %s", address, exc.code(), exc.details())
                 finally:
-                    if address in self._connected:
-                        self._connected.discard(address)
-                        self._on_lost(address)
+                    self._connected.discard(address)
+                    self._on_lost(address)
                     call.cancel()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.reconnect_max_s)

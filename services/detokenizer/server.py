@@ -2,10 +2,18 @@
 
 gRPC health is SERVING only while the step stream of every scheduler replica is
 subscribed, so a gateway that checks it knows the whole path is up.
+
+Nothing is dropped on a cut: a scheduler stream that breaks is resubscribed and the
+scheduler replays what was missed (its requests here are kept meanwhile); a gateway
+that goes away finds its outputs in its outbox when it comes back. Only past a
+grace period does the detokenizer give up: a scheduler that stays away or restarts
+has its requests failed (FINISH_REASON_ERROR) to their gateways; a gateway that
+stays away has its requests aborted in their schedulers, which nobody would read.
 """
 
 import asyncio
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -26,12 +34,12 @@ from services.detokenizer.scheduler_streams import SchedulerStreams
 log = logging.getLogger("flatwire.detokenizer")
 SERVICE_NAME = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
 HEALTH_POLL_S = 0.1
+WATCH_INTERVAL_S = 0.5
 
 
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, router: Router, on_owner_left):
+    def __init__(self, router: Router):
         self.router = router
-        self._on_owner_left = on_owner_left
 
     async def StreamOutputs(self, request, context):
         if not request.owner:
@@ -41,12 +49,10 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
             # Sent at once (not with the first output), so the subscriber's wait_for_connection()
             # returns as soon as it is routed to.
             await context.send_initial_metadata(())
-            while True:
-                yield await queue.get()
+            while (message := await queue.get()) is not None:  # None: a newer subscription took over
+                yield message
         finally:
             self.router.unsubscribe(request.owner, queue)
-            if not self.router.subscribed(request.owner):
-                self._on_owner_left(request.owner)
 
 
 class Pipeline:
@@ -55,37 +61,54 @@ class Pipeline:
     def __init__(self, manager: DetokenizerManager, router: Router, config: DetokenizerConfig):
         self.manager = manager
         self.router = router
-        self.owner_grace_s = config.owner_grace_s
-        self.streams = SchedulerStreams(config, self.on_step, self.on_lost)
-        self._abandoning: dict[str, asyncio.Task] = {}
+        self.config = config
+        self.streams = SchedulerStreams(config, self.on_step, self.on_lost, self.on_restarted)
+        self._lost_since: dict[str, float] = {}  # scheduler -> when its stream broke
 
     def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
-        owned, aborts = self.manager.process(step, scheduler)
-        for abort in aborts:
-            self.streams.abort(scheduler, abort)
-        self.router.publish(owned)
+        self._lost_since.pop(scheduler, None)
+        for part in self.manager.expand(step):
+            owned, aborts = self.manager.process(part, scheduler)
+            for abort in aborts:
+                self.streams.abort(scheduler, abort)
+            self.router.publish(owned)
 
     def on_lost(self, scheduler: str) -> None:
-        self.router.publish(self.manager.drop_scheduler(scheduler))
+        """Its stream broke: keep its requests, the resubscription replays what they miss."""
+        self._lost_since.setdefault(scheduler, time.monotonic())
 
-    def on_owner_left(self, owner: str) -> None:
-        """A gateway unsubscribed: unless it is back within the grace period, stop its requests,
-        which nobody would read (a dead gateway's requests would otherwise run to max_new_tokens)."""
-        if owner not in self._abandoning:
-            task = asyncio.create_task(self._abandon(owner))
-            self._abandoning[owner] = task
-            task.add_done_callback(lambda _: self._abandoning.pop(owner, None))
+    def on_restarted(self, scheduler: str) -> None:
+        self._drop_scheduler(scheduler, f"scheduler {scheduler} restarted: its running requests were lost")
 
-    async def _abandon(self, owner: str) -> None:
-        await asyncio.sleep(self.owner_grace_s)
-        if self.router.subscribed(owner):
-            return
-        requests = self.manager.requests_of(owner)
+    async def watch(self) -> None:
+        """Give up on schedulers and gateways that stay away past their grace periods."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            for scheduler, since in list(self._lost_since.items()):
+                if now - since > self.config.scheduler_grace_s:
+                    self._drop_scheduler(scheduler, f"lost the step stream of scheduler {scheduler} for "
+                                                    f"{self.config.scheduler_grace_s:.0f}s")
+            for owner in self.router.away(self.config.owner_grace_s):
+                self._abandon(owner)
+
+    def _drop_scheduler(self, scheduler: str, why: str) -> None:
+        self._lost_since.pop(scheduler, None)
+        owned = self.manager.drop_scheduler(scheduler, why)
+        if owned.finished:
+            log.warning("%s: failing its %d requests", why, len(owned.finished))
+        self.router.publish(owned)
+
+    def _abandon(self, owner: str) -> None:
+        """A gateway gone past the grace period: stop its requests (a dead gateway's requests would
+        otherwise run to max_new_tokens) and drop what waits for it."""
+        requests = self.manager.drop_owner(owner)
         if requests:
-            log.warning("gateway %s gone for %.0fs: aborting its %d requests", owner, self.owner_grace_s,
+            log.warning("gateway %s gone for %.0fs: aborting its %d requests", owner, self.config.owner_grace_s,
                         len(requests))
         for rid, scheduler in requests:
             self.streams.abort(scheduler, scheduler_pb2.AbortRequest(rid=rid))
+        self.router.forget(owner)
 
 
 async def _report_health(streams: SchedulerStreams, servicer) -> None:
@@ -107,16 +130,17 @@ async def _report_health(streams: SchedulerStreams, servicer) -> None:
 
 async def serve(config: DetokenizerConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
-    router = Router()
+    router = Router(adopt_for_s=config.owner_grace_s)
     pipeline = Pipeline(DetokenizerManager(tokenizer), router, config)
 
-    server = create_server(config.max_message_mb)
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router, pipeline.on_owner_left), server)
+    server = create_server(config.max_message_mb, config.keepalive_s)
+    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     await server.start()
-    tasks = [asyncio.create_task(pipeline.streams.run()), asyncio.create_task(_report_health(pipeline.streams, health))]
+    tasks = [asyncio.create_task(pipeline.streams.run()), asyncio.create_task(pipeline.watch()),
+             asyncio.create_task(_report_health(pipeline.streams, health))]
     log.info("detokenizer serving on %s; schedulers %s", address, ", ".join(config.schedulers))
 
     await stop_requested()

@@ -4,6 +4,10 @@ Each step contributes a token, a text delta and, when logprobs were asked, four
 byte ranges of the step's LogprobBlock (memoryview slices: no copy, no numpy
 object per step). Reading a range of steps joins their bytes once and views them
 as arrays, so a 1000-token request costs one join per array, not 1000 concatenations.
+
+Tokens are taken by position: one already held (a replay after a hop restarted) is
+dropped; one past the next expected, or one without the logprob rows the request
+asked for (lost beyond the scheduler's replay window), raises OutputLost.
 """
 
 from dataclasses import dataclass, field
@@ -55,6 +59,10 @@ def track_of(ranges: list[tuple[memoryview, ...]], token_ids: list[int], k: int,
     )
 
 
+class OutputLost(Exception):
+    """Part of a request's output can no longer arrive; the message says which."""
+
+
 @dataclass
 class Accumulator:
     logprob: scheduler_pb2.LogprobParams
@@ -63,11 +71,20 @@ class Accumulator:
     ranges: list[tuple[memoryview, ...]] = field(default_factory=list)  # per step, when return_logprob
     read: int = 0  # steps already handed out as chunks
 
-    def add(self, token_id: int, text: str, block: StepBlock | None, i: int) -> None:
+    def add(self, position: int, token_id: int, text: str, block: StepBlock | None, i: int) -> bool:
+        """Take the token at `position`; False when it is held already."""
+        have = len(self.token_ids)
+        if position < have:
+            return False
+        if position > have:
+            raise OutputLost(f"output tokens {have}..{position - 1} never arrived")
+        if self.logprob.return_logprob:
+            if block is None:
+                raise OutputLost(f"the logprobs of output token {position} are no longer retained")
+            self.ranges.append(block.ranges(i))
         self.token_ids.append(token_id)
         self.texts.append(text)
-        if block is not None and self.logprob.return_logprob:
-            self.ranges.append(block.ranges(i))
+        return True
 
     @property
     def unread(self) -> int:

@@ -5,6 +5,12 @@ balancing, health) and one output stream per detokenizer, on which arrive the
 StepOutputs of the requests this gateway owns. Each request's outputs are kept as
 byte ranges of the step buffers (accumulator.py) and joined when read: per stream
 chunk, and once when the request finishes.
+
+A request ends complete or fails: it fails (RequestError "unavailable", rendered as
+HTTP 503 or gRPC UNAVAILABLE) when a hop reports an error, when part of its output
+can no longer arrive, or when the pool finds its path broken for longer than
+--hop-timeout-s. A failed request is aborted in its scheduler until that is
+confirmed (see docs/reliability.md).
 """
 
 import asyncio
@@ -21,12 +27,13 @@ from services.common.arrays import I32
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import create_channel
-from services.gateway.accumulator import Accumulator, StepBlock, track_of
+from services.gateway.accumulator import Accumulator, OutputLost, StepBlock, track_of
 from services.gateway.config import GatewayConfig
 from services.gateway.result import LogprobTrack, RequestResult
 from services.gateway.schedulers import SchedulerPool
 
 log = logging.getLogger("flatwire.gateway")
+DETOKENIZER_RECONNECT_MAX_S = 0.5
 
 FINISH_NAMES = {
     FinishReason.FINISH_REASON_LENGTH: "length",
@@ -81,7 +88,12 @@ class RequestState:
     prompt: LogprobTrack | None = None
     prompt_sent: bool = False
     result: RequestResult | None = None
+    failure: str | None = None  # why the request failed (a server-side fault)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def ended(self) -> bool:
+        return self.result is not None or self.failure is not None
 
 
 class Engine:
@@ -89,7 +101,8 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.owner = config.owner_id or f"gw-{uuid.uuid4().hex[:12]}"
-        self.schedulers = SchedulerPool(config, on_replica_lost=self._fail_requests_on)
+        self.schedulers = SchedulerPool(config, on_replica_lost=self._fail_requests_on,
+                                        delivering=lambda address: address in self._connected_detokenizers)
         self.model_info: scheduler_pb2.ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, RequestState] = {}
@@ -110,7 +123,13 @@ class Engine:
         await self.schedulers.stop()
 
     def healthy(self) -> bool:
-        return self.schedulers.any_healthy() and len(self._connected_detokenizers) == len(self.config.detokenizers)
+        """Some scheduler is in rotation: its whole path to this gateway works."""
+        return self.schedulers.any_healthy()
+
+    def health_report(self) -> dict:
+        return {"healthy": self.healthy(), "schedulers": self.schedulers.report(),
+                "detokenizers": {address: address in self._connected_detokenizers
+                                 for address in self.config.detokenizers}}
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -126,6 +145,8 @@ class Engine:
             while True:
                 await state.wakeup.wait()
                 state.wakeup.clear()
+                if state.failure is not None:
+                    raise RequestError("unavailable", None, state.failure)
                 chunk = self._take_chunk(state)
                 if chunk.token_ids or chunk.prompt is not None or chunk.result is not None:
                     yield chunk
@@ -135,8 +156,8 @@ class Engine:
             self._requests.pop(rid, None)
             if state.scheduler:
                 self.schedulers.release(state.scheduler, rid)
-                if state.result is None:
-                    await self.schedulers.abort(state.scheduler, rid)
+                if state.result is None:  # a client that left, or a failure: the scheduler must stop it
+                    self.schedulers.abort(state.scheduler, rid)
 
     async def _submit(self, request: scheduler_pb2.TokenizedRequest) -> str:
         try:
@@ -156,15 +177,19 @@ class Engine:
     # -- outputs ----------------------------------------------------------------------------------------
 
     async def _listen(self, address: str) -> None:
-        """Consume this gateway's outputs from one detokenizer, reconnecting on failure."""
+        """Consume this gateway's outputs from one detokenizer, reconnecting on failure.
+
+        Reconnection retries fast (loopback or a cluster network: an attempt is cheap), since
+        requests wait for it only up to the hop timeout."""
         backoff = 0.1
         while True:
-            channel = create_channel(address, self.config.max_message_mb)
+            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s)
             stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
             try:
                 call = stub.StreamOutputs(detokenizer_pb2.StreamOutputsRequest(owner=self.owner))
                 await call.wait_for_connection()
                 self._connected_detokenizers.add(address)
+                self.schedulers.recheck()
                 backoff = 0.1
                 async for step in call:
                     self._dispatch(step)
@@ -174,32 +199,48 @@ class Engine:
                 self._connected_detokenizers.discard(address)
                 await channel.close()
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, DETOKENIZER_RECONNECT_MAX_S)
 
     def _dispatch(self, step: scheduler_pb2.StepOutput) -> None:
         touched: set[str] = set()
         if step.rids:
             block = StepBlock.of(step.output) if step.output.rows else None
             texts = step.texts or [""] * len(step.rids)
-            for i, (rid, token_id, text) in enumerate(zip(step.rids, step.token_ids, texts)):
-                if state := self._requests.get(rid):
-                    state.outputs.add(token_id, text, block, i)
-                    touched.add(rid)
+            for i, (rid, position, token_id, text) in enumerate(zip(step.rids, step.positions, step.token_ids,
+                                                                     texts)):
+                state = self._requests.get(rid)
+                if state is None or state.ended:
+                    continue
+                try:
+                    if state.outputs.add(position, token_id, text, block, i):
+                        touched.add(rid)
+                except OutputLost as exc:
+                    self._fail(state, str(exc))
         if step.prompt_rids:
             block = StepBlock.of(step.prompt)
             for i, rid in enumerate(step.prompt_rids):
-                if state := self._requests.get(rid):
+                state = self._requests.get(rid)
+                if state is not None and state.prompt is None:  # a second one is a replay
                     state.prompt = _prompt_track(state, block, step.prompt.null_prefix[i], i)
                     touched.add(rid)
         for finish in step.finished:
             state = self._requests.get(finish.rid)
-            if state is not None and state.result is None:
+            if state is not None and not state.ended:
                 self._finish(state, finish)
                 touched.add(finish.rid)
         for rid in touched:
             self._requests[rid].wakeup.set()
 
     def _finish(self, state: RequestState, finish: scheduler_pb2.Finish) -> None:
+        if finish.reason == FinishReason.FINISH_REASON_ERROR:
+            return self._fail(state, finish.message)
+        held = len(state.outputs.token_ids)
+        if finish.reason != FinishReason.FINISH_REASON_ABORT:
+            if held != finish.output_tokens:
+                return self._fail(state, f"output incomplete: {held} of its {finish.output_tokens} tokens arrived")
+            logprob = state.inp.logprob
+            if logprob.return_logprob and logprob.logprob_start_len >= 0 and state.prompt is None:
+                return self._fail(state, "its prompt logprobs never arrived")
         output_ids, text, output = state.outputs.whole()
         result = RequestResult(
             rid=state.rid,
@@ -220,14 +261,18 @@ class Engine:
             result.error = finish.message or "aborted"
         state.result = result
 
-    def _fail_requests_on(self, scheduler: str, reason: str) -> None:
-        """A scheduler replica died: end its in-flight requests now, with an error."""
+    def _fail(self, state: RequestState, why: str) -> None:
+        """End the request with an error (a server-side fault); its generate() raises it."""
+        if not state.ended:
+            log.warning("request %s failed: %s", state.rid, why)
+            state.failure = why
+            state.wakeup.set()
+
+    def _fail_requests_on(self, scheduler: str, why: str) -> None:
+        """The path through a scheduler replica stayed broken: fail its in-flight requests."""
         for state in list(self._requests.values()):
-            if state.scheduler == scheduler and state.result is None:
-                self._finish(state, scheduler_pb2.Finish(
-                    rid=state.rid, reason=FinishReason.FINISH_REASON_ABORT,
-                    message=f"scheduler {scheduler} failed: {reason}"))
-                state.wakeup.set()
+            if state.scheduler == scheduler:
+                self._fail(state, why)
 
 
 def _prompt_track(state: RequestState, block: StepBlock, null_prefix: int, i: int) -> LogprobTrack:

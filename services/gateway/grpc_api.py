@@ -81,7 +81,7 @@ class GenerationService:
                 if not request.stream and result is None:
                     continue
                 response = generate_pb2.GenerateResponsePacked(
-                    prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                    rid=chunk.rid, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
                 if request.stream:
                     response.token_ids = np.asarray(chunk.token_ids, dtype=I32).tobytes()
                     response.text = chunk.text
@@ -95,7 +95,6 @@ class GenerationService:
                 if prompt is not None:
                     response.prompt.CopyFrom(track_to_block(prompt))
                 if result is not None:
-                    response.rid = result.rid
                     self._set_finish(response, result)
                 yield response
         except RequestError as exc:

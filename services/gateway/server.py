@@ -37,7 +37,7 @@ async def serve(config: GatewayConfig) -> None:
     engine = Engine(config, tokenizer)
     await engine.start()
 
-    grpc_server = create_server(config.max_message_mb)
+    grpc_server = create_server(config.max_message_mb, config.keepalive_s)
     add_generation_service(grpc_server, engine)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")

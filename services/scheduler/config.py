@@ -17,6 +17,9 @@ class SchedulerConfig(ServiceConfig):
     max_context: int = option(0, "longest sequence (prompt + output); 0: min(model maximum, 4096)")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
+    replay_window_s: float = option(30.0, "seconds of published steps kept for a detokenizer that reconnects or "
+                                    "restarts: an outage shorter than this loses nothing")
+    replay_window_mb: int = option(256, "most MiB of published steps kept for that replay (oldest dropped first)")
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -26,5 +29,7 @@ class SchedulerConfig(ServiceConfig):
         for name in ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
+        if self.replay_window_s < 0 or self.replay_window_mb < 0:
+            raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
         if self.max_context < 0:
             raise ValueError("--max-context: must be 0 (automatic) or positive")

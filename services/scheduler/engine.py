@@ -93,7 +93,7 @@ class Engine:
                 host = run_step(self.runner, decode, prefill, self.config.logits_chunk_rows)
             except Exception as exc:  # keep serving: fail this step's requests, not the process
                 log.exception("step failed")
-                finished += [self._finish(r, Reason.FINISH_REASON_ABORT, message=f"scheduler error: {exc}")
+                finished += [self._finish(r, Reason.FINISH_REASON_ERROR, message=f"scheduler step failed: {exc}")
                              for r in rows]
                 rows, prefill = [], []
             else:
@@ -160,12 +160,13 @@ class Engine:
             self._waiting.remove(request)
         with self._live_lock:
             self._live.discard(request.rid)
-        if reason == Reason.FINISH_REASON_ABORT:
+        if reason in (Reason.FINISH_REASON_ABORT, Reason.FINISH_REASON_ERROR):
             self._aborted_total += 1
         else:
             self._finished_total += 1
         return scheduler_pb2.Finish(rid=request.rid, reason=reason, matched_token=matched_token,
-                                    matched_stop=matched_stop, message=message)
+                                    matched_stop=matched_stop, message=message,
+                                    output_tokens=len(request.output_ids))
 
     def _update_stats(self) -> None:
         # Swapped whole so that GetStats (another thread) reads a consistent snapshot.

@@ -51,6 +51,7 @@ def step_output(step: int, new: list[Request], rows: list[Request], host: dict[s
         started=[started(r) for r in new],
         rids=[r.rid for r in rows],
         token_ids=host["next_ids"].tolist() if rows else [],
+        positions=[len(r.output_ids) - 1 for r in rows],  # each row's token was just appended
         finished=finished,
     )
     if any(r.return_logprob for r in rows):

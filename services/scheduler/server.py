@@ -1,13 +1,16 @@
 """The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats.
 
 Handlers run on the asyncio loop; the model runs in the engine thread. Each step
-message is handed back to the loop with call_soon_threadsafe and broadcast to every
-StreamSteps subscriber's queue.
+message is handed back to the loop with call_soon_threadsafe, recorded in the step
+journal and broadcast to every StreamSteps subscriber's queue. A new subscriber gets
+the journal's replay first, in the same loop callback that registers it, so no step
+falls between the two.
 """
 
 import asyncio
 import logging
 import sys
+import uuid
 
 import grpc
 
@@ -19,6 +22,7 @@ from services.common.rpc import add_health_and_reflection, create_server, mark_s
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine
+from services.scheduler.journal import StepJournal
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import InvalidRequest, Limits, parse_request
 
@@ -34,7 +38,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            max_running_requests=config.max_running_requests)
+            max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex)
+        self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
         self._loop = asyncio.get_running_loop()
         self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream
         self.engine = Engine(runner, config, publish=self._publish_threadsafe)
@@ -43,6 +48,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._loop.call_soon_threadsafe(self._broadcast, message)
 
     def _broadcast(self, message: scheduler_pb2.StepOutput | None) -> None:
+        if message is not None:
+            self.journal.record(message)
         for subscriber in self._subscribers:
             subscriber.put_nowait(message)
 
@@ -69,6 +76,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def StreamSteps(self, request, context):
         queue: asyncio.Queue = asyncio.Queue()
+        for message in self.journal.replay():
+            queue.put_nowait(message)
         self._subscribers.add(queue)
         try:
             # Tells the subscriber it is registered: every step from now on reaches it.
@@ -90,7 +99,7 @@ async def serve(config: SchedulerConfig) -> None:
     runner = await asyncio.to_thread(
         ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests)
     service = SchedulerService(config, config.model or model_dir.name, runner)
-    server = create_server(config.max_message_mb)
+    server = create_server(config.max_message_mb, config.keepalive_s)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 class SchedulerStub:
     """The scheduler owns the model. Gateways submit tokenized requests; detokenizers
-    subscribe to the step stream, one StepOutput per model step.
+    subscribe to the step stream, one StepOutput per model step. docs/reliability.md
+    says how positions, the replay of a new subscription and instance ids keep every
+    token delivered exactly once or the request failed.
     """
 
     def __init__(self, channel):
@@ -65,7 +67,9 @@ class SchedulerStub:
 
 class SchedulerServicer:
     """The scheduler owns the model. Gateways submit tokenized requests; detokenizers
-    subscribe to the step stream, one StepOutput per model step.
+    subscribe to the step stream, one StepOutput per model step. docs/reliability.md
+    says how positions, the replay of a new subscription and instance ids keep every
+    token delivered exactly once or the request failed.
     """
 
     def Submit(self, request, context):
@@ -136,7 +140,9 @@ def add_SchedulerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
     """The scheduler owns the model. Gateways submit tokenized requests; detokenizers
-    subscribe to the step stream, one StepOutput per model step.
+    subscribe to the step stream, one StepOutput per model step. docs/reliability.md
+    says how positions, the replay of a new subscription and instance ids keep every
+    token delivered exactly once or the request failed.
     """
 
     @staticmethod

@@ -51,10 +51,11 @@ def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """200 only while every hop (schedulers, detokenizers) is connected."""
-        if gateway_of(request).engine.healthy():
-            return Response(status_code=200)
-        return Response(status_code=503)
+        """200 while some scheduler's whole path (scheduler, detokenizer, stream to here) works, else 503;
+        the body says, per scheduler, what is missing."""
+        report = gateway_of(request).engine.health_report()
+        return Response(orjson.dumps(report), status_code=200 if report["healthy"] else 503,
+                        media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

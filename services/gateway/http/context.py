@@ -30,7 +30,7 @@ class Gateway:
     def limits(self) -> ModelLimits:
         info = self.engine.model_info
         return ModelLimits(vocab_size=info.vocab_size, max_context=info.max_context,
-                           max_top_logprobs=info.max_top_logprobs)
+                           max_top_logprobs=info.max_top_logprobs, max_batch_size=self.config.max_batch_size)
 
     @cached_property
     def table(self) -> TokenTable:

@@ -17,9 +17,13 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServe
 
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
                    headers: dict | None = None) -> Response:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, HTTPStatus(status).phrase),
+    return Response(orjson.dumps(_body(status, message, param, code)), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def _body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, HTTPStatus(status).phrase),
                       "param": param, "code": code if code is not None else status}}
-    return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
 def invalid_request_response(exc: InvalidRequest) -> Response:
@@ -28,3 +32,8 @@ def invalid_request_response(exc: InvalidRequest) -> Response:
 
 def engine_error_response(exc: RequestError) -> Response:
     return error_response(ENGINE_STATUS.get(exc.status, 500), exc.message, exc.field)
+
+
+def error_body(exc: RequestError) -> dict:
+    """engine_error_response's body, for a stream's error event."""
+    return _body(ENGINE_STATUS.get(exc.status, 500), exc.message, exc.field)

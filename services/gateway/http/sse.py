@@ -1,10 +1,18 @@
-"""Server-sent events as SGLang and OpenAI write them: `data: {json}\n\n` ... `data: [DONE]\n\n`."""
+"""Server-sent events as SGLang and OpenAI write them: `data: {json}\n\n` ... `data: [DONE]\n\n`.
+
+A stream that fails mid-way (a server-side fault: RequestError) ends with an error
+event, `data: {"error": {...}}`, and no `[DONE]`: the openai client raises on it, and
+a client that waits for `[DONE]` cannot mistake the stream for a complete one.
+"""
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
+
+from services.gateway.engine import RequestError
+from services.gateway.http.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
 
@@ -27,6 +35,10 @@ def sse_response(events: AsyncIterator[bytes], close: Callable[[], Awaitable[Non
             async for data in events:
                 sent += len(data)
                 yield data
+        except RequestError as exc:
+            data = event(error_body(exc))
+            sent += len(data)
+            yield data
         finally:
             await events.aclose()
             on_sent(sent)

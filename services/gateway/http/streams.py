@@ -36,19 +36,29 @@ class Generations:
     @classmethod
     async def start(cls, engine: Engine, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
                     started: float) -> "Generations":
+        """Submit every input and take each one's first chunk (the scheduler pool bounds the Submits in flight).
+
+        If one fails, the others are cancelled (those not yet submitted never are), every
+        read's outcome is retrieved, the submitted ones are aborted, and the first failure
+        in input order is raised.
+        """
         iterators = [engine.generate(inp) for inp in inputs]
         reads = [asyncio.ensure_future(anext(it)) for it in iterators]
         try:
-            await asyncio.wait(reads)
+            await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:  # cancelled: the client went away while waiting for the first tokens
             for read in reads:
                 read.cancel()
             await _close(iterators, reads)
             raise
-        failure = next((read.exception() for read in reads if read.exception() is not None), None)
-        if failure is not None:
-            await _close(iterators)
-            raise failure
+        if not all(read.done() for read in reads):  # one failed: the rest are not wanted
+            for read in reads:
+                read.cancel()
+        failures = [read.exception() for read in reads if read.done() and not read.cancelled()
+                    and read.exception() is not None]
+        if failures:
+            await _close(iterators, reads)  # waits for the cancelled reads, retrieving their outcomes
+            raise failures[0]
         firsts = [read.result() for read in reads]
         metrics.prompt_tokens.inc(sum(len(inp.input_ids) for inp in inputs))
         timers = [TokenTimer(metrics, endpoint, started) for _ in inputs]
@@ -104,7 +114,8 @@ _closing: set[asyncio.Task] = set()  # strong references to close tasks in fligh
 async def _close(iterators: list[AsyncIterator[Chunk]], pending: Iterable[asyncio.Future] = ()) -> None:
     """Close the engine iterators (aborting unfinished requests), after the pending reads on them end.
 
-    The closing runs as its own task behind a shield: the caller is often being
+    The pending reads' outcomes (results, exceptions, cancellations) are all retrieved
+    here. The closing runs as its own task behind a shield: the caller is often being
     cancelled (Starlette cancels a stream at every await once its client is gone), and
     a cancellation landing inside an iterator's cleanup would skip the abort.
     """

@@ -12,7 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.pb import scheduler_pb2
-from services.gateway.protocol.parse import InvalidRequest, check_token_ids, check_top_k
+from services.gateway.protocol.parse import (
+    InvalidRequest,
+    check_batch_size,
+    check_token_ids,
+    check_top_k,
+    limits_of,
+)
 from services.gateway.protocol.sampling import SamplingFields
 
 
@@ -90,9 +96,10 @@ class ChatCompletionRequest(OpenAIRequest):
         return value if value is None else check_top_k("top_logprobs", value, info)
 
     @model_validator(mode="after")
-    def _logprobs(self) -> "ChatCompletionRequest":
+    def _logprobs(self, info: ValidationInfo) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "top_logprobs requires logprobs=true")
+        check_batch_size("n", self.n, f"n={self.n} choices", info)
         return self
 
     @property
@@ -129,9 +136,15 @@ class CompletionRequest(OpenAIRequest):
         return value
 
     @model_validator(mode="after")
-    def _no_suffix(self) -> "CompletionRequest":
+    def _no_suffix(self, info: ValidationInfo) -> "CompletionRequest":
         if self.suffix:
             raise InvalidRequest("suffix", "suffix is not supported")
+        # Choice p * n + j is prompt p's j-th sample: one sub-request each. The error names n when
+        # it multiplies the prompts, prompt when the prompts alone are too many.
+        prompts = len(self.prompts())
+        param = "prompt" if self.n == 1 or prompts > limits_of(info).max_batch_size else "n"
+        what = f"{prompts} prompts" if self.n == 1 else f"{prompts} prompts x n={self.n}"
+        check_batch_size(param, prompts * self.n, what, info)
         return self
 
     def prompts(self) -> list[str] | list[list[int]]:

@@ -1,7 +1,8 @@
 """Body bytes -> a validated request model, or an InvalidRequest naming the field.
 
-Validation that depends on the served model (vocabulary size, the largest top-k)
-reads a ModelLimits passed as pydantic validation context.
+Validation that depends on the served model (vocabulary size, the largest top-k) or on
+the gateway's limits (sub-requests per HTTP request) reads a ModelLimits passed as
+pydantic validation context.
 """
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class ModelLimits:
     vocab_size: int
     max_context: int
     max_top_logprobs: int
+    max_batch_size: int  # sub-requests (generations) one HTTP request may ask for
 
 
 def limits_of(info: ValidationInfo) -> ModelLimits:
@@ -40,6 +42,14 @@ def check_top_k(name: str, k: int, info: ValidationInfo) -> int:
     if k > limit:
         raise ValueError(f"{name}={k} exceeds this server's maximum of {limit}")
     return k
+
+
+def check_batch_size(param: str, count: int, what: str, info: ValidationInfo) -> None:
+    """Refuse a request of more than max_batch_size sub-requests; `what` says how they were counted."""
+    limit = limits_of(info).max_batch_size
+    if count > limit:
+        raise InvalidRequest(param, f"{param}: {what} make {count} sub-requests; this server's maximum "
+                                    f"(max_batch_size) is {limit}")
 
 
 def check_token_ids(ids: list[int], info: ValidationInfo) -> list[int]:

@@ -3,7 +3,7 @@
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.pb import scheduler_pb2
-from services.gateway.protocol.parse import InvalidRequest, check_token_ids, check_top_k
+from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k
 from services.gateway.protocol.sampling import SamplingOptions
 
 
@@ -42,11 +42,13 @@ class GenerateRequest(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "GenerateRequest":
+    def _consistent(self, info: ValidationInfo) -> "GenerateRequest":
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequest("text", "exactly one of text and input_ids must be given")
         if self.is_batch and self.batch_size == 0:
             raise InvalidRequest(self.prompt_field, "a batch must not be empty")
+        # One sub-request per prompt (sampling_params has no n here).
+        check_batch_size(self.prompt_field, self.batch_size, f"{self.batch_size} prompts", info)
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != self.batch_size:
             raise InvalidRequest("sampling_params", f"{len(self.sampling_params)} sampling_params for "
                                                    f"{self.batch_size} prompts")

@@ -1,0 +1,51 @@
+"""The scheduler's step journal: what it keeps, and what a new subscriber is replayed."""
+
+import time
+
+from services.common.pb import scheduler_pb2
+from services.scheduler.journal import StepJournal
+
+
+def _step(number: int, entries: dict[str, int], started=(), finished=(), padding: int = 0):
+    """entries: rid -> position; the token is 100 + position."""
+    step = scheduler_pb2.StepOutput(step=number, rids=list(entries), positions=list(entries.values()),
+                                    token_ids=[100 + p for p in entries.values()], texts=["x" * padding])
+    for rid in started:
+        step.started.add(rid=rid, owner="gw")
+    for rid, tokens in finished:
+        step.finished.add(rid=rid, output_tokens=tokens)
+    return step
+
+
+def test_replay_is_the_retained_steps_after_a_head_resuming_older_requests():
+    journal = StepJournal(window_s=60, window_bytes=1 << 20)
+    journal.record(_step(1, {"a": 0}, started=["a"]))
+    journal.record(_step(2, {"a": 1, "b": 0}, started=["b"]))
+    head, *steps = journal.replay()
+    assert not head.resumed  # every start is retained: the steps alone say everything
+    assert [s.step for s in steps] == [1, 2]
+
+
+def test_requests_whose_start_was_dropped_are_resumed_from_their_ids():
+    padding = 1000
+    journal = StepJournal(window_s=60, window_bytes=3 * padding)  # about two steps
+    journal.record(_step(1, {"a": 0}, started=["a"], padding=padding))
+    journal.record(_step(2, {"a": 1, "b": 0}, started=["b"], padding=padding))
+    journal.record(_step(3, {"a": 2, "b": 1}, padding=padding))
+    journal.record(_step(4, {"a": 3, "b": 2}, finished=[("b", 3)], padding=padding))
+    head, *steps = journal.replay()
+    assert [s.step for s in steps] == [3, 4]
+    assert journal.retained_bytes <= 3 * padding
+    resumed = {r.start.rid: list(r.output_ids) for r in head.resumed}
+    # Positions before the first retained one, as ids; b finished, but its Finish is still retained.
+    assert resumed == {"a": [100, 101], "b": [100]}
+
+
+def test_a_finished_request_is_forgotten_once_its_finish_is_dropped():
+    journal = StepJournal(window_s=0.05, window_bytes=1 << 20)
+    journal.record(_step(1, {"a": 0}, started=["a"], finished=[("a", 1)]))
+    journal.record(_step(2, {"b": 0}, started=["b"]))
+    time.sleep(0.1)
+    head, *steps = journal.replay()
+    assert steps == []
+    assert [(r.start.rid, list(r.output_ids)) for r in head.resumed] == [("b", [100])]
