@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +110,17 @@ class Pipeline:
             if proc.proc.poll() is None:
                 proc.proc.send_signal(signal.SIGCONT)
             proc.stop()
+
+
+@contextmanager
+def running(model_dir: Path, log_dir: Path, **options) -> Iterator[Pipeline]:
+    """A started Pipeline, closed (every process stopped) on the way out."""
+    pipeline = Pipeline(model_dir, log_dir, **options)
+    try:
+        pipeline.start()
+        yield pipeline
+    finally:
+        pipeline.close()
 
 
 @dataclass
@@ -474,10 +485,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     log_dir = ROOT / "bench" / "out" / "faults-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    pipeline = Pipeline(model_dir, log_dir)
     results = []
-    try:
-        pipeline.start()
+    with running(model_dir, log_dir) as pipeline:
         for name in args.scenarios:
             print(f"{name} ...", flush=True)
             results.append(run_scenario(pipeline, name, args.requests, args.tokens, tokenizer))
@@ -490,13 +499,13 @@ def main() -> None:
             result.name += f" (--hop-timeout-s {LONG_HOP_TIMEOUT_S:.0f})"
             results.append(result)
             print(table(results[-1:]).splitlines()[-1], flush=True)
-    finally:
-        pipeline.close()
     command = "python -m bench.faults " + " ".join(
         f"--{k} {v}" for k, v in (("requests", args.requests), ("tokens", args.tokens)))
-    (ROOT / "RELIABILITY.md").write_text(REPORT.format(command=command, machine=machine_line(),
-                                                       requests=args.requests, tokens=args.tokens, k=K,
-                                                       table=table(results)))
+    report = ROOT / "RELIABILITY.md"
+    fuzzing = report.read_text().partition("\n## Fuzzing\n") if report.exists() else ("", "", "")
+    report.write_text(REPORT.format(command=command, machine=machine_line(), requests=args.requests,
+                                    tokens=args.tokens, k=K, table=table(results))
+                      + (f"\n## Fuzzing\n{fuzzing[2]}" if fuzzing[1] else ""))
     print("RELIABILITY.md written")
 
 

@@ -9,6 +9,8 @@ stops everything instead, since that is usually a setup error (port taken, bad m
 that a restart would not fix. Ctrl-C or SIGTERM stops all three.
 """
 
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,6 +35,8 @@ class UpConfig:
     scheduler_port: int = option(30010, "scheduler port (loopback)")
     detokenizer_port: int = option(30020, "detokenizer port (loopback)")
     device: str = option("auto", "scheduler device: auto, cpu or cuda")
+    api_key: str | None = option(None, "the gateway's API key (HTTP `Authorization: Bearer`, gRPC `authorization` "
+                                 "metadata); default: none")
     startup_timeout_s: float = option(600.0, "give up if the pipeline is not healthy by then")
     restart_delay_s: float = option(1.0, "wait before restarting a crashed service; doubles on each crash")
     restart_max_delay_s: float = option(30.0, "cap on the restart delay")
@@ -100,6 +104,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     model = str(resolve_model(config.model, config.cache_dir))
+    # Passed in the environment (not in the command lines, which ps shows). The internal hops use a secret
+    # of this run unless one is configured, so that no other local process can call the internal ports.
+    if config.api_key:
+        os.environ["FLATWIRE_API_KEY"] = config.api_key
+    if not (os.environ.get("FLATWIRE_INTERNAL_SECRET") or os.environ.get("FLATWIRE_INTERNAL_SECRET_FILE")):
+        os.environ["FLATWIRE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
     scheduler = f"127.0.0.1:{config.scheduler_port}"
     detokenizer = f"127.0.0.1:{config.detokenizer_port}"
     common = ["--model", model]

@@ -1,6 +1,7 @@
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.common.model_store import DEFAULT_CACHE_DIR, resolve_model
@@ -70,3 +71,10 @@ def stack(start_service, scheduler_address) -> Stack:
         "--grpc-port", str(grpc_port), health_port=grpc_port)
     return Stack(f"http://{http_address}", f"127.0.0.1:{grpc_port}", scheduler_address, detokenizer_address,
                  gateway)
+
+
+@pytest.fixture(scope="session")
+def http(stack) -> httpx.Client:
+    """An HTTP client of the stack's gateway."""
+    with httpx.Client(base_url=stack.http_url, timeout=300) as client:
+        yield client

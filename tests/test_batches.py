@@ -3,6 +3,7 @@ the Submits in flight, so the scheduler's gRPC server cancels none), one more is
 field, and when one submit fails every other task's outcome is still retrieved."""
 
 import asyncio
+import contextlib
 import gc
 import time
 
@@ -16,12 +17,6 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.result import RequestResult
 
 MAX_BATCH_SIZE = GatewayConfig().max_batch_size
-
-
-@pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.http_url, timeout=300) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +79,11 @@ class FakeEngine:
         self.started: list[int] = []
         self.closed: list[int] = []
 
-    async def generate(self, inp: GenerateInput):
+    @contextlib.contextmanager
+    def admit(self, count: int):  # admission control: always room here
+        yield None
+
+    async def generate(self, inp: GenerateInput, admission=None):
         mark, index = inp.input_ids
         self.started.append(index)
         self.in_flight += 1

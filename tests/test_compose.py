@@ -15,11 +15,14 @@ import time
 from graphlib import TopologicalSorter
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import yaml
 
+from services.common.auth import SECRET_METADATA
 from services.common.config import env_name
+from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
@@ -72,6 +75,14 @@ def test_deployment_rules(services):
     # Every replica must reach the others by the service name, which resolves to all of them.
     for name in ("detokenizer", "gateway"):
         assert services[name]["environment"]["FLATWIRE_SCHEDULERS"].split(":")[0] == "scheduler"
+    # One internal secret for all three: from one variable, else one file on a volume all of them mount.
+    secret_file = services["scheduler"]["environment"]["FLATWIRE_INTERNAL_SECRET_FILE"]
+    for name, service in services.items():
+        environment = service["environment"]
+        assert environment["FLATWIRE_INTERNAL_SECRET"] == "${FLATWIRE_INTERNAL_SECRET:-}", name
+        assert environment["FLATWIRE_INTERNAL_SECRET_FILE"] == secret_file, name
+        assert any(volume.split(":")[1] == str(Path(secret_file).parent) for volume in service["volumes"]), name
+    assert services["gateway"]["environment"]["FLATWIRE_API_KEY"] == "${API_KEY:-}"
 
 
 def test_gpu_override_reserves_a_gpu_for_the_scheduler(services):
@@ -88,9 +99,10 @@ def test_gpu_override_reserves_a_gpu_for_the_scheduler(services):
 class LocalCompose:
     """Compose addresses rewritten for processes sharing one loopback."""
 
-    def __init__(self, services: dict, model_dir: Path):
+    def __init__(self, services: dict, model_dir: Path, volume_dir: Path):
         self.services = services
         self.model_dir = model_dir
+        self.volume_dir = volume_dir  # stands for the volumes other than the models'
         self.ports: dict[tuple[str, int], int] = {}  # (service, declared port) -> local port
         for name, service in services.items():
             for key, value in service["environment"].items():
@@ -118,6 +130,8 @@ class LocalCompose:
                 value = value or str(self.model_dir)
             elif key == "FLATWIRE_CACHE_DIR":
                 value = str(self.model_dir.parent)
+            elif key == "FLATWIRE_INTERNAL_SECRET_FILE":
+                value = str(self.volume_dir / Path(value).name)
             else:
                 value = self.address(value, service)
             env[key] = value
@@ -141,11 +155,11 @@ def wait_healthy(proc: ServiceProcess, check: list[str]) -> None:
         time.sleep(0.5)
 
 
-def test_declared_services_serve_generate(services, model_dir, log_dir, monkeypatch):
+def test_declared_services_serve_generate(services, model_dir, log_dir, monkeypatch, tmp_path):
     # Only the declared environment may configure the services: none of this shell's FLATWIRE_*.
     for key in [key for key in os.environ if key.startswith("FLATWIRE_")]:
         monkeypatch.delenv(key)
-    compose = LocalCompose(services, model_dir)
+    compose = LocalCompose(services, model_dir, tmp_path)
     order = compose.start_order()
     assert order == ["scheduler", "detokenizer", "gateway"]
     started = []
@@ -161,6 +175,15 @@ def test_declared_services_serve_generate(services, model_dir, log_dir, monkeypa
                            json={"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         assert reply.status_code == 200, reply.text
         assert reply.json()["meta_info"]["completion_tokens"] == 4
+        # With no FLATWIRE_INTERNAL_SECRET, the first service generated one that all three use.
+        secret = (tmp_path / "internal-secret").read_text().strip()
+        scheduler_port = compose.ports["scheduler", int(services["scheduler"]["environment"]["FLATWIRE_PORT"])]
+        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats
+            with pytest.raises(grpc.RpcError) as refused:
+                stats(scheduler_pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stats(scheduler_pb2.StatsRequest(), timeout=10, metadata=[(SECRET_METADATA, secret)])
     finally:
         for proc in reversed(started):
             proc.stop()

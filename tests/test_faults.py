@@ -10,7 +10,7 @@ timeout. A short "complete" response or a hang fails the test, in every scenario
 import pytest
 from transformers import AutoTokenizer
 
-from bench.faults import LONG_HOP_TIMEOUT_S, Pipeline, run_scenario
+from bench.faults import LONG_HOP_TIMEOUT_S, run_scenario, running
 
 REQUESTS = 16
 TOKENS = 200
@@ -20,12 +20,8 @@ HEALTH_ROUND_S = 3.5  # a failure may come up to one health round (check timeout
 
 @pytest.fixture(scope="module")
 def pipeline(model_dir, log_dir):
-    pipeline = Pipeline(model_dir, log_dir)
-    try:
-        pipeline.start()
+    with running(model_dir, log_dir) as pipeline:
         yield pipeline
-    finally:
-        pipeline.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,5 @@
 """GET /health, /v1/models and /metrics."""
 
-import httpx
-import pytest
-
-
-@pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.http_url, timeout=120) as client:
-        yield client
 
 
 def test_health(http):

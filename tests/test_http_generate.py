@@ -3,7 +3,6 @@
 import base64
 import concurrent.futures
 
-import httpx
 import numpy as np
 import orjson
 import pytest
@@ -12,12 +11,6 @@ from transformers import AutoTokenizer
 K = 5
 PROMPT = "The quick brown fox jumps over the lazy dog. Flat arrays beat nested rows"
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.http_url, timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

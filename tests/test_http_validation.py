@@ -62,12 +62,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def http(stack):
-    with httpx.Client(base_url=stack.http_url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def post(http):
     model = http.get("/v1/models").json()["data"][0]["id"]
 

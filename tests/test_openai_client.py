@@ -31,7 +31,7 @@ def tokenizer(model_dir):
 
 
 def chat(client, **kwargs):
-    model = client.models.list().data[0].id  # the served name: the model directory's path here
+    model = client.models.list().data[0].id  # the served name: the model directory's name
     return client.chat.completions.create(**{"model": model, "messages": MESSAGES, "max_tokens": 10,
                                              "temperature": 0, **kwargs})
 

@@ -78,7 +78,18 @@ class ServiceConfig:
     port: int = option(0, "gRPC (or HTTP, for the gateway) port")
     model: str | None = option(None, "local Hugging Face checkpoint; default: the embedded default model")
     cache_dir: str | None = option(None, "where the default model is built (default ~/.cache/flatwire)")
-    max_message_mb: int = option(1024, "gRPC send/receive message limit in MiB")
+    max_message_mb: int = option(1024, "gRPC message limit in MiB of what servers send and channels send and "
+                                 "receive: step streams carry up to --max-running-requests requests' logprob rows "
+                                 "(each bounded by the gateway's --max-logprob-elements) in one message")
+    max_request_mb: int = option(32, "largest request in MiB this service's server takes: a gRPC message (more is "
+                                 "RESOURCE_EXHAUSTED) and, on the gateway, an HTTP body (more is 413)")
     keepalive_s: float = option(20.0, "gRPC keepalive ping interval of this service's channels; its server permits "
                                 "pings twice as often (keep it equal on every service)")
     log_level: str = option("info", "logging level")
+    internal_secret: str | None = option(None, "shared secret of the internal hops: the scheduler and detokenizer "
+                                         "refuse gRPC calls without it (health excepted) and every service sends "
+                                         "it; the same on every service; prefer the environment variable to the "
+                                         "flag (visible in ps)")
+    internal_secret_file: str | None = option(None, "read the internal secret from this file when "
+                                              "--internal-secret is unset; a missing file is created with a "
+                                              "random secret (services sharing a volume agree on it)")

@@ -1,18 +1,29 @@
 """gRPC plumbing shared by the services: servers, channels, health, limits.
 
 gRPC's default 4 MiB receive limit is far below a long prompt's top-k (32k x 128
-is 33 MB), so every server and channel here raises both limits to the configured
-size.
+is 33 MB), so every channel here raises both limits to `max_message_mb`, as does a
+server for what it sends (step streams). What a server receives is only ever a
+request (a prompt of max_context ids, a text within the gateway's body limit, stop
+strings), so servers take at most `max_receive_mb` (--max-request-mb, 32 MiB by
+default): a larger message is refused with RESOURCE_EXHAUSTED as its length arrives,
+before it is buffered, instead of under the 1 GiB that steps need.
 
 Keepalive: every channel pings its server every `keepalive_s` (with or without calls,
 so a dead peer of an idle step stream is noticed), and every server permits pings
 twice that often. A server that permitted less would answer GOAWAY too_many_pings
 after a few pings and cut the long-lived streams.
+
+Authentication (services/common/auth.py): `internal_secret` makes a server refuse calls without
+the shared secret and a channel send it; `api_key` (the gateway's public server) requires
+`authorization: Bearer KEY`. Health stays open; reflection is on the public server only.
 """
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common import auth
+from services.common.undecodable import RefuseUndecodable
 
 DEFAULT_MAX_MESSAGE_MB = 1024
 DEFAULT_KEEPALIVE_S = 20.0
@@ -22,12 +33,14 @@ DEFAULT_KEEPALIVE_S = 20.0
 MAX_PENDING_CALLS = 16384
 
 
-def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> list[tuple[str, int]]:
+def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                    max_receive_mb: int | None = None) -> list[tuple[str, int]]:
+    """`max_receive_mb` (default: max_message_mb) bounds what this end receives."""
     limit = max_message_mb * 1024 * 1024
     keepalive_ms = max(int(keepalive_s * 1000), 1)
     return [
         ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_receive_message_length", (max_receive_mb or max_message_mb) * 1024 * 1024),
         ("grpc.keepalive_time_ms", keepalive_ms),
         ("grpc.keepalive_timeout_ms", max(keepalive_ms // 2, 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -38,9 +51,15 @@ def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_
     ]
 
 
-def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> grpc.aio.Server:
-    return grpc.aio.server(options=[
-        *message_options(max_message_mb, keepalive_s),
+def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
+                  internal_secret: str | None = None, api_key: str | None = None,
+                  max_receive_mb: int | None = None) -> grpc.aio.Server:
+    """With `internal_secret` or `api_key`, every call but health's must carry it (see auth.py).
+    `max_receive_mb`: the largest request message taken (default: max_message_mb)."""
+    interceptors = auth.server_interceptors(internal_secret=internal_secret, api_key=api_key)
+    interceptors.append(RefuseUndecodable())  # innermost: undecodable payloads -> INVALID_ARGUMENT
+    return grpc.aio.server(interceptors=interceptors or None, options=[
+        *message_options(max_message_mb, keepalive_s, max_receive_mb),
         # The clients' pings (above) come every keepalive_s, data or not: permit twice as many.
         ("grpc.http2.min_ping_interval_without_data_ms", max(int(keepalive_s * 500), 1)),
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
@@ -48,10 +67,16 @@ def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S)
     ])
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """Standard health checking (every service SERVING) and reflection."""
+def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """Standard health checking (mark_serving sets the services SERVING)."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Health and reflection: for the public server only (reflection would list internal APIs)."""
+    servicer = add_health(server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return servicer
 
@@ -61,8 +86,12 @@ async def mark_serving(servicer: health.aio.HealthServicer, service_names: list[
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def create_channel(address: str, max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=message_options(max_message_mb, keepalive_s))
+def create_channel(address: str, max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
+                   internal_secret: str | None = None) -> grpc.aio.Channel:
+    """With `internal_secret`, every call on the channel carries it (see auth.py)."""
+    interceptors = auth.internal_secret_interceptors(internal_secret) if internal_secret else None
+    return grpc.aio.insecure_channel(address, options=message_options(max_message_mb, keepalive_s),
+                                     interceptors=interceptors)
 
 
 def check_health(address: str, timeout: float = 2.0) -> bool:

@@ -82,7 +82,8 @@ class SchedulerStreams:
             self._tasks.pop(address).cancel()
 
     async def _follow(self, address: str) -> None:
-        channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s)
+        channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
+                                 internal_secret=self.config.internal_secret)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._stubs[address] = stub
         backoff = 0.1

@@ -19,12 +19,13 @@ import grpc
 from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
+from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.discovery import subscription_health_name
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
-from services.common.rpc import add_health_and_reflection, create_server
+from services.common.rpc import add_health, create_server
 from services.common.signals import stop_requested
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.manager import DetokenizerManager
@@ -129,13 +130,15 @@ async def _report_health(streams: SchedulerStreams, servicer) -> None:
 
 
 async def serve(config: DetokenizerConfig) -> None:
+    resolve_internal_secret(config, log)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
     router = Router(adopt_for_s=config.owner_grace_s)
     pipeline = Pipeline(DetokenizerManager(tokenizer), router, config)
 
-    server = create_server(config.max_message_mb, config.keepalive_s)
+    server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
+                           max_receive_mb=config.max_request_mb)
     detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router), server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
+    health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     await server.start()

@@ -72,7 +72,9 @@ def _generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[i
 
 
 class FlatwireClient:
-    def __init__(self, address: str, max_message_mb: int = 1024):
+    def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None):
+        """api_key: the gateway's --api-key, sent as `authorization: Bearer` metadata."""
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel = grpc.insecure_channel(address, options=message_options(max_message_mb))
         self._generate = self._channel.unary_stream(
             f"/{SERVICE_NAME}/Generate",
@@ -93,12 +95,12 @@ class FlatwireClient:
         self._channel.close()
 
     def model_info(self) -> scheduler_pb2.ModelInfo:
-        return self._model_info(scheduler_pb2.ModelInfoRequest())
+        return self._model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Iterator[Generation]:
         """Yield one Generation per chunk as tokens arrive."""
         request = self._request(text, input_ids, stream=True, **options)
-        for response in self._generate(request):
+        for response in self._generate(request, metadata=self._metadata):
             yield _generation(response, input_ids)
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
@@ -106,7 +108,7 @@ class FlatwireClient:
         stop_token_ids, ignore_eos, return_logprob, top_logprobs_num, logprob_start_len,
         token_ids_logprob, stop, skip_special_tokens, no_stop_trim, timeout."""
         request = self._request(text, input_ids, stream=False, **options)
-        *_, last = self._generate(request, timeout=options.get("timeout"))
+        *_, last = self._generate(request, timeout=options.get("timeout"), metadata=self._metadata)
         return _generation(last, input_ids)
 
     @staticmethod

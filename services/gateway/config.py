@@ -15,6 +15,9 @@ class GatewayConfig(ServiceConfig):
                                    "to several addresses counts as one replica each")
     detokenizers: list[str] = option(["127.0.0.1:30020"], "detokenizer addresses host:port")
     served_model_name: str | None = option(None, "model name in the OpenAI API (default: the model dir's name)")
+    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on every HTTP route but /health, and "
+                                 "`authorization: Bearer KEY` metadata on the public gRPC API (health open); "
+                                 "default: none (open); prefer the environment variable to the flag (visible in ps)")
     owner_id: str | None = option(None, "this gateway's routing id (default: random)")
     health_interval_s: float = option(1.0, "seconds between checks of each scheduler's path (scheduler, detokenizer)")
     health_timeout_s: float = option(2.0, "how long one such check waits for an answer")
@@ -24,9 +27,29 @@ class GatewayConfig(ServiceConfig):
                                  "a completion's prompts x n, a chat's n); more is refused with 400")
     max_concurrent_submits: int = option(256, "Submit and Abort RPCs in flight to the schedulers at once; the rest "
                                          "wait their turn (a gRPC server cancels calls past its backlog)")
+    max_outstanding_requests: int = option(0, "generations this gateway holds at once (a batch counts each and is "
+                                           "admitted whole); past it HTTP 429 with Retry-After, gRPC "
+                                           "RESOURCE_EXHAUSTED; 0: 8 x the schedulers' max_running_requests, at "
+                                           "least --max-batch-size")
+    max_stop_strings: int = option(32, "most stop strings one request may give (stop); more is refused with 400")
+    max_stop_length: int = option(256, "longest stop string in characters; longer is refused with 400")
+    max_logprob_elements: int = option(4 * 1024 * 1024, "most logprob values one request may ask for: positions "
+                                       "(max_new_tokens, plus prompt tokens from logprob_start_len) x "
+                                       "(top_logprobs_num + len(token_ids_logprob)), summed over its generations; "
+                                       "more is refused with 400")
+    http_header_timeout_s: float = option(10.0, "seconds a client has to send a request's headers (on a new "
+                                          "connection, or after the previous response); then the connection closes")
+    http_body_timeout_s: float = option(30.0, "seconds a client has to send a request's whole body once its "
+                                        "headers arrived; then 408 and the connection closes")
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_concurrent_submits", "hop_timeout_s", "health_interval_s",
-                     "health_timeout_s"):
+                     "health_timeout_s", "max_request_mb", "max_stop_strings", "max_stop_length",
+                     "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive")
+        if self.max_outstanding_requests < 0:
+            raise ValueError("--max-outstanding-requests: must be 0 (automatic) or positive")
+        if 0 < self.max_outstanding_requests < self.max_batch_size:
+            raise ValueError(f"--max-outstanding-requests: {self.max_outstanding_requests} is below --max-batch-size "
+                             f"{self.max_batch_size}: a batch that large could never be admitted")

@@ -17,7 +17,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +30,7 @@ from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import create_channel
 from services.gateway.accumulator import Accumulator, OutputLost, StepBlock, track_of
 from services.gateway.config import GatewayConfig
+from services.gateway.protocol.parse import rename_field
 from services.gateway.result import LogprobTrack, RequestResult
 from services.gateway.schedulers import SchedulerPool
 
@@ -45,11 +47,16 @@ GRPC_TO_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
     grpc.StatusCode.NOT_FOUND: "not_found",
     grpc.StatusCode.ALREADY_EXISTS: "invalid_argument",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",  # every scheduler's waiting list is full
 }
+# The automatic admission limit: this many generations per running slot of the schedulers in rotation
+# (one running, seven waiting), and never below --max-batch-size (a batch must fit an idle gateway).
+ADMISSION_FACTOR = 8
 
 
 class RequestError(Exception):
-    """A request the pipeline refused: status is "invalid_argument", "not_found" or "unavailable"."""
+    """A request the pipeline refused: status is "invalid_argument", "not_found", "resource_exhausted"
+    (admission control: HTTP 429, gRPC RESOURCE_EXHAUSTED) or "unavailable"."""
 
     def __init__(self, status: str, field: str | None, message: str):
         super().__init__(message)
@@ -64,6 +71,9 @@ class GenerateInput:
     sampling: scheduler_pb2.SamplingParams
     logprob: scheduler_pb2.LogprobParams
     detokenize: scheduler_pb2.DetokenizeParams
+    # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
+    # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
+    fields: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +106,14 @@ class RequestState:
         return self.result is not None or self.failure is not None
 
 
+@dataclass
+class Admission:
+    """Room for `count` generations, reserved whole before any of them starts (Engine.admit)."""
+
+    count: int
+    started: int = 0
+
+
 class Engine:
     def __init__(self, config: GatewayConfig, tokenizer):
         self.config = config
@@ -106,6 +124,9 @@ class Engine:
         self.model_info: scheduler_pb2.ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, RequestState] = {}
+        self._reserved = 0  # generations admitted (Engine.admit) that have not started yet
+        # Refusals by admission control: requests past this gateway's limit, submits a scheduler refused.
+        self.rejected = {"gateway": 0, "scheduler": 0}
         self._connected_detokenizers: set[str] = set()
         self._tasks: list[asyncio.Task] = []
 
@@ -131,9 +152,51 @@ class Engine:
                 "detokenizers": {address: address in self._connected_detokenizers
                                  for address in self.config.detokenizers}}
 
+    # -- admission control -------------------------------------------------------------------------------
+
+    @property
+    def admission_limit(self) -> int:
+        """Generations this gateway holds at once: --max-outstanding-requests, or ADMISSION_FACTOR x the
+        running slots of the schedulers in rotation, at least --max-batch-size."""
+        if self.config.max_outstanding_requests:
+            return self.config.max_outstanding_requests
+        return max(self.config.max_batch_size, ADMISSION_FACTOR * self.schedulers.capacity())
+
+    @property
+    def outstanding(self) -> int:
+        """Generations held: running in the pipeline, or admitted and about to start."""
+        return len(self._requests) + self._reserved
+
+    def _check_room(self, count: int) -> None:
+        limit, outstanding = self.admission_limit, self.outstanding
+        if outstanding + count > limit:
+            self.rejected["gateway"] += 1
+            what = f"{count} generations" if count > 1 else "1 generation"
+            raise RequestError("resource_exhausted", None,
+                               f"this gateway is busy: {outstanding} generations are outstanding and {what} more "
+                               f"would pass its limit of {limit} (max_outstanding_requests); retry later")
+
+    @contextmanager
+    def admit(self, count: int) -> Iterator[Admission]:
+        """Admit a request's `count` generations whole, or refuse them all (RequestError "resource_exhausted").
+        Pass the Admission to generate() for each; the room of those never started is given back on exit."""
+        self._check_room(count)
+        admission = Admission(count)
+        self._reserved += count
+        try:
+            yield admission
+        finally:
+            self._reserved -= admission.count - admission.started
+
     # -- requests ---------------------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+    async def generate(self, inp: GenerateInput, admission: Admission | None = None) -> AsyncIterator[Chunk]:
+        """One generation's chunks. Admitted by `admission` (a batch's, from admit()), or here on its own."""
+        if admission is not None and admission.started < admission.count:
+            admission.started += 1
+            self._reserved -= 1
+        else:
+            self._check_room(1)
         rid = uuid.uuid4().hex
         state = RequestState(rid=rid, inp=inp, started_at=time.perf_counter(), outputs=Accumulator(inp.logprob))
         self._requests[rid] = state
@@ -141,7 +204,7 @@ class Engine:
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize)
         try:
-            state.scheduler = await self._submit(request)
+            state.scheduler = await self._submit(request, inp.fields)
             while True:
                 await state.wakeup.wait()
                 state.wakeup.clear()
@@ -159,13 +222,17 @@ class Engine:
                 if state.result is None:  # a client that left, or a failure: the scheduler must stop it
                     self.schedulers.abort(state.scheduler, rid)
 
-    async def _submit(self, request: scheduler_pb2.TokenizedRequest) -> str:
+    async def _submit(self, request: scheduler_pb2.TokenizedRequest, fields: dict[str, str]) -> str:
         try:
             return await self.schedulers.submit(request)
         except grpc.aio.AioRpcError as exc:
             status = GRPC_TO_STATUS.get(exc.code(), "unavailable")
             detail = exc.details() or str(exc.code())
-            raise RequestError(status, detail.split(":", 1)[0] if status != "unavailable" else None, detail) from None
+            if status == "resource_exhausted":
+                self.rejected["scheduler"] += 1
+            if status in ("unavailable", "resource_exhausted"):
+                raise RequestError(status, None, detail) from None
+            raise RequestError(status, *rename_field(detail.split(":", 1)[0], detail, fields)) from None
 
     def _take_chunk(self, state: RequestState) -> Chunk:
         token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
@@ -183,7 +250,8 @@ class Engine:
         requests wait for it only up to the hop timeout."""
         backoff = 0.1
         while True:
-            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s)
+            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
+                                     internal_secret=self.config.internal_secret)
             stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
             try:
                 call = stub.StreamOutputs(detokenizer_pb2.StreamOutputsRequest(owner=self.owner))

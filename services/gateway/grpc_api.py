@@ -6,12 +6,21 @@ buffers the scheduler produced, while clients in other languages read them as
 packed `repeated float` / `repeated sfixed32`.
 """
 
+import asyncio
+from functools import cached_property
+
 import grpc
 import numpy as np
 
 from services.common.arrays import F32, I32
+from services.common.memory import BIG_REQUEST_BYTES, trim_soon
 from services.common.pb import arrays_pb2, generate_pb2, scheduler_pb2
 from services.gateway.engine import Engine, GenerateInput, RequestError
+from services.gateway.http.generate import generate_input
+from services.gateway.http.prompts import encode_checked
+from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
+from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
+from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.result import LogprobTrack
 
 SERVICE_NAME = "flatwire.v1.Generation"
@@ -19,12 +28,53 @@ DEFAULT_MAX_NEW_TOKENS = 128
 ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
 FINISH_REASONS = {
     "length": arrays_pb2.FINISH_REASON_LENGTH,
     "abort": arrays_pb2.FINISH_REASON_ABORT,
 }
+
+
+# /generate's field names -> this API's (GenerateRequest has `sampling`, and stop & co. at the top).
+GRPC_FIELDS = {"sampling_params": "sampling", "sampling_params.stop": "stop",
+               "sampling_params.skip_special_tokens": "skip_special_tokens",
+               "sampling_params.no_stop_trim": "no_stop_trim"}
+
+
+def generate_fields(request: generate_pb2.GenerateRequest) -> dict:
+    """The public GenerateRequest as /generate's JSON fields, defaults as the proto documents them."""
+    sampling = request.sampling
+    options = {"max_new_tokens": sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+               "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
+               "stop": list(request.stop), "no_stop_trim": request.no_stop_trim}
+    for name in ("temperature", "top_p", "min_p", "seed"):
+        if sampling.HasField(name):
+            options[name] = getattr(sampling, name)
+    if sampling.HasField("top_k") and sampling.top_k > 0:  # unset or <= 0: no limit
+        options["top_k"] = sampling.top_k
+    if request.HasField("skip_special_tokens"):
+        options["skip_special_tokens"] = request.skip_special_tokens
+    fields = {"sampling_params": options, "return_logprob": request.return_logprob,
+              "top_logprobs_num": request.top_logprobs_num, "token_ids_logprob": list(request.token_ids_logprob),
+              "stream": request.stream}
+    if request.HasField("logprob_start_len"):
+        fields["logprob_start_len"] = request.logprob_start_len
+    if request.text:
+        fields["text"] = request.text
+    if request.input_ids:
+        fields["input_ids"] = list(request.input_ids)
+    return fields
+
+
+LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="sampling.max_new_tokens",
+                               token_ids="token_ids_logprob", prompt="the prompt from logprob_start_len")
+
+
+def _refusal(exc: InvalidRequest) -> RequestError:
+    exc = renamed(exc, GRPC_FIELDS)
+    return RequestError("invalid_argument", exc.param, exc.message)
 
 
 def track_to_block(track: LogprobTrack) -> arrays_pb2.LogprobBlock:
@@ -44,35 +94,43 @@ class GenerationService:
     def __init__(self, engine: Engine):
         self.engine = engine
 
+    @cached_property
+    def limits(self) -> ModelLimits:
+        return model_limits(self.engine.model_info, self.engine.config)
+
     def to_input(self, request: generate_pb2.GenerateRequest) -> GenerateInput:
-        if bool(request.text) == bool(request.input_ids):
-            raise RequestError("invalid_argument", "text", "text: give exactly one of text and input_ids")
-        input_ids = list(request.input_ids) or self.engine.tokenizer.encode(request.text, add_special_tokens=False)
-        limit = self.engine.model_info.max_top_logprobs
-        if request.top_logprobs_num > limit:
-            raise RequestError("invalid_argument", "top_logprobs_num",
-                               f"top_logprobs_num: {request.top_logprobs_num} is above the maximum {limit}")
-        sampling = scheduler_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        sampling.max_new_tokens = sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        return GenerateInput(
-            input_ids=input_ids,
-            sampling=sampling,
-            logprob=scheduler_pb2.LogprobParams(
-                return_logprob=request.return_logprob,
-                top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0,
-                logprob_start_len=request.logprob_start_len if request.HasField("logprob_start_len") else -1,
-                token_ids_logprob=request.token_ids_logprob if request.return_logprob else []),
-            detokenize=scheduler_pb2.DetokenizeParams(
-                skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
-                spaces_between_special_tokens=True,
-                stop=request.stop,
-                no_stop_trim=request.no_stop_trim),
-        )
+        """Blocking (validation, tokenization): generate() runs it in a worker thread."""
+        req = self.validate(request)
+        input_ids = list(request.input_ids)
+        if not input_ids:
+            try:  # a text that cannot fit the context is refused before it is tokenized
+                input_ids = encode_checked(self.engine.tokenizer, [request.text], self.limits.max_context,
+                                           req.prompt_field, add_special_tokens=False)[0]
+            except InvalidRequest as exc:
+                raise _refusal(exc) from None
+        return self.checked_input(req, input_ids)
+
+    def validate(self, request: generate_pb2.GenerateRequest) -> GenerateRequest:
+        """The request as /generate's model, through /generate's checks; errors name this API's fields."""
+        try:
+            return parse_data(GenerateRequest, generate_fields(request), self.limits)
+        except InvalidRequest as exc:
+            raise _refusal(exc) from None
+
+    def checked_input(self, req: GenerateRequest, input_ids: list[int]) -> GenerateInput:
+        """/generate's checks that need the tokens (lengths, logprob_start_len), then the scheduler's input."""
+        try:
+            inp = generate_input(req, 0, input_ids, self.limits)
+            check_logprob_elements([inp], self.limits, LOGPROB_FIELDS)
+        except InvalidRequest as exc:
+            raise _refusal(exc) from None
+        inp.fields = {"input_ids": req.prompt_field, "logprob": ""}  # `sampling` is this API's name too
+        return inp
 
     async def generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            inp = self.to_input(request)
+            # Off the event loop: tokenizing a long text takes seconds that HTTP and other streams must not wait.
+            inp = await asyncio.to_thread(self.to_input, request)
             prompt_tokens = len(inp.input_ids)
             completion_tokens = 0
             async for chunk in self.engine.generate(inp):
@@ -98,7 +156,14 @@ class GenerationService:
                     self._set_finish(response, result)
                 yield response
         except RequestError as exc:
-            await context.abort(ERROR_CODES[exc.status], exc.message)
+            # The status, then a plain return: context.abort() would raise an AbortError chained to this
+            # exception, whose traceback holds the request's frames (a 20 MB text), and grpc keeps the
+            # AbortError in the call's state, a reference cycle that only the garbage collector frees.
+            context.set_code(ERROR_CODES[exc.status])
+            context.set_details(exc.message)
+        finally:
+            if len(request.text) + sum(map(len, request.stop)) + 4 * len(request.input_ids) >= BIG_REQUEST_BYTES:
+                trim_soon()  # its decoded message and tokens are freed by now, or soon: hand the memory back
 
     @staticmethod
     def _set_finish(response: generate_pb2.GenerateResponsePacked, result) -> None:

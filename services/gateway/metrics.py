@@ -4,6 +4,7 @@ One registry per app, so several apps (tests) in one process don't collide.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,8 +32,30 @@ class GatewayMetrics:
         self.bytes_sent = Counter("flatwire_response_bytes", "response body bytes, by logprob format",
                                   ["format"], registry=self.registry)
 
+    def watch_admission(self, engine) -> None:
+        """Export the engine's admission control (read at each scrape; the gRPC API's requests included)."""
+        self.registry.register(_AdmissionCollector(engine))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _AdmissionCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        rejected = CounterMetricFamily(
+            "flatwire_admission_rejected", "requests refused by admission control (HTTP 429, gRPC RESOURCE_EXHAUSTED): "
+            "queue=gateway, past --max-outstanding-requests (a batch counts once); queue=scheduler, a generation "
+            "every scheduler refused (waiting list full)", labels=["queue"])
+        for queue, count in self.engine.rejected.items():
+            rejected.add_metric([queue], count)
+        yield rejected
+        yield GaugeMetricFamily("flatwire_outstanding_generations", "generations this gateway holds now (HTTP and "
+                                "gRPC)", value=self.engine.outstanding)
+        yield GaugeMetricFamily("flatwire_admission_limit", "most generations this gateway holds at once",
+                                value=self.engine.admission_limit)
 
 
 class TokenTimer:

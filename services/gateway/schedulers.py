@@ -45,6 +45,7 @@ class Replica:
     problem: str | None = "not checked yet"  # why its path is broken; None while it works
     whole_at: float = field(default_factory=time.monotonic)  # when its path was last found working
     instance_id: str = ""
+    max_running_requests: int = 0  # its running slots (ModelInfo), for admission control
     outstanding: set[str] = field(default_factory=set)
 
 
@@ -64,7 +65,8 @@ class SchedulerPool:
         self._tasks: list[asyncio.Task] = []
         self._recheck = asyncio.Event()
         self._aborts: set[asyncio.Task] = set()
-        self._detokenizer_channels = {a: create_channel(a, config.max_message_mb, config.keepalive_s)
+        self._detokenizer_channels = {a: create_channel(a, config.max_message_mb, config.keepalive_s,
+                                                        internal_secret=config.internal_secret)
                                       for a in config.detokenizers}
         self._detokenizers = {a: health_pb2_grpc.HealthStub(c) for a, c in self._detokenizer_channels.items()}
 
@@ -84,6 +86,10 @@ class SchedulerPool:
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
+
+    def capacity(self) -> int:
+        """Running slots of the replicas in rotation (what admission control scales with)."""
+        return sum(r.max_running_requests for r in self.replicas.values() if r.healthy)
 
     def report(self) -> dict[str, dict]:
         return {a: {"in_rotation": r.healthy, "problem": r.problem, "outstanding": len(r.outstanding)}
@@ -107,8 +113,11 @@ class SchedulerPool:
 
     async def _submit(self, request: scheduler_pb2.TokenizedRequest) -> str:
         tried: set[str] = set()
+        full: grpc.aio.AioRpcError | None = None  # a replica's refusal: its waiting list is full
         while True:
             candidates = [r for r in self.replicas.values() if r.healthy and r.address not in tried]
+            if not candidates and full is not None:
+                raise full  # every replica that answered is full: RESOURCE_EXHAUSTED (429), not a failure
             if not candidates:
                 problems = "; ".join(f"{r.address}: {r.problem}" for r in self.replicas.values() if r.problem)
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -120,6 +129,10 @@ class SchedulerPool:
                 return replica.address
             except grpc.aio.AioRpcError as exc:
                 replica.outstanding.discard(request.rid)
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy, not broken: try another replica
+                    full = exc
+                    tried.add(replica.address)
+                    continue
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 self._take_out(replica, f"scheduler {replica.address} failed a submit: {exc.code().name}")
@@ -158,7 +171,8 @@ class SchedulerPool:
             for address in await resolve(entry):
                 seen.add(address)
                 if address not in self.replicas:
-                    channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s)
+                    channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
+                                             internal_secret=self.config.internal_secret)
                     self.replicas[address] = Replica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
         for address in set(self.replicas) - seen:
             replica = self.replicas.pop(address)
@@ -172,6 +186,7 @@ class SchedulerPool:
             info = await replica.stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             return self._take_out(replica, f"scheduler {replica.address} is not answering ({exc.code().name})")
+        replica.max_running_requests = info.max_running_requests
         if info.instance_id != replica.instance_id:
             if replica.instance_id:
                 self._lose(replica, f"scheduler {replica.address} restarted: the requests it was running are lost")

@@ -7,14 +7,17 @@ import uvicorn
 from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
+from services.common.auth import is_loopback, resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
+from services.common.memory import use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
 from services.common.rpc import add_health_and_reflection, create_server
 from services.gateway.config import GatewayConfig
 from services.gateway.engine import Engine
 from services.gateway.grpc_api import SERVICE_NAME, add_generation_service
 from services.gateway.http.app import create_app
+from services.gateway.http.limits import with_header_timeout
 
 log = logging.getLogger("flatwire.gateway")
 
@@ -33,11 +36,16 @@ async def _report_health(engine: Engine, servicer) -> None:
 
 
 async def serve(config: GatewayConfig) -> None:
+    resolve_internal_secret(config, log, internal_server=False)
+    if not config.api_key and not is_loopback(config.host):
+        log.warning("no API key (FLATWIRE_API_KEY) while listening on %s: the HTTP and gRPC APIs are open to "
+                    "anyone who reaches them", config.host)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
     engine = Engine(config, tokenizer)
     await engine.start()
 
-    grpc_server = create_server(config.max_message_mb, config.keepalive_s)
+    grpc_server = create_server(config.max_message_mb, config.keepalive_s, api_key=config.api_key,
+                                max_receive_mb=config.max_request_mb)
     add_generation_service(grpc_server, engine)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
@@ -45,7 +53,8 @@ async def serve(config: GatewayConfig) -> None:
     health_task = asyncio.create_task(_report_health(engine, health))
 
     http = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
-                                         log_level=config.log_level.lower(), access_log=False))
+                                         log_level=config.log_level.lower(), access_log=False,
+                                         http=with_header_timeout(config.http_header_timeout_s)))
     log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", engine.owner, config.host, config.port, config.host,
              config.grpc_port)
     try:
@@ -59,4 +68,5 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     config = parse_config(GatewayConfig, argv, prog)
     setup_logging(config.log_level, "gateway")
+    use_mmap_for_big_blocks()  # big request buffers go back to the OS when freed (services/common/memory.py)
     asyncio.run(serve(config))

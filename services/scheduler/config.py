@@ -20,6 +20,9 @@ class SchedulerConfig(ServiceConfig):
     replay_window_s: float = option(30.0, "seconds of published steps kept for a detokenizer that reconnects or "
                                     "restarts: an outage shorter than this loses nothing")
     replay_window_mb: int = option(256, "most MiB of published steps kept for that replay (oldest dropped first)")
+    max_waiting_requests: int = option(0, "requests accepted but not yet running (the waiting list); past it Submit "
+                                       "answers RESOURCE_EXHAUSTED (HTTP 429 at the gateway); 0: max(4096, 8 x "
+                                       "--max-running-requests), room for a gateway's largest batch")
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -33,3 +36,10 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
         if self.max_context < 0:
             raise ValueError("--max-context: must be 0 (automatic) or positive")
+        if self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests: must be 0 (automatic) or positive")
+
+    @property
+    def waiting_limit(self) -> int:
+        """--max-waiting-requests, or its automatic value."""
+        return self.max_waiting_requests or max(4096, 8 * self.max_running_requests)

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 Reason = arrays_pb2.FinishReason
 
 
+class QueueFull(Exception):
+    """Submit past the waiting list's bound (--max-waiting-requests): RESOURCE_EXHAUSTED."""
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig,
                  publish: Callable[[scheduler_pb2.StepOutput], None]):
@@ -39,6 +43,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # rids submitted and not yet finished
         self._live_lock = threading.Lock()
+        # Requests held at once: one per KV slot running, plus the waiting list's bound.
+        self._live_limit = runner.cache.num_slots + config.waiting_limit
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._step = 0
@@ -58,10 +64,14 @@ class Engine:
         self._thread.join()
 
     def submit(self, request: Request) -> bool:
-        """Queue a validated request; False when its rid is already live."""
+        """Queue a validated request; False when its rid is already live; QueueFull past the bound."""
         with self._live_lock:
             if request.rid in self._live:
                 return False
+            if len(self._live) >= self._live_limit:
+                raise QueueFull(f"this scheduler is full: {len(self._live)} requests are running or waiting "
+                                f"({self.runner.cache.num_slots} run at once, at most {self.config.waiting_limit} "
+                                f"wait: max_waiting_requests); retry later")
             self._live.add(request.rid)
         self._inbox.put(request)
         return True

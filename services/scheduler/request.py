@@ -8,6 +8,10 @@ import torch
 
 from services.common.pb import scheduler_pb2
 
+# A temperature below this samples greedily (SGLang's _SAMPLING_EPS): logits / 1e-45 are inf or nan,
+# and the softmax of those picks token 0 instead of the most likely one.
+GREEDY_BELOW_TEMPERATURE = 1e-6
+
 
 class InvalidRequest(ValueError):
     """A TokenizedRequest the scheduler refuses; the message starts with the field name."""
@@ -89,7 +93,9 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
            f"{len(input_ids)} tokens leave no room to generate within max_context {limits.max_context}")
     _check(sampling.max_new_tokens > 0, "sampling.max_new_tokens", "must be positive")
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
-    _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be >= 0")
+    _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be a finite number >= 0")
+    if temperature < GREEDY_BELOW_TEMPERATURE:  # as SGLang: dividing the logits by it would overflow
+        temperature = 0.0
     top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     _check(0 < top_p <= 1, "sampling.top_p", "must be in (0, 1]")
     min_p = sampling.min_p if sampling.HasField("min_p") else 0.0

@@ -14,14 +14,15 @@ import uuid
 
 import grpc
 
+from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.rpc import add_health_and_reflection, create_server, mark_serving
+from services.common.rpc import add_health, create_server, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine
+from services.scheduler.engine import Engine, QueueFull
 from services.scheduler.journal import StepJournal
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import InvalidRequest, Limits, parse_request
@@ -62,7 +63,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             parsed = parse_request(request, self.limits)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not self.engine.submit(parsed):
+        try:
+            accepted = self.engine.submit(parsed)
+        except QueueFull as exc:  # the gateway answers 429 (or tries another replica)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if not accepted:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running")
         return scheduler_pb2.SubmitReply()
 
@@ -95,13 +100,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve(config: SchedulerConfig) -> None:
+    resolve_internal_secret(config, log)
     model_dir = resolve_model(config.model, config.cache_dir)
     runner = await asyncio.to_thread(
         ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests)
-    service = SchedulerService(config, config.model or model_dir.name, runner)
-    server = create_server(config.max_message_mb, config.keepalive_s)
+    # The checkpoint directory's name, never its path (clients see it; the gateway's --served-model-name wins).
+    service = SchedulerService(config, model_dir.resolve().name or "model", runner)
+    server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
+                           max_receive_mb=config.max_request_mb)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
+    health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     service.engine.start()

@@ -10,8 +10,11 @@ from fastapi import FastAPI, Request, Response
 from services.gateway.config import GatewayConfig
 from services.gateway.engine import Engine, RequestError
 from services.gateway.http import generate, openai_chat, openai_completions
+from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import engine_error_response, invalid_request_response
+from services.gateway.http.limits import RequestLimits
+from services.gateway.http.openapi import add_request_schemas
 from services.gateway.protocol.parse import InvalidRequest
 
 log = logging.getLogger("flatwire.gateway")
@@ -24,6 +27,7 @@ def _report_warming(task: asyncio.Task) -> None:
 
 def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
     gateway = Gateway(engine, config)
+    gateway.metrics.watch_admission(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -37,6 +41,7 @@ def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
     app.include_router(generate.router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    add_request_schemas(app)  # the routes read raw bodies: declare them in /openapi.json
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> Response:
@@ -70,4 +75,10 @@ def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
             "root": gateway.engine.model_name, "max_model_len": gateway.limits.max_context}]}),
             media_type="application/json")
 
+    # Body size and read timeout, for every route (inside the API key check: nothing unauthenticated is read).
+    app.add_middleware(RequestLimits, max_body_bytes=config.max_request_mb * 1024 * 1024,
+                       body_timeout_s=config.http_body_timeout_s)
+    if config.api_key:
+        # Added last, so outermost: an unauthenticated request is refused before anything reads its body.
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

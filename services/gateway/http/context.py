@@ -11,7 +11,7 @@ from services.common.arrays import F32, I32
 from services.gateway.config import GatewayConfig
 from services.gateway.engine import Engine
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol.parse import ModelLimits
+from services.gateway.protocol.parse import ModelLimits, model_limits
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
@@ -28,9 +28,7 @@ class Gateway:
 
     @cached_property
     def limits(self) -> ModelLimits:
-        info = self.engine.model_info
-        return ModelLimits(vocab_size=info.vocab_size, max_context=info.max_context,
-                           max_top_logprobs=info.max_top_logprobs, max_batch_size=self.config.max_batch_size)
+        return model_limits(self.engine.model_info, self.config)  # the gRPC API's too
 
     @cached_property
     def table(self) -> TokenTable:

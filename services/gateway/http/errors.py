@@ -10,9 +10,12 @@ from services.gateway.protocol.parse import InvalidRequest
 
 # nginx's "client closed request": nobody reads it, it marks the log line of a request whose client left.
 CLIENT_CLOSED = 499
-ENGINE_STATUS = {"invalid_argument": 400, "not_found": 404, "unavailable": 503}
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ENGINE_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailableError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+               429: "RateLimitError"}
+# Seconds a client refused by admission control (429) is told to wait: about a few steps' time.
+RETRY_AFTER_S = 1
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
@@ -31,7 +34,9 @@ def invalid_request_response(exc: InvalidRequest) -> Response:
 
 
 def engine_error_response(exc: RequestError) -> Response:
-    return error_response(ENGINE_STATUS.get(exc.status, 500), exc.message, exc.field)
+    status = ENGINE_STATUS.get(exc.status, 500)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return error_response(status, exc.message, exc.field, headers=headers)
 
 
 def error_body(exc: RequestError) -> dict:

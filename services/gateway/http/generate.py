@@ -8,26 +8,31 @@ from fastapi import APIRouter, Request, Response
 from services.gateway.engine import Chunk, GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
+from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
+from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.parse import parse_body
+from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
+from services.gateway.protocol.parse import ModelLimits
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
 
 ENDPOINT = "/generate"
+LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="sampling_params.max_new_tokens",
+                               token_ids="token_ids_logprob", prompt="the prompt from logprob_start_len")
 
 router = APIRouter()
 
 
-@router.post(ENDPOINT)
+@router.post(ENDPOINT, openapi_extra=request_body(GenerateRequest))
 async def generate(request: Request) -> Response:
     gateway = gateway_of(request)
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
-    req = parse_body(GenerateRequest, await request.body(), gateway.limits)
+    req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
     inputs = await _inputs(gateway, req)
     gens = await unless_disconnected(
         request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
@@ -47,16 +52,23 @@ async def generate(request: Request) -> Response:
 
 async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]:
     prompts = req.prompts()
-    ids = await encode_texts(gateway.engine.tokenizer, prompts) if req.text is not None else prompts
-    logprob = req.logprob()
-    inputs = []
-    for i, prompt_ids in enumerate(ids):
-        options = req.sampling_for(i)
-        max_new = check_lengths(prompt_ids, gateway.limits, req.prompt_field, options.max_new_tokens,
-                                "sampling_params.max_new_tokens")
-        inputs.append(GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new), logprob=logprob,
-                                    detokenize=options.detokenize()))
+    if req.text is not None:
+        ids = await encode_texts(gateway.engine.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
+    else:
+        ids = prompts
+    inputs = [generate_input(req, i, prompt_ids, gateway.limits) for i, prompt_ids in enumerate(ids)]
+    check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     return inputs
+
+
+def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: ModelLimits) -> GenerateInput:
+    """Prompt i's GenerateInput, after the checks that need its tokens (the public gRPC API's too)."""
+    options = req.sampling_for(i)
+    max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.max_new_tokens,
+                            f"{req.sampling_field(i)}.max_new_tokens")
+    req.check_logprob_start_len(len(prompt_ids))
+    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new), logprob=req.logprob(),
+                         detokenize=options.detokenize(), fields=req.scheduler_fields(i))
 
 
 def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:

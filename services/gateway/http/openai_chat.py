@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request, Response
 from services.gateway.engine import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
+from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.openai_common import (
     check_model,
     choice_meta_info,
@@ -15,11 +16,12 @@ from services.gateway.http.openai_common import (
     response_id,
     usage,
 )
+from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_chat
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.openai import ChatCompletionRequest
-from services.gateway.protocol.parse import parse_body
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
 from services.gateway.result import LogprobTrack, RequestResult
@@ -29,18 +31,19 @@ ENDPOINT = "/v1/chat/completions"
 router = APIRouter()
 
 
-@router.post(ENDPOINT)
+@router.post(ENDPOINT, openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     gateway = gateway_of(request)
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
-    req = parse_body(ChatCompletionRequest, await request.body(), gateway.limits)
+    req = await parse_body_off_loop(ChatCompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
-    ids = await encode_chat(gateway.engine.tokenizer, req.messages)
-    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, max_field)
+    ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context)
+    max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
     inp = GenerateInput(input_ids=ids, sampling=req.sampling(max_new), logprob=req.logprob(),
-                        detokenize=req.detokenize())
+                        detokenize=req.detokenize(), fields=req.scheduler_fields())
+    check_logprob_elements([inp] * req.n, gateway.limits,
+                           LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
     gens = await unless_disconnected(
         request, Generations.start(gateway.engine, [inp] * req.n, gateway.metrics, ENDPOINT, started))
     if gens is None:

@@ -1,5 +1,6 @@
 """OpenAI's (legacy) `POST /v1/completions`: prompts as text or ids, n choices each, echo, SSE."""
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -7,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 from services.gateway.engine import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
+from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.openai_common import (
     check_model,
     choice_meta_info,
@@ -15,39 +17,44 @@ from services.gateway.http.openai_common import (
     response_id,
     usage,
 )
+from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.openai import CompletionRequest
-from services.gateway.protocol.parse import parse_body
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
 from services.gateway.result import LogprobTrack, RequestResult
 
 ENDPOINT = "/v1/completions"
+LOGPROB_FIELDS = LogprobFields(top_k="logprobs", max_new_tokens="max_tokens", prompt="the prompt, with echo", n="n")
 
 router = APIRouter()
 
 
-@router.post(ENDPOINT)
+@router.post(ENDPOINT, openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     gateway = gateway_of(request)
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
-    req = parse_body(CompletionRequest, await request.body(), gateway.limits)
+    req = await parse_body_off_loop(CompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
     prompts = req.prompts()
     tokenizer = gateway.engine.tokenizer
     if isinstance(prompts[0], str):
-        ids, texts = await encode_texts(tokenizer, prompts), prompts
+        ids, texts = await encode_texts(tokenizer, prompts, gateway.limits.max_context, "prompt"), prompts
     else:
-        ids, texts = prompts, (tokenizer.batch_decode(prompts) if req.echo else [""] * len(prompts))
+        # decoding millions of ids for echo is CPU work for a worker thread, not the event loop
+        ids, texts = prompts, (await asyncio.to_thread(tokenizer.batch_decode, prompts) if req.echo
+                               else [""] * len(prompts))
     inputs = []
     for prompt_ids in ids:
         max_new = check_lengths(prompt_ids, gateway.limits, "prompt", req.max_tokens, "max_tokens")
         inp = GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new), logprob=req.logprob(),
-                            detokenize=req.detokenize())
+                            detokenize=req.detokenize(), fields=req.scheduler_fields())
         inputs += [inp] * req.n  # choice p * n + j is prompt p's j-th sample
+    check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     gens = await unless_disconnected(
         request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))

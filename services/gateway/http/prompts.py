@@ -2,29 +2,65 @@
 
 import asyncio
 
+from services.common.memory import BIG_REQUEST_BYTES, trim_soon
+from services.gateway.prompt_bound import check_prompt_text
 from services.gateway.protocol.openai import ChatMessage
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits
 
-
-def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
-    return tokenizer(texts)["input_ids"]
+ENCODE_GROUP_CHARS = 1 << 20  # texts tokenized in one call: the tokenizer's buffers for ~1 MB of text at a time
 
 
-async def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Tokenize in a worker thread: a long prompt must not stall other requests' streams."""
-    return await asyncio.to_thread(_encode, tokenizer, texts)
-
-
-def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-async def encode_chat(tokenizer, messages: list[ChatMessage]) -> list[int]:
+def encode_checked(tokenizer, texts: list[str], max_context: int | None = None, field: str = "text",
+                   add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each text, a group of texts at a time; with max_context, a text that cannot fit is
+    refused before it is tokenized (prompt_bound.py), and the first prompt found too long ends the work.
+    Blocking: call it in a worker thread."""
+    if max_context is not None:
+        for text in texts:
+            check_prompt_text(tokenizer, text, max_context, field)
+    ids: list[list[int]] = []
+    start = 0
     try:
-        return await asyncio.to_thread(_chat_ids, tokenizer, [m.template_dict() for m in messages])
+        while start < len(texts):
+            end, chars = start + 1, len(texts[start])
+            while end < len(texts) and chars + len(texts[end]) <= ENCODE_GROUP_CHARS:
+                chars += len(texts[end])
+                end += 1
+            group = tokenizer(texts[start:end], add_special_tokens=add_special_tokens)["input_ids"]
+            if max_context is not None:
+                for prompt_ids in group:
+                    if len(prompt_ids) >= max_context:
+                        raise prompt_too_long(field, len(prompt_ids), max_context)
+            ids += group
+            start = end
+    finally:
+        if sum(map(len, texts)) >= BIG_REQUEST_BYTES:
+            trim_soon()  # the tokenizer's per-token buffers are freed by now: hand them back
+    return ids
+
+
+async def encode_texts(tokenizer, texts: list[str], max_context: int | None = None,
+                       field: str = "text") -> list[list[int]]:
+    """Tokenize in a worker thread: a long prompt must not stall other requests' streams."""
+    return await asyncio.to_thread(encode_checked, tokenizer, texts, max_context, field)
+
+
+def _chat_ids(tokenizer, messages: list[dict], max_context: int | None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return encode_checked(tokenizer, [text], max_context, "messages", add_special_tokens=False)[0]
+
+
+async def encode_chat(tokenizer, messages: list[ChatMessage], max_context: int | None = None) -> list[int]:
+    try:
+        return await asyncio.to_thread(_chat_ids, tokenizer, [m.template_dict() for m in messages], max_context)
+    except InvalidRequest:
+        raise
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
         raise InvalidRequest("messages", f"messages: the chat template failed: {exc}") from None
+
+
+def prompt_too_long(field: str, tokens: int, max_context: int) -> InvalidRequest:
+    return InvalidRequest(field, f"{field}: the prompt has {tokens} tokens; this model's context is {max_context}")
 
 
 def check_lengths(ids: list[int], limits: ModelLimits, prompt_field: str, max_new_tokens: int | None,
@@ -34,10 +70,11 @@ def check_lengths(ids: list[int], limits: ModelLimits, prompt_field: str, max_ne
         raise InvalidRequest(prompt_field, f"{prompt_field}: the prompt is empty")
     room = limits.max_context - len(ids)
     if room <= 0:
-        raise InvalidRequest(prompt_field, f"{prompt_field}: the prompt has {len(ids)} tokens; this model's "
-                                           f"context is {limits.max_context}")
+        raise prompt_too_long(prompt_field, len(ids), limits.max_context)
     if max_new_tokens is None:
         return room
+    if max_new_tokens < 1:
+        raise InvalidRequest(max_field, f"{max_field}: must be at least 1")
     if max_new_tokens > room:
         raise InvalidRequest(max_field, f"{max_field}: {len(ids)} prompt tokens + {max_new_tokens} new tokens "
                                         f"exceed this model's context of {limits.max_context}")

@@ -40,26 +40,28 @@ class Generations:
 
         If one fails, the others are cancelled (those not yet submitted never are), every
         read's outcome is retrieved, the submitted ones are aborted, and the first failure
-        in input order is raised.
+        in input order is raised. Admission control takes the inputs whole or refuses them all
+        (RequestError "resource_exhausted").
         """
-        iterators = [engine.generate(inp) for inp in inputs]
-        reads = [asyncio.ensure_future(anext(it)) for it in iterators]
-        try:
-            await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:  # cancelled: the client went away while waiting for the first tokens
-            for read in reads:
-                read.cancel()
-            await _close(iterators, reads)
-            raise
-        if not all(read.done() for read in reads):  # one failed: the rest are not wanted
-            for read in reads:
-                read.cancel()
-        failures = [read.exception() for read in reads if read.done() and not read.cancelled()
-                    and read.exception() is not None]
-        if failures:
-            await _close(iterators, reads)  # waits for the cancelled reads, retrieving their outcomes
-            raise failures[0]
-        firsts = [read.result() for read in reads]
+        with engine.admit(len(inputs)) as admission:  # until every generation has started or never will
+            iterators = [engine.generate(inp, admission) for inp in inputs]
+            reads = [asyncio.ensure_future(anext(it)) for it in iterators]
+            try:
+                await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
+            except BaseException:  # cancelled: the client went away while waiting for the first tokens
+                for read in reads:
+                    read.cancel()
+                await _close(iterators, reads)
+                raise
+            if not all(read.done() for read in reads):  # one failed: the rest are not wanted
+                for read in reads:
+                    read.cancel()
+            failures = [read.exception() for read in reads if read.done() and not read.cancelled()
+                        and read.exception() is not None]
+            if failures:
+                await _close(iterators, reads)  # waits for the cancelled reads, retrieving their outcomes
+                raise failures[0]
+            firsts = [read.result() for read in reads]
         metrics.prompt_tokens.inc(sum(len(inp.input_ids) for inp in inputs))
         timers = [TokenTimer(metrics, endpoint, started) for _ in inputs]
         now = time.perf_counter()

@@ -31,7 +31,7 @@ class OpenAIRequest(SamplingFields):
 
     model: str
     n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's range
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,6 +61,15 @@ class OpenAIRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    def scheduler_fields(self) -> dict[str, str]:
+        """The scheduler's field names -> this request's (see engine.GenerateInput.fields)."""
+        return {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field,
+                **{f"logprob.{name}": "logprobs" for name in scheduler_pb2.LogprobParams.DESCRIPTOR.fields_by_name}}
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -87,7 +96,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=1)
     return_flat_raw_top_logprobs_b64: bool = True
 
     @field_validator("top_logprobs")
@@ -106,6 +115,13 @@ class ChatCompletionRequest(OpenAIRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def scheduler_fields(self) -> dict[str, str]:
+        return {**super().scheduler_fields(), "input_ids": "messages", "logprob.top_logprobs_num": "top_logprobs"}
+
     def logprob(self) -> scheduler_pb2.LogprobParams:
         if not self.logprobs:
             return scheduler_pb2.LogprobParams(logprob_start_len=-1)
@@ -115,7 +131,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -146,6 +162,9 @@ class CompletionRequest(OpenAIRequest):
         what = f"{prompts} prompts" if self.n == 1 else f"{prompts} prompts x n={self.n}"
         check_batch_size(param, prompts * self.n, what, info)
         return self
+
+    def scheduler_fields(self) -> dict[str, str]:
+        return {**super().scheduler_fields(), "input_ids": "prompt", "logprob.logprob_start_len": "echo"}
 
     def prompts(self) -> list[str] | list[list[int]]:
         prompt = self.prompt

@@ -13,6 +13,12 @@ from pydantic import BaseModel, ValidationError, ValidationInfo
 
 M = TypeVar("M", bound=BaseModel)
 
+# What the scheduler's messages can carry (protobuf int32 / float32): a larger value makes building the
+# message fail, so each client field bound to one is checked against these first.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
 
 class InvalidRequest(Exception):
     """A request the gateway refuses before submitting it; `param` names the offending field."""
@@ -25,12 +31,47 @@ class InvalidRequest(Exception):
         self.code = code
 
 
+def rename_field(param: str | None, message: str, names: dict[str, str]) -> tuple[str | None, str]:
+    """(param, message) with the field named as the client's API names it. `names` maps a field or a
+    prefix of fields to the client's name for it ("" drops the prefix): under {"sampling": ""},
+    "sampling.top_p: must be in (0, 1]" becomes "top_p: must be in (0, 1]". The longest match wins."""
+    if not param:
+        return param, message
+    for old in sorted(names, key=len, reverse=True):
+        if param == old or param.startswith((old + ".", old + "[")):
+            new = names[old]
+            rest = param[len(old):]
+            client = new + rest if new or not rest.startswith(".") else rest[1:]
+            if message.startswith(param):
+                message = client + message[len(param):]
+            return client, message
+    return param, message
+
+
+def renamed(exc: InvalidRequest, names: dict[str, str]) -> InvalidRequest:
+    param, message = rename_field(exc.param, exc.message, names)
+    return InvalidRequest(param, message, exc.status, exc.code)
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
     max_context: int
     max_top_logprobs: int
     max_batch_size: int  # sub-requests (generations) one HTTP request may ask for
+    # The gateway's request limits (protocol/limits.py), GatewayConfig's defaults.
+    max_stop_strings: int = 32
+    max_stop_length: int = 256  # characters
+    max_logprob_elements: int = 4 * 1024 * 1024  # positions x (top-k + ids), over a request's generations
+
+
+def model_limits(model_info, config) -> ModelLimits:
+    """The limits every API checks requests against (HTTP and the public gRPC API alike), from the
+    scheduler's ModelInfo and the GatewayConfig."""
+    return ModelLimits(vocab_size=model_info.vocab_size, max_context=model_info.max_context,
+                       max_top_logprobs=model_info.max_top_logprobs, max_batch_size=config.max_batch_size,
+                       max_stop_strings=config.max_stop_strings, max_stop_length=config.max_stop_length,
+                       max_logprob_elements=config.max_logprob_elements)
 
 
 def limits_of(info: ValidationInfo) -> ModelLimits:
@@ -82,10 +123,18 @@ def parse_body(model: type[M], body: bytes, limits: ModelLimits) -> M:
         raise InvalidRequest("body", f"malformed JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("body", "the request body must be a JSON object")
+    return parse_data(model, data, limits)
+
+
+def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
+    """A decoded body (or the public gRPC request as /generate's fields) -> the validated model."""
     try:
         return model.model_validate(data, context={"limits": limits})
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
+        # Without the input and the context (the validator's exception): those would make a reference cycle
+        # (exception -> traceback -> this frame -> `first` -> exception) that keeps a rejected 20 MB body
+        # alive until the cyclic garbage collector runs.
+        first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
         param = _location(first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
         raise InvalidRequest(param, f"{param}: {message}" if param else message) from None

@@ -5,14 +5,21 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, Field, ValidationInfo
 
 from services.common.pb import scheduler_pb2
-from services.gateway.protocol.parse import check_token_ids
+from services.gateway.protocol.limits import check_stop
+from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, check_token_ids
 
 StopStrings = str | list[str] | None
 
 
 def _check_top_k(value: int) -> int:
-    if value == 0 or value < -1:
-        raise ValueError("top_k must be -1 (no limit) or at least 1")
+    if value == 0 or value < -1 or value > INT32_MAX:
+        raise ValueError(f"top_k must be -1 (no limit) or in [1, {INT32_MAX}]")
+    return value
+
+
+def _check_float32(value: float) -> float:
+    if value > FLOAT32_MAX:
+        raise ValueError(f"{value:g} is above the largest float32 (3.4e38)")
     return value
 
 
@@ -21,7 +28,9 @@ def _check_stop_token_ids(value: list[int] | None, info: ValidationInfo) -> list
 
 
 TopK = Annotated[int, AfterValidator(_check_top_k)]
+Float32 = Annotated[float, AfterValidator(_check_float32)]
 StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)]
+Stop = Annotated[StopStrings, AfterValidator(check_stop)]  # at most max_stop_strings of max_stop_length
 
 
 def stop_list(stop: StopStrings) -> list[str]:
@@ -34,12 +43,12 @@ class SamplingFields(BaseModel):
     """The sampling and detokenizing options /generate and the OpenAI routes share (SGLang's names,
     defaults and checks), and the scheduler messages built from them."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: TopK = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: Float32 = Field(1.0, ge=0.0, allow_inf_nan=False)  # below 1e-6: greedy (the scheduler)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: TopK = Field(-1, ge=-1, le=INT32_MAX)  # bounds in the schema too; 0 is refused as well
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: StopStrings = None
+    stop: Stop = None
     stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -48,7 +57,9 @@ class SamplingFields(BaseModel):
 
     def sampling(self, max_new_tokens: int) -> scheduler_pb2.SamplingParams:
         return scheduler_pb2.SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            # A top_p below float32's range would round to 0 (refused); the smallest float32 keeps its meaning,
+            # the most likely token alone.
+            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=max(self.top_p, FLOAT32_TINY),
             top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
 
@@ -62,4 +73,4 @@ class SamplingFields(BaseModel):
 class SamplingOptions(SamplingFields):
     """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
 
-    max_new_tokens: int = Field(128, ge=0)
+    max_new_tokens: int = Field(128, ge=1)

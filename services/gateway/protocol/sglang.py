@@ -84,6 +84,21 @@ class GenerateRequest(BaseModel):
     def sampling_for(self, i: int) -> SamplingOptions:
         return self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
 
+    def sampling_field(self, i: int) -> str:
+        """What the client calls prompt i's sampling options."""
+        return f"sampling_params[{i}]" if isinstance(self.sampling_params, list) else "sampling_params"
+
+    def scheduler_fields(self, i: int) -> dict[str, str]:
+        """The scheduler's field names -> this request's, for prompt i (see engine.GenerateInput.fields)."""
+        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": ""}
+
+    def check_logprob_start_len(self, prompt_len: int) -> None:
+        """With return_logprob, logprob_start_len must be -1 or a position of the (tokenized) prompt."""
+        if self.return_logprob and self.logprob_start_len >= prompt_len:
+            raise InvalidRequest("logprob_start_len", f"logprob_start_len: {self.logprob_start_len} is not a position "
+                                 f"of the {prompt_len}-token prompt; use -1 (no prompt logprobs) or 0 to "
+                                 f"{prompt_len - 1}")
+
     def logprob(self) -> scheduler_pb2.LogprobParams:
         if not self.return_logprob:
             return scheduler_pb2.LogprobParams(logprob_start_len=-1)

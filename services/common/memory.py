@@ -1,0 +1,78 @@
+"""Handing memory freed after a big request back to the operating system.
+
+glibc's malloc keeps freed memory for reuse instead of returning it: in the heap of each
+thread's arena, and, once a big block (the 20 MB of a rejected body, its decoded JSON,
+a tokenizer's per-token buffers) has been freed, it raises its mmap threshold up to 32
+MiB so that the next big blocks come from the heap too. A gateway that has seen a few
+large requests therefore stays hundreds of MB larger than it needs, each worker thread's
+arena holding its own share. `trim_soon()` asks a background thread to call
+`malloc_trim(0)`, which returns every arena's free pages; calls that arrive while one is
+pending share it, and trims are at least TRIM_MIN_INTERVAL_S apart. Elsewhere than glibc it
+does nothing.
+"""
+
+import ctypes
+import ctypes.util
+import logging
+import threading
+import time
+
+log = logging.getLogger("flatwire.memory")
+BIG_REQUEST_BYTES = 1 << 20  # a request at least this large is followed by a trim
+TRIM_DELAY_S = 0.2
+TRIM_MIN_INTERVAL_S = 0.5  # a trim takes ~20-40 ms of malloc's locks on a fragmented heap: not more often
+MMAP_THRESHOLD_BYTES = 1 << 20
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+_libc = None
+try:
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    _malloc_trim = _libc.malloc_trim
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+    _malloc_trim.restype = ctypes.c_int
+except (OSError, AttributeError):  # not glibc
+    _libc = _malloc_trim = None
+
+_wanted = threading.Event()
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+
+
+def use_mmap_for_big_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Have malloc serve every block of `threshold` bytes or more with its own mmap, unmapped when
+    freed, instead of letting its threshold climb to 32 MiB after the first big free: a rejected
+    20 MB body, its decoded JSON and text then go straight back to the OS, from whichever thread's
+    arena. Call once at startup; False elsewhere than glibc."""
+    if _libc is None or not hasattr(_libc, "mallopt"):
+        return False
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def trim_now() -> None:
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _trimmer() -> None:
+    while True:
+        _wanted.wait()
+        time.sleep(TRIM_DELAY_S)  # let the request that asked finish freeing its buffers; later asks join in
+        _wanted.clear()
+        try:
+            trim_now()
+        except Exception:  # never let the trimmer die
+            log.exception("malloc_trim failed")
+        time.sleep(TRIM_MIN_INTERVAL_S)
+
+
+def trim_soon() -> None:
+    """Return free memory to the OS shortly, off the caller's thread (safe from any thread)."""
+    global _thread
+    if _malloc_trim is None:
+        return
+    if _thread is None:
+        with _start_lock:
+            if _thread is None:
+                _thread = threading.Thread(target=_trimmer, name="malloc-trim", daemon=True)
+                _thread.start()
+    _wanted.set()

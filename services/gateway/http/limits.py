@@ -1,0 +1,158 @@
+"""HTTP limits no route has to think about: how large a body may be, how long a client may take.
+
+- RequestLimits, a plain ASGI middleware: a body larger than --max-request-mb is refused with
+  413 naming `body`: at once when Content-Length says so (nothing is read), else as soon as
+  the bytes read pass the limit, so a 300 MB body is never buffered. A body that has not
+  fully arrived --http-body-timeout-s after its headers gets 408. Both close the connection
+  (the client may still be sending). After a large body or response, freed memory goes back to
+  the OS (services/common/memory.py).
+- HeaderTimeoutH11Protocol, uvicorn's h11 protocol plus a timer: a connection that has not
+  sent a complete request head --http-header-timeout-s after it opened (or after its
+  previous response) is closed. uvicorn itself bounds the head's size (h11, 16 KiB) and the
+  idle time between requests (timeout_keep_alive, 5 s), but not how long a request head or
+  body may take to arrive: a half-sent request would hold its connection forever.
+- parse_body_off_loop: a large body is decoded and validated in a worker thread.
+"""
+
+import asyncio
+from typing import TypeVar
+
+from pydantic import BaseModel
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from services.common.memory import BIG_REQUEST_BYTES, trim_soon
+from services.gateway.http.errors import error_response
+from services.gateway.protocol.parse import ModelLimits, parse_body
+
+M = TypeVar("M", bound=BaseModel)
+PARSE_OFF_LOOP_BYTES = 256 * 1024  # a body this large is decoded and validated in a worker thread
+BIG_RESPONSE_BYTES = 16 << 20  # a response this large is followed by a trim (1 MB ones are everyday traffic)
+
+
+async def parse_body_off_loop(model: type[M], body: bytes, limits: ModelLimits) -> M:
+    """parse_body, in a worker thread when the body is large: decoding and validating 32 MB of JSON
+    (millions of input_ids) takes the CPU for a second, which the event loop's other requests and
+    /health must not wait for."""
+    if len(body) < PARSE_OFF_LOOP_BYTES:
+        return parse_body(model, body, limits)
+    return await asyncio.to_thread(parse_body, model, body, limits)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class RequestLimits:
+    def __init__(self, app, max_body_bytes: int, body_timeout_s: float):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            await self._refuse(scope, receive, send, _Refused(413, self._too_large(f"{length} bytes")))
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        received = sent = 0
+        body_done = False
+        response_started = False
+
+        async def limited_receive():
+            nonlocal received, body_done
+            if body_done:  # the body is in: what is left to receive is the disconnect, whenever it comes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _Refused(408, f"body: the request body did not arrive within {self.body_timeout_s:g} s "
+                                    f"(http_body_timeout_s)") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _Refused(413, self._too_large(f"more than {self.max_body_bytes} bytes"))
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
+            return message
+
+        async def tracked_send(message):
+            nonlocal response_started, sent
+            response_started = True
+            sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except _Refused as exc:
+            if response_started:  # cannot happen (routes read the body before answering); end the connection
+                raise
+            await self._refuse(scope, receive, send, exc)
+        finally:
+            if received >= BIG_REQUEST_BYTES or sent >= BIG_RESPONSE_BYTES:
+                trim_soon()  # its body, decoded JSON, tokens or rendered response are freed by now
+
+    def _too_large(self, size: str) -> str:
+        return (f"body: the request body is {size}; this server's maximum (max_request_mb) is "
+                f"{self.max_body_bytes} bytes")
+
+    @staticmethod
+    async def _refuse(scope, receive, send, exc: _Refused) -> None:
+        # Connection: close, since the rest of the body may still be coming: uvicorn closes after the response.
+        response = error_response(exc.status, exc.message, "body", headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose request head does not arrive in time."""
+
+    header_timeout_s = 10.0  # set per server by with_header_timeout
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = None
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start the next, pipelined, request
+        self._arm_header_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout, self.cycle)
+
+    def _header_timeout(self, cycle) -> None:
+        """Close unless a request head arrived since the timer was armed, or a request is still being served."""
+        self._header_timer = None
+        waiting_for_head = self.cycle is cycle and (cycle is None or cycle.response_complete)
+        if waiting_for_head and not self.transport.is_closing():
+            self.transport.close()
+
+
+def with_header_timeout(header_timeout_s: float) -> type[HeaderTimeoutH11Protocol]:
+    """The protocol class to give uvicorn.Config(http=...)."""
+    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout_s": header_timeout_s})
