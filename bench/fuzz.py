@@ -181,8 +181,10 @@ def clamp_work(value):
         out = {}
         for key, item in value.items():
             limit = WORK_FIELDS.get(key)
-            out[key] = min(item, limit) if limit and isinstance(item, int) and not isinstance(item, bool) else \
-                clamp_work(item)
+            if limit and (item is None or (isinstance(item, int) and not isinstance(item, bool))):
+                out[key] = limit if item is None else min(item, limit)  # null: up to the context, legitimately
+            else:
+                out[key] = clamp_work(item)
         return out
     if isinstance(value, list):
         return [clamp_work(item) for item in value[:4]]
@@ -251,7 +253,7 @@ def grpc_fuzz(address: str, method: str, valid: bytes, cases: int, tally: Tally,
         for payload in payloads(valid, cases, rng):
             example = f"{method} {payload[:40]!r}"
             try:
-                result = call(payload, timeout=2.0 if streaming else CASE_TIMEOUT_S, metadata=metadata)
+                result = call(payload, timeout=0.5 if streaming else CASE_TIMEOUT_S, metadata=metadata)
                 if streaming:
                     next(iter(result), None)
                     result.cancel()

@@ -79,8 +79,13 @@ def first_of_stream(address: str, method: str, request, metadata=None):
         stream = call(request, metadata=metadata, timeout=30)
         try:
             metadata = stream.initial_metadata()
-            if stream.done():  # ended without a message: refused
-                raise stream
+            try:
+                # A refusal ends the call right after its headers; a served stream stays open.
+                error = stream.exception(timeout=1.0)
+            except grpc.FutureTimeoutError:
+                return metadata
+            if error is not None:
+                raise error
             return metadata
         finally:
             stream.cancel()

@@ -73,8 +73,12 @@ LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="samplin
 
 
 def _refusal(exc: InvalidRequest) -> RequestError:
+    """gRPC has no field of its own for the offending parameter: the details start with it."""
     exc = renamed(exc, GRPC_FIELDS)
-    return RequestError("invalid_argument", exc.param, exc.message)
+    message = exc.message
+    if exc.param and not message.startswith(f"{exc.param}:"):
+        message = f"{exc.param}: {message}"
+    return RequestError("invalid_argument", exc.param, message)
 
 
 def track_to_block(track: LogprobTrack) -> arrays_pb2.LogprobBlock:
