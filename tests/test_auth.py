@@ -217,7 +217,10 @@ def test_openai_client_needs_the_key(stack, model_dir):
 
 @pytest.mark.parametrize("method,path", [("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/generate"),
                                          ("POST", "/v1/completions"), ("GET", "/openapi.json"),
-                                         ("GET", "/no-such-route")])
+                                         ("GET", "/no-such-route"), ("GET", "/get_server_info"),
+                                         ("GET", "/health_generate"), ("POST", "/flush_cache"),
+                                         ("POST", "/tokenize"), ("POST", "/abort_request"),
+                                         ("GET", "/v1/models/x")])
 def test_http_routes_need_the_key(stack, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}):

@@ -99,6 +99,7 @@ class RequestState:
     prompt_sent: bool = False
     result: RequestResult | None = None
     failure: str | None = None  # why the request failed (a server-side fault)
+    abort_requested: bool = False  # by Engine.abort: stopped in its scheduler as soon as it has one
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -205,6 +206,8 @@ class Engine:
             detokenize=inp.detokenize)
         try:
             state.scheduler = await self._submit(request, inp.fields)
+            if state.abort_requested:  # aborted while it was being submitted
+                self.schedulers.abort(state.scheduler, rid)
             while True:
                 await state.wakeup.wait()
                 state.wakeup.clear()
@@ -221,6 +224,21 @@ class Engine:
                 self.schedulers.release(state.scheduler, rid)
                 if state.result is None:  # a client that left, or a failure: the scheduler must stop it
                     self.schedulers.abort(state.scheduler, rid)
+
+    def abort(self, rid: str | None = None) -> int:
+        """SGLang's /abort_request: stop request `rid` (its meta_info.id), or every request of this gateway
+        when rid is None. Each ends like a finished one, with finish_reason "abort" and the tokens generated
+        until then. Returns how many requests were told to stop."""
+        states = list(self._requests.values()) if rid is None else [self._requests.get(rid)]
+        stopped = 0
+        for state in states:
+            if state is None or state.ended or state.abort_requested:
+                continue
+            state.abort_requested = True
+            if state.scheduler:
+                self.schedulers.abort(state.scheduler, state.rid)
+            stopped += 1
+        return stopped
 
     async def _submit(self, request: scheduler_pb2.TokenizedRequest, fields: dict[str, str]) -> str:
         try:

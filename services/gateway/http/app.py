@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request, Response
 
 from services.gateway.config import GatewayConfig
 from services.gateway.engine import Engine, RequestError
-from services.gateway.http import generate, openai_chat, openai_completions
+from services.gateway.http import generate, native, openai_chat, openai_completions
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import engine_error_response, invalid_request_response
@@ -41,6 +41,7 @@ def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
     app.include_router(generate.router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(native.router)
     add_request_schemas(app)  # the routes read raw bodies: declare them in /openapi.json
 
     @app.exception_handler(InvalidRequest)
@@ -69,10 +70,7 @@ def create_app(engine: Engine, config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        gateway = gateway_of(request)
-        return Response(orjson.dumps({"object": "list", "data": [{
-            "id": gateway.engine.model_name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
-            "root": gateway.engine.model_name, "max_model_len": gateway.limits.max_context}]}),
+        return Response(orjson.dumps({"object": "list", "data": [native.model_card(gateway_of(request))]}),
             media_type="application/json")
 
     # Body size and read timeout, for every route (inside the API key check: nothing unauthenticated is read).

@@ -40,12 +40,13 @@ async def chat_completions(request: Request) -> Response:
     check_model(gateway, req.model)
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context)
     max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
-    inp = GenerateInput(input_ids=ids, sampling=req.sampling(max_new), logprob=req.logprob(),
-                        detokenize=req.detokenize(), fields=req.scheduler_fields())
-    check_logprob_elements([inp] * req.n, gateway.limits,
+    # Choice j samples with its own seed (seed + j), so that seeded choices differ yet reproduce.
+    inputs = [GenerateInput(input_ids=ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
+                            detokenize=req.detokenize(), fields=req.scheduler_fields()) for j in range(req.n)]
+    check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
     gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, [inp] * req.n, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream:

@@ -7,7 +7,7 @@ output candidates as flat arrays in meta_info instead of in `logprobs`) and
 `return_flat_raw_top_logprobs_b64` (those arrays as base64; the default on chat).
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
@@ -19,7 +19,7 @@ from services.gateway.protocol.parse import (
     check_top_k,
     limits_of,
 )
-from services.gateway.protocol.sampling import SamplingFields
+from services.gateway.protocol.sampling import SamplingFields, unsupported
 
 
 class StreamOptions(BaseModel):
@@ -36,6 +36,13 @@ class OpenAIRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's fields flatwire cannot honour yet: refused unless neutral (frequency_penalty and presence_penalty
+    # are SamplingFields').
+    logit_bias: Annotated[dict | None, unsupported(None, {})] = None
+    response_format: Annotated[dict | None, unsupported(None, {"type": "text"})] = None
+    tools: Annotated[list | None, unsupported(None, [])] = None
+    tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None
+    best_of: Annotated[int | None, unsupported(None, 1)] = None
     # SGLang extensions (besides the sampling fields)
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False

@@ -33,6 +33,28 @@ StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)
 Stop = Annotated[StopStrings, AfterValidator(check_stop)]  # at most max_stop_strings of max_stop_length
 
 
+def _neutral_text(value) -> str:
+    return "null" if value is None else repr(value).replace("None", "null").replace("'", '"')
+
+
+def unsupported(*neutral) -> AfterValidator:
+    """A field flatwire cannot honour yet: accepted only at a value that asks for nothing (the neutral one,
+    which clients such as lm-eval and SGLang's bench_serving send), otherwise refused with a 400 naming it."""
+    allowed = " or ".join(_neutral_text(value) for value in neutral)
+
+    def check(value):
+        if value is not None and value not in neutral:
+            raise ValueError(f"not supported by this server yet; only {allowed} is accepted")
+        return value
+
+    return AfterValidator(check)
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of choice j of a request seeded with `seed` (n > 1): distinct per choice, reproducible."""
+    return None if seed is None else (seed + j) % 2**64
+
+
 def stop_list(stop: StopStrings) -> list[str]:
     if stop is None:
         return []
@@ -54,13 +76,23 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # SGLang's (and OpenAI's) fields flatwire cannot honour yet: refused unless neutral (see unsupported).
+    frequency_penalty: Annotated[float | None, unsupported(None, 0.0)] = None
+    presence_penalty: Annotated[float | None, unsupported(None, 0.0)] = None
+    repetition_penalty: Annotated[float | None, unsupported(None, 1.0)] = None
+    min_new_tokens: Annotated[int | None, unsupported(None, 0)] = None
+    json_schema: Annotated[str | dict | None, unsupported(None)] = None
+    regex: Annotated[str | None, unsupported(None)] = None
+    ebnf: Annotated[str | None, unsupported(None)] = None
 
-    def sampling(self, max_new_tokens: int) -> scheduler_pb2.SamplingParams:
+    def sampling(self, max_new_tokens: int, choice: int = 0) -> scheduler_pb2.SamplingParams:
+        """The scheduler's sampling options; `choice` j > 0 (the j-th of n samples) gets its own seed, so that
+        the n choices of a seeded request are distinct and each reproducible."""
         return scheduler_pb2.SamplingParams(
             # A top_p below float32's range would round to 0 (refused); the smallest float32 keeps its meaning,
             # the most likely token alone.
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=max(self.top_p, FLOAT32_TINY),
-            top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed,
+            top_k=max(self.top_k, 0), min_p=self.min_p, seed=choice_seed(self.seed, choice),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
 
     def detokenize(self) -> scheduler_pb2.DetokenizeParams:
@@ -74,3 +106,4 @@ class SamplingOptions(SamplingFields):
     """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
 
     max_new_tokens: int = Field(128, ge=1)
+    n: Annotated[int | None, unsupported(None, 1)] = None  # one sample per prompt (no n on /generate yet)

@@ -1,10 +1,12 @@
 """SGLang's `POST /generate` request (GenerateReqInput), the fields flatwire implements."""
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k
-from services.gateway.protocol.sampling import SamplingOptions
+from services.gateway.protocol.sampling import SamplingOptions, unsupported
 
 
 class GenerateRequest(BaseModel):
@@ -22,6 +24,7 @@ class GenerateRequest(BaseModel):
     return_flat_raw_output_top_logprobs: bool = False  # output side likewise
     return_flat_raw_top_logprobs_b64: bool = False  # the flat arrays as base64 of <f4 / <i4 bytes
     stream: bool = False
+    n: Annotated[int | None, unsupported(None, 1)] = None  # SGLang's top-level n: one sample per prompt here
 
     @field_validator("top_logprobs_num")
     @classmethod

@@ -1,0 +1,257 @@
+"""SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models/{model}.
+
+/get_model_info (/model_info), /get_server_info (/server_info), /flush_cache, /health_generate,
+/tokenize and /detokenize (also under /v1/), /version, /abort_request. Shapes as SGLang 0.5.x
+sends them (sglang/srt/entrypoints/http_server.py, openai/serving_tokenize.py).
+"""
+
+import asyncio
+import importlib.metadata
+import logging
+from contextlib import aclosing
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+from services.common.pb import scheduler_pb2
+from services.gateway.engine import GenerateInput, RequestError
+from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.errors import error_response
+from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.openapi import request_body
+from services.gateway.http.prompts import encode_checked
+from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids
+
+log = logging.getLogger("flatwire.gateway")
+router = APIRouter()
+
+# How long /health_generate waits for its one-token generation (SGLang's HEALTH_CHECK_TIMEOUT is 20 s).
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+WEIGHT_VERSION = "default"  # SGLang's, for weights never updated in place
+FLUSH_CACHE_TEXT = "Cache flushed.\nflatwire keeps no prefix cache: there was nothing to flush.\n"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("flatwire")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def _json(data, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    if model is not None and model != gateway.engine.model_name:
+        raise InvalidRequest("model", f"model: this server serves {gateway.engine.model_name!r}, not {model!r}",
+                             status=404, code="model_not_found")
+
+
+# -- models ----------------------------------------------------------------------------------------------
+
+
+def model_card(gateway: Gateway) -> dict:
+    """The served model as OpenAI's model object (GET /v1/models lists it, GET /v1/models/{model} returns it)."""
+    name = gateway.engine.model_name
+    return {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire", "root": name,
+            "max_model_len": gateway.limits.max_context}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> Response:
+    gateway = gateway_of(request)
+    if model != gateway.engine.model_name:
+        return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    return _json(model_card(gateway))
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> Response:
+    """SGLang's model info; model_path is the served model name (the checkpoint's location is not disclosed)."""
+    name = gateway_of(request).engine.model_name
+    return _json({"model_path": name, "tokenizer_path": name, "is_generation": True,
+                  "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION})
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> Response:
+    """The settings SGLang clients read: its ServerArgs' names where flatwire has the same setting, and
+    scheduler_info's token capacity. bench_serving reads internal_states[0].get("avg_spec_accept_length")."""
+    gateway = gateway_of(request)
+    info, config, engine = gateway.engine.model_info, gateway.config, gateway.engine
+    name = engine.model_name
+    return _json({
+        "version": _version(),
+        "model_path": name,
+        "tokenizer_path": name,
+        "served_model_name": name,
+        "weight_version": WEIGHT_VERSION,
+        "is_generation": True,
+        "host": config.host,
+        "port": config.port,
+        "grpc_port": config.grpc_port,
+        "api_key_required": bool(config.api_key),
+        "device": info.device,
+        "dtype": info.dtype,
+        "context_length": info.max_context,
+        "max_req_input_len": info.max_context - 1,  # a prompt leaves room for at least one new token
+        "vocab_size": info.vocab_size,
+        "eos_token_ids": list(info.eos_token_ids),
+        "max_top_logprobs": info.max_top_logprobs,
+        "max_running_requests": info.max_running_requests,  # per scheduler replica
+        # Each running request holds one slot of max_context tokens (services/scheduler/kv_cache.py).
+        "max_total_num_tokens": info.max_running_requests * info.max_context,
+        "scheduler_replicas": len(engine.schedulers.replicas),
+        "detokenizers": len(config.detokenizers),
+        "max_batch_size": config.max_batch_size,
+        "max_outstanding_requests": engine.admission_limit,
+        "disable_radix_cache": True,  # no prefix cache: /flush_cache is a no-op, cached_tokens always 0
+        "speculative_algorithm": None,
+        "internal_states": [{"avg_spec_accept_length": None}],
+    })
+
+
+@router.get("/version")
+async def version() -> Response:
+    return _json({"version": _version()})
+
+
+# -- cache and health ------------------------------------------------------------------------------------
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache() -> Response:
+    """SGLang empties its prefix cache; flatwire has none, so this succeeds at once."""
+    return Response(FLUSH_CACHE_TEXT, media_type="text/plain")
+
+
+def _health_input() -> GenerateInput:
+    return GenerateInput(input_ids=[0], sampling=scheduler_pb2.SamplingParams(max_new_tokens=1, temperature=0),
+                         logprob=scheduler_pb2.LogprobParams(logprob_start_len=-1),
+                         detokenize=scheduler_pb2.DetokenizeParams())
+
+
+async def _one_token(gateway: Gateway) -> None:
+    async with aclosing(gateway.engine.generate(_health_input())) as chunks:
+        async for chunk in chunks:
+            if chunk.result is not None:
+                if chunk.result.finish_reason == "abort":
+                    raise RequestError("unavailable", None, chunk.result.error or "aborted")
+                return
+    raise RequestError("unavailable", None, "the generation ended without a result")
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once a one-token generation went through the whole pipeline, 503 when it failed or took longer
+    than HEALTH_GENERATE_TIMEOUT_S (SGLang's body: none)."""
+    gateway = gateway_of(request)
+    try:
+        await asyncio.wait_for(_one_token(gateway), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        return error_response(503, f"health_generate: no token within {HEALTH_GENERATE_TIMEOUT_S:g} s")
+    except RequestError as exc:
+        return error_response(503, f"health_generate: {exc.message}")
+    return Response(status_code=200)
+
+
+# -- tokenizer -------------------------------------------------------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """SGLang's TokenizeRequest."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _count(cls, value: str | list[str], info: ValidationInfo) -> str | list[str]:
+        if isinstance(value, list):
+            check_batch_size("prompt", len(value), "its prompts", info)
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    """SGLang's DetokenizeRequest: one list of ids, or a list of them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, value: list[int] | list[list[int]], info: ValidationInfo) -> list[int] | list[list[int]]:
+        if value and isinstance(value[0], list):
+            check_batch_size("tokens", len(value), "its token lists", info)
+            for ids in value:
+                check_token_ids(ids, info)
+        else:
+            check_token_ids(value, info)
+        return value
+
+
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+@router.post("/v1/tokenize", openapi_extra=request_body(TokenizeRequest))
+async def tokenize(request: Request) -> Response:
+    """{"tokens", "count", "max_model_len"}: tokens a list of ids (a list of lists for a list of prompts).
+    The body's size is bounded (--max-request-mb); tokenization runs in a worker thread."""
+    gateway = gateway_of(request)
+    req = await parse_body_off_loop(TokenizeRequest, await request.body(), gateway.limits)
+    _check_model(gateway, req.model)
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    ids = await asyncio.to_thread(encode_checked, gateway.engine.tokenizer, texts, None, "prompt",
+                                  req.add_special_tokens) if texts else []
+    if isinstance(req.prompt, str):
+        body = {"tokens": ids[0], "count": len(ids[0])}
+    else:
+        body = {"tokens": ids, "count": [len(one) for one in ids]}
+    return _json(body | {"max_model_len": gateway.limits.max_context})
+
+
+def _decode(tokenizer, lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    return tokenizer.batch_decode(lists, skip_special_tokens=skip_special_tokens)
+
+
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+@router.post("/v1/detokenize", openapi_extra=request_body(DetokenizeRequest))
+async def detokenize(request: Request) -> Response:
+    """{"text": str} for a list of ids, {"text": [str, ...]} for a list of lists."""
+    gateway = gateway_of(request)
+    req = await parse_body_off_loop(DetokenizeRequest, await request.body(), gateway.limits)
+    _check_model(gateway, req.model)
+    nested = bool(req.tokens) and isinstance(req.tokens[0], list)
+    lists = req.tokens if nested else [req.tokens]
+    texts = await asyncio.to_thread(_decode, gateway.engine.tokenizer, lists, req.skip_special_tokens)
+    return _json({"text": texts if nested else texts[0]})
+
+
+# -- abort -----------------------------------------------------------------------------------------------
+
+
+class AbortRequest(BaseModel):
+    """SGLang's AbortReq: rid is a request's meta_info.id (the gateway's id for it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
+
+
+@router.post("/abort_request", openapi_extra=request_body(AbortRequest))
+async def abort_request(request: Request) -> Response:
+    """Stop one request (rid) or all of this gateway's (abort_all). Each ends with finish_reason "abort" and
+    the tokens it generated so far. 200 either way, as SGLang (a request that already ended is not an error)."""
+    gateway = gateway_of(request)
+    req = await parse_body_off_loop(AbortRequest, await request.body(), gateway.limits)
+    if req.abort_all:
+        gateway.engine.abort(None)
+    elif req.rid:
+        gateway.engine.abort(req.rid)
+    return Response(status_code=200)

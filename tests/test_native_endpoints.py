@@ -1,0 +1,197 @@
+"""SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models/{model}, as SGLang's clients
+call them (issue 11)."""
+
+import asyncio
+import importlib.metadata
+from types import SimpleNamespace
+
+import openai
+import orjson
+import pytest
+from transformers import AutoTokenizer
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def served(http) -> str:
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("path", ["/get_model_info", "/model_info"])
+def test_model_info(http, served, model_dir, path):
+    response = http.get(path)
+    assert response.status_code == 200
+    assert response.json() == {"model_path": served, "tokenizer_path": served, "is_generation": True,
+                               "preferred_sampling_params": None, "weight_version": "default"}
+    assert str(model_dir) not in response.text  # the served name, never the checkpoint's location
+
+
+@pytest.mark.parametrize("path", ["/get_server_info", "/server_info"])
+def test_server_info(http, served, model_dir, path):
+    response = http.get(path)
+    assert response.status_code == 200
+    info = response.json()
+    assert info["version"] == importlib.metadata.version("flatwire")
+    assert info["model_path"] == served
+    assert info["max_total_num_tokens"] == info["max_running_requests"] * info["context_length"] > 0
+    assert info["context_length"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    # What bench_serving reads after every run (any SGLang 0.4/0.5 version of it).
+    server_info_json = info["decode"][0] if "decode" in info else info
+    assert server_info_json["internal_states"][0].get("avg_spec_accept_length", None) is None
+    assert str(model_dir) not in response.text
+
+
+def test_version(http):
+    response = http.get("/version")
+    assert response.status_code == 200
+    assert response.json() == {"version": importlib.metadata.version("flatwire")}
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_flush_cache_is_a_no_op(http, method):
+    response = http.request(method, "/flush_cache")
+    assert response.status_code == 200
+    assert response.text.startswith("Cache flushed.")
+
+
+def test_health_generate(http):
+    response = http.get("/health_generate")
+    assert response.status_code == 200
+
+
+def test_tokenize_single_and_list(http, tokenizer):
+    response = http.post("/tokenize", json={"prompt": PROMPT})
+    assert response.status_code == 200
+    body = response.json()
+    expected = tokenizer(PROMPT)["input_ids"]
+    assert body["tokens"] == expected
+    assert body["count"] == len(expected)
+    assert body["max_model_len"] == http.get("/get_server_info").json()["context_length"]
+
+    prompts = [PROMPT, "Hello there, world"]
+    body = http.post("/v1/tokenize", json={"prompt": prompts, "add_special_tokens": False}).json()
+    expected = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+    assert body["tokens"] == expected
+    assert body["count"] == [len(ids) for ids in expected]
+
+
+def test_detokenize_round_trip(http, tokenizer):
+    ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    response = http.post("/detokenize", json={"tokens": ids})
+    assert response.status_code == 200
+    assert response.json() == {"text": tokenizer.decode(ids, skip_special_tokens=True)}
+    body = http.post("/v1/detokenize", json={"tokens": [ids, ids[:1]]}).json()
+    assert body == {"text": [tokenizer.decode(ids), tokenizer.decode(ids[:1])]}
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"text": ""}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": PROMPT, "bogus": 1}, "bogus"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_tokenizer_endpoints_refuse_bad_input(http, path, body, param):
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
+
+
+def test_tokenizer_endpoints_check_the_model(http, served):
+    assert http.post("/tokenize", json={"prompt": PROMPT, "model": served}).status_code == 200
+    response = http.post("/tokenize", json={"prompt": PROMPT, "model": "another-model"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_models_retrieve_with_the_openai_client(stack, http, served):
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        model = client.models.retrieve(served)
+        assert model.id == served
+        assert model.model_dump(exclude_none=True) == http.get("/v1/models").json()["data"][0]
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.models.retrieve("no-such-model")
+    assert raised.value.status_code == 404
+    error = http.get("/v1/models/no-such-model").json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def _first_event(lines) -> dict:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            return orjson.loads(line[len("data: "):])
+    raise AssertionError("the stream ended without an event")
+
+
+def _last_event(lines) -> dict:
+    last = None
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            last = orjson.loads(line[len("data: "):])
+    return last
+
+
+@pytest.mark.parametrize("abort", ["rid", "abort_all"])
+def test_abort_request_stops_a_running_generation(http, abort):
+    context = http.get("/get_server_info").json()["context_length"]
+    max_new = context - 16
+    body = {"text": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        rid = _first_event(lines)["meta_info"]["id"]
+        reply = http.post("/abort_request", json={"rid": rid} if abort == "rid" else {"abort_all": True})
+        assert reply.status_code == 200
+        last = _last_event(lines)
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < max_new
+
+
+def test_abort_request_of_an_unknown_rid_is_fine(http):
+    assert http.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
+    assert http.post("/abort_request", json={"rid": "x", "bogus": True}).status_code == 400
+
+
+class _StalledEngine:
+    """An engine whose generations never produce a token, or fail at once."""
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    async def generate(self, inp):
+        from services.gateway.engine import RequestError
+
+        assert inp.input_ids == [0] and inp.sampling.max_new_tokens == 1
+        if self.fail:
+            raise RequestError("unavailable", None, "scheduler down")
+        await asyncio.sleep(3600)
+        yield None
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_health_generate_is_503_when_no_token_comes(monkeypatch, fail):
+    from services.gateway.http import native
+
+    monkeypatch.setattr(native, "HEALTH_GENERATE_TIMEOUT_S", 0.2)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(
+        gateway=SimpleNamespace(engine=_StalledEngine(fail)))))
+    response = asyncio.run(native.health_generate(request))
+    assert response.status_code == 503
+    assert ("scheduler down" if fail else "no token") in orjson.loads(response.body)["error"]["message"]
+
+
+def test_openapi_declares_the_bodies(http):
+    document = http.get("/openapi.json").json()
+    for path, model in (("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest"),
+                        ("/abort_request", "AbortRequest")):
+        assert path in document["paths"]
+        assert model in document["components"]["schemas"]
