@@ -63,6 +63,13 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
     return cls(**values)
 
 
+def require_positive(config: Any, names: tuple[str, ...]) -> None:
+    """Refuse a configuration whose named fields are not all above zero, naming the flag."""
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be positive")
+
+
 def option(default: Any, help: str) -> Any:
     """A config field with its help text; mutable defaults are copied per instance."""
     if isinstance(default, list):
@@ -93,3 +100,6 @@ class ServiceConfig:
     internal_secret_file: str | None = option(None, "read the internal secret from this file when "
                                               "--internal-secret is unset; a missing file is created with a "
                                               "random secret (services sharing a volume agree on it)")
+
+    def __post_init__(self):
+        require_positive(self, ("max_message_mb", "max_request_mb", "keepalive_s"))

@@ -23,6 +23,10 @@ async def resolve(entry: str) -> list[str]:
     return addresses
 
 
+# StreamOutputs' initial metadata key: the detokenizer process's id (new on every start).
+INSTANCE_METADATA = "flatwire-instance"
+
+
 def subscription_health_name(scheduler: str) -> str:
     """The gRPC health service under which a detokenizer reports following `scheduler`'s
     (an 'ip:port' replica) step stream: the gateway sends it requests only once this is SERVING."""

@@ -14,6 +14,7 @@ stays away has its requests aborted in their schedulers, which nobody would read
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -21,7 +22,7 @@ from transformers import AutoTokenizer
 
 from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
-from services.common.discovery import subscription_health_name
+from services.common.discovery import INSTANCE_METADATA, subscription_health_name
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
@@ -41,6 +42,7 @@ WATCH_INTERVAL_S = 0.5
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
     def __init__(self, router: Router):
         self.router = router
+        self.instance_id = uuid.uuid4().hex
 
     async def StreamOutputs(self, request, context):
         if not request.owner:
@@ -48,8 +50,9 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
         queue = self.router.subscribe(request.owner)
         try:
             # Sent at once (not with the first output), so the subscriber's wait_for_connection()
-            # returns as soon as it is routed to.
-            await context.send_initial_metadata(())
+            # returns as soon as it is routed to; the instance id tells it whether this process is the
+            # one it followed before (a cut stream may have lost messages) or a new one (which replays).
+            await context.send_initial_metadata(((INSTANCE_METADATA, self.instance_id),))
             while (message := await queue.get()) is not None:  # None: a newer subscription took over
                 yield message
         finally:

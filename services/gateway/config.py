@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, option
+from services.common.config import ServiceConfig, option, require_positive
 
 
 @dataclass
@@ -43,11 +43,10 @@ class GatewayConfig(ServiceConfig):
                                         "headers arrived; then 408 and the connection closes")
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_concurrent_submits", "hop_timeout_s", "health_interval_s",
-                     "health_timeout_s", "max_request_mb", "max_stop_strings", "max_stop_length",
-                     "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')}: must be positive")
+        super().__post_init__()
+        require_positive(self, ("max_batch_size", "max_concurrent_submits", "hop_timeout_s", "health_interval_s",
+                                "health_timeout_s", "max_stop_strings", "max_stop_length", "max_logprob_elements",
+                                "http_header_timeout_s", "http_body_timeout_s"))
         if self.max_outstanding_requests < 0:
             raise ValueError("--max-outstanding-requests: must be 0 (automatic) or positive")
         if 0 < self.max_outstanding_requests < self.max_batch_size:

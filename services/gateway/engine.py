@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from services.common.arrays import I32
+from services.common.discovery import INSTANCE_METADATA
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import create_channel
@@ -129,6 +130,7 @@ class Engine:
         # Refusals by admission control: requests past this gateway's limit, submits a scheduler refused.
         self.rejected = {"gateway": 0, "scheduler": 0}
         self._connected_detokenizers: set[str] = set()
+        self._detokenizer_instances: dict[str, str | None] = {}  # address -> the process last followed
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -273,7 +275,13 @@ class Engine:
             stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
             try:
                 call = stub.StreamOutputs(detokenizer_pb2.StreamOutputsRequest(owner=self.owner))
-                await call.wait_for_connection()
+                instance = dict(await call.initial_metadata()).get(INSTANCE_METADATA)
+                if instance is not None and self._detokenizer_instances.get(address) == instance:
+                    # The same process after a cut: what was in transit is lost and will not be replayed
+                    # (a restarted detokenizer replays everything, so there the requests go on).
+                    self._fail_requests_via(address, f"the output stream from detokenizer {address} was cut: "
+                                                     "outputs in transit were lost")
+                self._detokenizer_instances[address] = instance
                 self._connected_detokenizers.add(address)
                 self.schedulers.recheck()
                 backoff = 0.1
@@ -353,6 +361,12 @@ class Engine:
             log.warning("request %s failed: %s", state.rid, why)
             state.failure = why
             state.wakeup.set()
+
+    def _fail_requests_via(self, detokenizer: str, why: str) -> None:
+        """A detokenizer's output stream lost messages: fail the requests whose outputs come through it."""
+        for state in list(self._requests.values()):
+            if state.scheduler and detokenizer in self.schedulers.followers(state.scheduler):
+                self._fail(state, why)
 
     def _fail_requests_on(self, scheduler: str, why: str) -> None:
         """The path through a scheduler replica stayed broken: fail its in-flight requests."""

@@ -47,6 +47,7 @@ class Replica:
     instance_id: str = ""
     max_running_requests: int = 0  # its running slots (ModelInfo), for admission control
     outstanding: set[str] = field(default_factory=set)
+    followers: set[str] = field(default_factory=set)  # detokenizers last seen following its step stream
 
 
 class SchedulerPool:
@@ -83,6 +84,11 @@ class SchedulerPool:
     def recheck(self) -> None:
         """Check every replica's path now rather than at the next round (a hop just came back)."""
         self._recheck.set()
+
+    def followers(self, address: str) -> set[str]:
+        """The detokenizers that follow this replica (all of them, before a check has said)."""
+        replica = self.replicas.get(address)
+        return (replica.followers if replica else set()) or set(self._detokenizers)
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
@@ -193,9 +199,9 @@ class SchedulerPool:
             replica.instance_id = info.instance_id
         name = subscription_health_name(replica.address)
         follows = await asyncio.gather(*(_serving(stub, name, timeout) for stub in self._detokenizers.values()))
-        delivering = [a for a, f in zip(self._detokenizers, follows) if f and self._delivering(a)]
-        if not delivering:
-            followed = [a for a, f in zip(self._detokenizers, follows) if f]
+        followed = [a for a, f in zip(self._detokenizers, follows) if f]
+        replica.followers = set(followed) or replica.followers  # kept while none answers: still the likely ones
+        if not any(self._delivering(a) for a in followed):
             unreachable = [a for a in self._detokenizers if not self._delivering(a)]
             if followed:
                 why = f"detokenizer {', '.join(followed)} follows it but is not connected to this gateway"

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, option
+from services.common.config import ServiceConfig, option, require_positive
 
 
 @dataclass
@@ -25,13 +25,12 @@ class SchedulerConfig(ServiceConfig):
                                        "--max-running-requests), room for a gateway's largest batch")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: unknown dtype {self.dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
-        for name in ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
+        require_positive(self, ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows"))
         if self.replay_window_s < 0 or self.replay_window_mb < 0:
             raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
         if self.max_context < 0:
