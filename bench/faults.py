@@ -41,6 +41,7 @@ import pybase64
 
 from services.common.arrays import block_offsets, decode_block, request_slice
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.common.steps import token_offsets
 from services.gateway.client import FlatwireClient
 from tests.procs import ServiceProcess, free_port
 
@@ -55,7 +56,7 @@ class Pipeline:
     """Scheduler, detokenizer and gateway as processes on fixed loopback ports, each restartable."""
 
     def __init__(self, model_dir: Path, log_dir: Path, gateway_args: tuple[str, ...] = (),
-                 detokenizer_args: tuple[str, ...] = ()):
+                 detokenizer_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = ()):
         self.ports = {name: free_port() for name in ("scheduler", "detokenizer", "http", "grpc")}
         self.scheduler = f"127.0.0.1:{self.ports['scheduler']}"
         self.detokenizer = f"127.0.0.1:{self.ports['detokenizer']}"
@@ -63,7 +64,8 @@ class Pipeline:
         self.grpc_address = f"127.0.0.1:{self.ports['grpc']}"
         common = ("--model", str(model_dir))
         self.commands = {
-            "scheduler": ["--port", str(self.ports["scheduler"]), "--max-running-requests", "64", *common],
+            "scheduler": ["--port", str(self.ports["scheduler"]), "--max-running-requests", "64", *common,
+                          *scheduler_args],  # later flags win: scheduler_args may replace the 64
             "detokenizer": ["--port", str(self.ports["detokenizer"]), "--schedulers", self.scheduler, *common,
                             *detokenizer_args],
             "gateway": ["--port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"]),
@@ -154,13 +156,18 @@ class Tap:
         self.last_step = max(self.last_step, step.step)
         arrays = decode_block(step.output) if step.output.rows else None
         offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts) if arrays else None
-        for i, (rid, position, token) in enumerate(zip(step.rids, step.positions, step.token_ids)):
+        tokens = list(step.token_ids)
+        for i, (rid, position, count, first) in enumerate(zip(step.rids, step.positions, step.counts,
+                                                              token_offsets(step.counts))):
             produced = self.requests[rid]
-            produced.tokens[position] = token
-            if arrays is not None:
-                row = request_slice(arrays, offsets, i)
-                produced.rows[position] = (row.token_logprobs.tobytes(), row.topk_values.tobytes(),
-                                           row.topk_ids.tobytes())
+            entry = request_slice(arrays, offsets, i) if arrays is not None else None
+            for j in range(count):
+                produced.tokens[position + j] = tokens[first + j]
+                if entry is not None and len(entry.token_logprobs):
+                    k = int(entry.topk[0])
+                    produced.rows[position + j] = (entry.token_logprobs[j:j + 1].tobytes(),
+                                                   entry.topk_values[j * k:(j + 1) * k].tobytes(),
+                                                   entry.topk_ids[j * k:(j + 1) * k].tobytes())
         for finish in step.finished:
             self.requests[finish.rid].output_tokens = finish.output_tokens
 

@@ -93,7 +93,8 @@ def encode_step(step: StepArrays, number: int = 0) -> bytes:
         message = scheduler_pb2.StepOutput(step=number, prompt_rids=step.rids, prompt=block)
     else:
         message = scheduler_pb2.StepOutput(step=number, rids=step.rids, token_ids=step.token_ids.tolist(),
-                                           positions=[number] * len(step.rids), output=block)
+                                           positions=[number] * len(step.rids), counts=[1] * len(step.rids),
+                                           output=block)
     return message.SerializeToString()
 
 

@@ -109,7 +109,7 @@ def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, seed: int =
     steps = []
     for n in range(tokens):
         message = scheduler_pb2.StepOutput(
-            step=n, rids=rids, token_ids=[int(ids[n])] * batch, positions=[n] * batch,
+            step=n, rids=rids, token_ids=[int(ids[n])] * batch, positions=[n] * batch, counts=[1] * batch,
             output=encode_block(LogprobArrays(
                 rows=per_request, null_prefix=np.zeros(0, np.int64), token_logprobs=chosen[n], topk=per_request * k,
                 topk_values=values[n].reshape(-1), topk_ids=topk_ids[n].reshape(-1), id_counts=per_request * 0,

@@ -12,6 +12,7 @@ import numpy as np
 from services.common.arrays import LogprobArrays, block_offsets, decode_block, request_slice
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import message_options
+from services.common.steps import token_offsets
 
 
 @dataclass
@@ -21,8 +22,9 @@ class Collected:
     start: scheduler_pb2.RequestStart | None = None
     start_step: int = -1
     token_ids: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)  # step numbers that carried a token
-    output: list[LogprobArrays] = field(default_factory=list)  # one per token in steps that had an output block
+    steps: list[int] = field(default_factory=list)  # per token: the step number of the message that carried it
+    entries: list[tuple[int, int]] = field(default_factory=list)  # (position, count) of each entry
+    output: list[LogprobArrays] = field(default_factory=list)  # one per entry in messages with an output block
     prompt: LogprobArrays | None = None
     finish: scheduler_pb2.Finish | None = None
     finish_step: int = -1
@@ -31,8 +33,8 @@ class Collected:
     def topk(self) -> tuple[np.ndarray, np.ndarray]:
         """Output top-k as [tokens, k] values and ids."""
         k = int(self.output[0].topk[0])
-        return (np.stack([o.topk_values for o in self.output]).reshape(-1, k),
-                np.stack([o.topk_ids for o in self.output]).reshape(-1, k))
+        return (np.concatenate([o.topk_values for o in self.output]).reshape(-1, k),
+                np.concatenate([o.topk_ids for o in self.output]).reshape(-1, k))
 
 
 class SchedulerClient:
@@ -53,11 +55,13 @@ class SchedulerClient:
         self._thread.join(timeout=5)
         self.channel.close()
 
-    def submit(self, rid: str | None = None, **fields) -> str:
+    def submit(self, rid: str | None = None, stream_interval: int = 1, **fields) -> str:
+        """Submit as a streaming request (a token per step) unless stream_interval says otherwise."""
         rid = rid or uuid.uuid4().hex
         with self._lock:
             self.requests.setdefault(rid, Collected())
-        self.stub.Submit(scheduler_pb2.TokenizedRequest(rid=rid, owner=self.owner, **fields), timeout=30)
+        self.stub.Submit(scheduler_pb2.TokenizedRequest(rid=rid, owner=self.owner, stream_interval=stream_interval,
+                                                        **fields), timeout=30)
         return rid
 
     def wait(self, rid: str, timeout: float = 120) -> Collected:
@@ -96,12 +100,15 @@ class SchedulerClient:
             output = decode_block(message.output) if message.HasField("output") else None
             if output is not None:
                 output_offsets = block_offsets(output.rows, output.topk, output.id_counts)
-            for row, rid in enumerate(message.rids):
+            tokens = list(message.token_ids)
+            for entry, (rid, position, count, first) in enumerate(zip(
+                    message.rids, message.positions, message.counts, token_offsets(message.counts))):
                 if rid in mine:
-                    mine[rid].token_ids.append(message.token_ids[row])
-                    mine[rid].steps.append(message.step)
+                    mine[rid].token_ids += tokens[first:first + count]
+                    mine[rid].steps += [message.step] * count
+                    mine[rid].entries.append((position, count))
                     if output is not None:
-                        mine[rid].output.append(request_slice(output, output_offsets, row))
+                        mine[rid].output.append(request_slice(output, output_offsets, entry))
             if message.prompt_rids:
                 prompt = decode_block(message.prompt)
                 prompt_offsets = block_offsets(prompt.rows, prompt.topk, prompt.id_counts)

@@ -68,6 +68,7 @@ def run(manager, requests: dict[str, tuple[list[int], scheduler_pb2.DetokenizePa
                 message.rids.append(rid)
                 message.token_ids.append(ids[step])
                 message.positions.append(step)
+                message.counts.append(1)
             if step == len(ids) - 1:
                 message.finished.add(rid=rid, reason=finish_reason, matched_token=ids[step], output_tokens=len(ids))
         owned, step_aborts = manager.process(message, "scheduler:1")
@@ -199,7 +200,8 @@ def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
         token = tokenizer.encode(" fox")[0]
         owners = {"a1": "gw-a", "b1": "gw-b", "a2": "gw-a", "x1": "gw-gone"}
         step = scheduler_pb2.StepOutput(step=1, rids=list(owners), token_ids=[token] * 4, positions=[0] * 4,
-                                        output=_block(4, 5, 1), prompt_rids=["b1", "a2"], prompt=_block(2, 3, 2))
+                                        counts=[1] * 4, output=_block(4, 5, 1), prompt_rids=["b1", "a2"],
+                                        prompt=_block(2, 3, 2))
         for rid, owner in owners.items():
             step.started.add(rid=rid, owner=owner)
         step.finished.add(rid="a2", reason=Reason.FINISH_REASON_LENGTH, output_tokens=1)
@@ -238,7 +240,8 @@ def _steps(rid: str, ids: list[int], owner: str = "gw") -> list[scheduler_pb2.St
     """One request streamed one token per step, as the scheduler sends it; LENGTH on the last."""
     steps = []
     for position, token in enumerate(ids):
-        step = scheduler_pb2.StepOutput(step=position + 1, rids=[rid], token_ids=[token], positions=[position])
+        step = scheduler_pb2.StepOutput(step=position + 1, rids=[rid], token_ids=[token], positions=[position],
+                                        counts=[1])
         if position == 0:
             step.started.add(rid=rid, owner=owner, detokenize=params(), prompt_tokens=3)
         if position == len(ids) - 1:
@@ -297,3 +300,39 @@ def test_a_gap_fails_the_request_and_aborts_it(tokenizer):
     assert [(f.reason, f.output_tokens) for f in finishes] == [(Reason.FINISH_REASON_ERROR, 2)]
     assert "2..2" in finishes[0].message
     assert [a.rid for a in aborts] == ["r"] and not manager.requests
+
+
+def test_entries_of_several_tokens_decode_as_one_delta_and_route_whole(tokenizer):
+    """Coalesced entries (a request that does not stream): one delta per entry, the same text in the end;
+    the router gives each owner its entries' tokens, counts and positions."""
+    async def scenario():
+        manager, router = DetokenizerManager(tokenizer), Router(adopt_for_s=60)
+        queues = {owner: router.subscribe(owner) for owner in ("gw-a", "gw-b")}
+        ids = {"a": tokenizer.encode(MULTIBYTE), "b": tokenizer.encode("The quick brown fox jumps over the lazy dog.")}
+        texts = {rid: "" for rid in ids}
+        for position in range(0, max(map(len, ids.values())), 7):
+            entries = {rid: seq[position:position + 7] for rid, seq in ids.items() if position < len(seq)}
+            message = scheduler_pb2.StepOutput(rids=list(entries), positions=[position] * len(entries),
+                                               counts=[len(e) for e in entries.values()],
+                                               token_ids=[t for e in entries.values() for t in e])
+            if position == 0:
+                for rid in ids:
+                    message.started.add(rid=rid, owner=f"gw-{rid}", detokenize=params())
+            message.finished.extend(scheduler_pb2.Finish(rid=rid, reason=Reason.FINISH_REASON_LENGTH,
+                                                         output_tokens=len(ids[rid]))
+                                    for rid in entries if position + 7 >= len(ids[rid]))
+            owned, _ = manager.process(message, "scheduler:1")
+            router.publish(owned)
+        for rid in ids:
+            queue = queues[f"gw-{rid}"]
+            got = []
+            while not queue.empty():
+                part = queue.get_nowait()
+                assert list(part.rids) == [rid] * len(part.rids)
+                got += list(part.token_ids)
+                assert sum(part.counts) == len(part.token_ids)
+                texts[rid] += "".join(part.texts)
+            assert got == ids[rid]
+            assert texts[rid] == tokenizer.decode(ids[rid])
+
+    asyncio.run(scenario())

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from services.common.arrays import block_offsets, decode_block, request_slice
 from services.common.pb import arrays_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
+from services.common.steps import token_offsets
 
 Reason = arrays_pb2.FinishReason
 TIMEOUT_S = 120
@@ -46,10 +47,10 @@ class Peers:
         return call
 
     async def submit(self, owner: str, prompt: list[int], max_new_tokens: int = 16, seed: int = 1,
-                     top_k: int = 0, prompt_logprobs: bool = False, **detokenize) -> str:
+                     top_k: int = 0, prompt_logprobs: bool = False, stream_interval: int = 1, **detokenize) -> str:
         rid = f"detok-test-{uuid.uuid4().hex[:8]}"
         await self.scheduler.Submit(scheduler_pb2.TokenizedRequest(
-            rid=rid, owner=owner, input_ids=prompt,
+            rid=rid, owner=owner, input_ids=prompt, stream_interval=stream_interval,
             sampling=scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed),
             logprob=scheduler_pb2.LogprobParams(return_logprob=top_k > 0, top_logprobs_num=top_k,
                                                 logprob_start_len=0 if prompt_logprobs else -1),
@@ -80,9 +81,11 @@ def per_request(messages) -> dict[str, dict]:
     """rid -> its token ids, texts and finish, in stream order."""
     out: dict[str, dict] = {}
     for message in messages:
-        for rid, token, text in zip(message.rids, message.token_ids, message.texts or [""] * len(message.rids)):
+        tokens = list(message.token_ids)
+        for rid, count, first, text in zip(message.rids, message.counts, token_offsets(message.counts),
+                                           message.texts or [""] * len(message.rids)):
             entry = out.setdefault(rid, {"ids": [], "text": "", "finish": None})
-            entry["ids"].append(token)
+            entry["ids"] += tokens[first:first + count]
             entry["text"] += text
         for finish in message.finished:
             out.setdefault(finish.rid, {"ids": [], "text": "", "finish": None})["finish"] = finish
@@ -102,10 +105,13 @@ def run(coroutine_fn, scheduler_address, detokenizer_address):
 PROMPTS = [[9707, 11, 1879, 0], [100, 200, 300], [5, 6, 7, 8, 9, 10, 11]]
 
 
-def test_texts_concatenate_to_the_decode_of_the_output_ids(scheduler_address, detokenizer_address, tokenizer):
+@pytest.mark.parametrize("stream_interval", [1, 5, 0])  # a token per entry, 5, the scheduler's 50 (the whole output)
+def test_texts_concatenate_to_the_decode_of_the_output_ids(scheduler_address, detokenizer_address, tokenizer,
+                                                           stream_interval):
     async def scenario(peers: Peers):
         call = await peers.owner_stream("gw-text")
-        rids = [await peers.submit("gw-text", prompt, max_new_tokens=24, seed=n, skip_special_tokens=True)
+        rids = [await peers.submit("gw-text", prompt, max_new_tokens=24, seed=n, skip_special_tokens=True,
+                                   stream_interval=stream_interval)
                 for n, prompt in enumerate(PROMPTS)]
         return rids, per_request(await until_finished(call, set(rids)))
 

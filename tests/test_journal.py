@@ -9,7 +9,8 @@ from services.scheduler.journal import StepJournal
 def _step(number: int, entries: dict[str, int], started=(), finished=(), padding: int = 0):
     """entries: rid -> position; the token is 100 + position."""
     step = scheduler_pb2.StepOutput(step=number, rids=list(entries), positions=list(entries.values()),
-                                    token_ids=[100 + p for p in entries.values()], texts=["x" * padding])
+                                    token_ids=[100 + p for p in entries.values()], counts=[1] * len(entries),
+                                    texts=["x" * padding])
     for rid in started:
         step.started.add(rid=rid, owner="gw")
     for rid, tokens in finished:
@@ -49,3 +50,18 @@ def test_a_finished_request_is_forgotten_once_its_finish_is_dropped():
     head, *steps = journal.replay()
     assert steps == []
     assert [(r.start.rid, list(r.output_ids)) for r in head.resumed] == [("b", [100])]
+
+
+def test_coalesced_entries_resume_from_the_first_retained_entry():
+    """Entries of several tokens: the ids before the first retained entry are resumed, the entries kept whole."""
+    padding = 1000
+    journal = StepJournal(window_s=60, window_bytes=2 * padding + 200)
+    first = scheduler_pb2.StepOutput(step=1, rids=["a"], positions=[0], counts=[3], token_ids=[100, 101, 102])
+    first.started.add(rid="a", owner="gw")
+    journal.record(first)
+    for number, position in ((2, 3), (3, 5), (4, 7)):
+        journal.record(scheduler_pb2.StepOutput(step=number, rids=["a"], positions=[position], counts=[2],
+                                                token_ids=[100 + position, 101 + position], texts=["x" * padding]))
+    head, *steps = journal.replay()
+    assert [s.step for s in steps] == [3, 4]
+    assert [list(r.output_ids) for r in head.resumed] == [[100, 101, 102, 103, 104]]

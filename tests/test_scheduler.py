@@ -137,3 +137,30 @@ def test_seeded_sampling_reproducible_across_batches(client, params):
 
     assert batched.token_ids == solo
     assert client.wait(client.submit(input_ids=ids, sampling=sampled(8))).token_ids != solo
+
+
+def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(client):
+    """A request that does not stream ships --output-interval (50) tokens per entry, and the rest at its end;
+    its tokens and logprob rows are those of the same request streamed a token per step. An abort ships the
+    tokens it had not shipped yet with its Finish."""
+    ids = prompt(7, 9)
+    logprob = scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=5, logprob_start_len=-1,
+                                          token_ids_logprob=[11, 12])
+    streamed = client.wait(client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob))
+    coalesced = client.wait(client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob, stream_interval=0))
+
+    assert streamed.entries == [(p, 1) for p in range(120)]
+    assert coalesced.entries == [(0, 50), (50, 50), (100, 20)]
+    assert coalesced.token_ids == streamed.token_ids
+    for got, want in zip(coalesced.topk(), streamed.topk()):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.concatenate([o.ids_logprobs for o in coalesced.output]),
+                                  np.concatenate([o.ids_logprobs for o in streamed.output]))
+
+    rid = client.submit(input_ids=ids, sampling=greedy(2000), logprob=logprob, stream_interval=0)
+    client.wait_tokens(rid, 50)
+    client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=10)
+    aborted = client.wait(rid)
+    assert aborted.finish.reason == arrays_pb2.FINISH_REASON_ABORT
+    assert len(aborted.token_ids) == aborted.finish.output_tokens > 50  # nothing held back
+    assert [p for p, _ in aborted.entries] == list(range(0, 50 * len(aborted.entries), 50))

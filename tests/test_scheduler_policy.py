@@ -58,7 +58,7 @@ def test_admission_policy(model_dir):
     first served within the prefill budget; a prompt over the budget goes alone; slots cap."""
     runner = ModelRunner(model_dir, "cpu", "auto", CONTEXT, 3)
     engine = Engine(runner, SchedulerConfig(max_running_requests=3, max_tokens_per_step=BUDGET), publish=print)
-    limits = Limits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids))
+    limits = Limits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), output_interval=50)
     for i, n in enumerate([4, 10, 12, 30, 3]):
         engine.submit(parse_request(scheduler_pb2.TokenizedRequest(
             rid=f"r{i}", input_ids=prompt(i, n), sampling=greedy(3)), limits))

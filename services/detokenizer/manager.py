@@ -5,9 +5,11 @@ of a step decoded with two batched tokenizer calls (surrogate windows, read
 windows) per distinct (skip_special_tokens, spaces_between_special_tokens) pair,
 usually one. Work per step is proportional to the requests in it.
 
-Each request's tokens are taken in position order, exactly once: a position seen
-before (a replay after the step stream was cut) is skipped, one past the next
-expected (which a consistent replay never leaves) fails the request. The
+Each request's tokens are taken in position order, exactly once: an entry that
+starts before the next expected position (a replay after the step stream was cut;
+a replay repeats entries whole) is skipped, one that starts past it (which a
+consistent replay never leaves) fails the request. An entry of several tokens (a
+request that does not stream) is decoded as one piece: its text is one delta. The
 tokens a request resumed from its output ids (RequestResume) misses here are
 decoded one per step, as the original steps did, so its text deltas are the same
 to the character as if nothing had happened.
@@ -17,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from services.common.pb import arrays_pb2, scheduler_pb2
+from services.common.steps import token_offsets
 from services.detokenizer.batch_decode import batch_decoder
 from services.detokenizer.decode_status import DecodeStatus
 from services.detokenizer.router import OwnedStep
@@ -69,7 +72,7 @@ class DetokenizerManager:
             level = [resume for resume in behind if position < len(resume.output_ids)]
             steps.append(scheduler_pb2.StepOutput(rids=[resume.start.rid for resume in level],
                                                   token_ids=[resume.output_ids[position] for resume in level],
-                                                  positions=[position] * len(level)))
+                                                  positions=[position] * len(level), counts=[1] * len(level)))
         return [*steps, step]
 
     def process(self, step: scheduler_pb2.StepOutput, scheduler: str) -> tuple[OwnedStep, list]:
@@ -80,7 +83,9 @@ class DetokenizerManager:
         scheduler_finish = {finish.rid: finish for finish in step.finished}
         owned = OwnedStep(step, texts=[""] * len(step.rids), owners=[None] * len(step.rids))
         entries, aborts = [], []
-        for index, (rid, token, position) in enumerate(zip(step.rids, step.token_ids, step.positions)):
+        tokens = list(step.token_ids)
+        for index, (rid, position, count, first) in enumerate(zip(step.rids, step.positions, step.counts,
+                                                                   token_offsets(step.counts))):
             state = self.requests.get(rid)
             if state is None or position < state.next_position:  # ended here, never announced, or replayed
                 continue
@@ -90,11 +95,12 @@ class DetokenizerManager:
                          f"never arrived from scheduler {scheduler}")))
                 aborts.append(scheduler_pb2.AbortRequest(rid=rid))
                 continue
-            state.next_position += 1
+            state.next_position += count
             finish = scheduler_finish.get(rid)
             # Like SGLang, the stop token is not part of the text unless no_stop_trim.
-            if not (finish and finish.reason == Reason.FINISH_REASON_STOP_TOKEN and not state.stops.no_stop_trim):
-                state.status.decode_ids.append(token)
+            if finish and finish.reason == Reason.FINISH_REASON_STOP_TOKEN and not state.stops.no_stop_trim:
+                count -= 1
+            state.status.decode_ids.extend(tokens[first:first + count])
             owned.owners[index] = state.owner
             entries.append(_Entry(index, rid, state, finish))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from services.common.arrays import select_requests
 from services.common.pb import scheduler_pb2
+from services.common.steps import token_offsets
 
 
 @dataclass
@@ -95,6 +96,14 @@ def _indices_by_owner(owners: list[str | None]) -> dict[str, list[int]]:
     return indices
 
 
+def _kept_tokens(step: scheduler_pb2.StepOutput, keep: list[int]) -> list[int]:
+    tokens = list(step.token_ids)
+    if len(keep) == len(step.rids):  # every entry (kept in order: _indices_by_owner)
+        return tokens
+    starts, counts = token_offsets(step.counts), step.counts
+    return [token for i in keep for token in tokens[starts[i]:starts[i] + counts[i]]]
+
+
 def _slice(owned: OwnedStep, keep: list[int], keep_prompt: list[int], started: list,
            finished: list) -> scheduler_pb2.StepOutput:
     step = owned.step
@@ -102,8 +111,9 @@ def _slice(owned: OwnedStep, keep: list[int], keep_prompt: list[int], started: l
         step=step.step,
         started=started,
         rids=[step.rids[i] for i in keep],
-        token_ids=[step.token_ids[i] for i in keep],
+        token_ids=_kept_tokens(step, keep) if keep else [],
         positions=[step.positions[i] for i in keep],
+        counts=[step.counts[i] for i in keep],
         texts=[owned.texts[i] for i in keep],
         prompt_rids=[step.prompt_rids[i] for i in keep_prompt],
         finished=finished,

@@ -1,105 +1,95 @@
-"""One request's outputs as they arrive, step by step, joined only when read.
+"""One request's outputs as they arrive, entry by entry, in buffers sized for its whole output.
 
-Each step contributes a token, a text delta and, when logprobs were asked, four
-byte ranges of the step's LogprobBlock (memoryview slices: no copy, no numpy
-object per step). Reading a range of steps joins their bytes once and views them
-as arrays, so a 1000-token request costs one join per array, not 1000 concatenations.
+An entry is a run of the request's consecutive tokens (one per step while it streams,
+--output-interval of them otherwise). Each is copied once into the request's buffers:
+its token ids, its text delta and, when logprobs were asked, its rows of the message's
+LogprobBlock (numpy slices of whole buffers). Reading hands out views of the buffers,
+so nothing is joined, and no Python object per token is kept until the request ends
+(the garbage collector has nothing to chase).
 
-Tokens are taken by position: one already held (a replay after a hop restarted) is
-dropped; one past the next expected, or one without the logprob rows the request
-asked for (lost beyond the scheduler's replay window), raises OutputLost.
+Tokens are taken by position: an entry already held (a replay after a hop restarted)
+is dropped; one past the next expected, one that overlaps what is held (a replay that
+changed the entries' bounds), or one without the logprob rows the request asked for
+(lost beyond the scheduler's replay window) raises OutputLost.
 """
 
-from dataclasses import dataclass, field
-from itertools import accumulate
+from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.arrays import F32, I32
-from services.common.pb import scheduler_pb2
+from services.common.arrays import I32, BlockOffsets, LogprobArrays, block_offsets, decode_block, request_slice
+from services.common.pb import arrays_pb2, scheduler_pb2
 from services.gateway.result import LogprobTrack
-
-ARRAYS = ("token_logprobs", "topk_values", "topk_ids", "ids_logprobs")
 
 
 @dataclass
-class StepBlock:
-    """A step's LogprobBlock prepared for slicing: its buffers and each request's byte offsets."""
+class MessageRows:
+    """A message's LogprobBlock as numpy views, and where each entry's rows are."""
 
-    buffers: tuple[memoryview, ...]  # in ARRAYS order
-    offsets: tuple[list[int], ...]  # byte offset of each request (n + 1 each; f4/i4: 4 bytes), in ARRAYS order
+    arrays: LogprobArrays
+    offsets: BlockOffsets
 
     @classmethod
-    def of(cls, block) -> "StepBlock":
-        # Plain Python over the (few) requests: cheaper than numpy for a step's handful of counts.
-        rows = list(block.rows)
-        topk = [4 * r * k for r, k in zip(rows, block.topk)]
-        ids = [4 * r * m for r, m in zip(rows, block.id_counts)]
-        topk_offsets = [0, *accumulate(topk)]
-        offsets = ([0, *accumulate(4 * r for r in rows)], topk_offsets, topk_offsets, [0, *accumulate(ids)])
-        return cls(tuple(memoryview(getattr(block, name)) for name in ARRAYS), offsets)
+    def of(cls, block: arrays_pb2.LogprobBlock) -> "MessageRows":
+        arrays = decode_block(block)
+        return cls(arrays, block_offsets(arrays.rows, arrays.topk, arrays.id_counts))
 
-    def ranges(self, i: int) -> tuple[memoryview, ...]:
-        (lp, values, ids, id_lp), (lp_at, topk_at, _, ids_at) = self.buffers, self.offsets
-        j = i + 1
-        return (lp[lp_at[i]:lp_at[j]], values[topk_at[i]:topk_at[j]], ids[topk_at[i]:topk_at[j]],
-                id_lp[ids_at[i]:ids_at[j]])
-
-
-def track_of(ranges: list[tuple[memoryview, ...]], token_ids: list[int], k: int, m: int) -> LogprobTrack:
-    """Join per-step byte ranges into a LogprobTrack of len(token_ids) rows."""
-    n = len(token_ids)
-    joined = [b"".join(step[a] for step in ranges) for a in range(len(ARRAYS))]
-    return LogprobTrack(
-        token_ids=np.asarray(token_ids, dtype=I32),
-        token_logprobs=np.frombuffer(joined[0], dtype=F32),
-        topk_values=np.frombuffer(joined[1], dtype=F32).reshape(n, k),
-        topk_ids=np.frombuffer(joined[2], dtype=I32).reshape(n, k),
-        ids_logprobs=np.frombuffer(joined[3], dtype=F32).reshape(n, m),
-    )
+    def entry(self, i: int) -> LogprobArrays:
+        return request_slice(self.arrays, self.offsets, i)
 
 
 class OutputLost(Exception):
     """Part of a request's output can no longer arrive; the message says which."""
 
 
-@dataclass
 class Accumulator:
-    logprob: scheduler_pb2.LogprobParams
-    token_ids: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    ranges: list[tuple[memoryview, ...]] = field(default_factory=list)  # per step, when return_logprob
-    read: int = 0  # steps already handed out as chunks
+    def __init__(self, logprob: scheduler_pb2.LogprobParams, max_tokens: int):
+        self.token_ids: list[int] = []
+        self._texts: list[str] = []  # one delta per entry
+        self._rows = (LogprobTrack.allocate(max_tokens, logprob.top_logprobs_num, len(logprob.token_ids_logprob))
+                      if logprob.return_logprob else None)
+        self._read = 0  # tokens already handed out
+        self._texts_read = 0
 
-    def add(self, position: int, token_id: int, text: str, block: StepBlock | None, i: int) -> bool:
-        """Take the token at `position`; False when it is held already."""
-        have = len(self.token_ids)
+    def add(self, position: int, token_ids: list[int], text: str, rows: MessageRows | None, i: int) -> bool:
+        """Take entry i of a message: `token_ids` from `position` on; False when it is held already."""
+        have, count = len(self.token_ids), len(token_ids)
         if position < have:
+            if position + count > have:
+                raise OutputLost(f"output tokens {position}..{position + count - 1} arrived again with other bounds")
             return False
         if position > have:
             raise OutputLost(f"output tokens {have}..{position - 1} never arrived")
-        if self.logprob.return_logprob:
-            if block is None:
-                raise OutputLost(f"the logprobs of output token {position} are no longer retained")
-            self.ranges.append(block.ranges(i))
-        self.token_ids.append(token_id)
-        self.texts.append(text)
+        if self._rows is not None:
+            entry = rows.entry(i) if rows is not None else None
+            if entry is None or entry.rows[0] != count:
+                raise OutputLost(f"the logprobs of output tokens {position}..{position + count - 1} are no longer "
+                                 "retained")
+            if position + count > len(self._rows.token_logprobs):
+                raise OutputLost(f"more output tokens than the {len(self._rows.token_logprobs)} asked for arrived")
+            self._rows.put(position, entry)
+        self.token_ids.extend(token_ids)
+        self._texts.append(text)
         return True
 
     @property
     def unread(self) -> int:
-        return len(self.token_ids) - self.read
+        return len(self.token_ids) - self._read
+
+    @property
+    def read_any(self) -> bool:
+        return self._read > 0
 
     def take(self) -> tuple[list[int], str, LogprobTrack | None]:
-        """Tokens, text and logprob rows of the steps not taken before."""
-        start, self.read = self.read, len(self.token_ids)
-        return self.token_ids[start:], "".join(self.texts[start:]), self._track(start)
+        """Tokens, text and logprob rows that arrived since the previous take."""
+        start, self._read = self._read, len(self.token_ids)
+        texts, self._texts_read = self._texts[self._texts_read:], len(self._texts)
+        return self.token_ids[start:], "".join(texts), self._track(start, self._read)
 
     def whole(self) -> tuple[list[int], str, LogprobTrack | None]:
-        return list(self.token_ids), "".join(self.texts), self._track(0)
+        return list(self.token_ids), "".join(self._texts), self._track(0, len(self.token_ids))
 
-    def _track(self, start: int) -> LogprobTrack | None:
-        if not self.logprob.return_logprob:
+    def _track(self, start: int, end: int) -> LogprobTrack | None:
+        if self._rows is None:
             return None
-        k, m = self.logprob.top_logprobs_num, len(self.logprob.token_ids_logprob)
-        return track_of(self.ranges[start:], self.token_ids[start:], k, m)
+        return self._rows.view(start, end, np.asarray(self.token_ids[start:end], dtype=I32))

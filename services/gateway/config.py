@@ -23,6 +23,8 @@ class GatewayConfig(ServiceConfig):
     health_timeout_s: float = option(2.0, "how long one such check waits for an answer")
     hop_timeout_s: float = option(5.0, "a request whose path (scheduler, detokenizer, or this gateway's stream "
                                   "from it) stays broken this long fails with an error naming the hop")
+    stream_interval: int = option(1, "output tokens per message of a streaming request (SGLang's --stream-interval): "
+                                  "1 sends each token as it is generated; more sends fewer, larger chunks")
     max_batch_size: int = option(4096, "most generations one HTTP request may ask for (a /generate batch's prompts, "
                                  "a completion's prompts x n, a chat's n); more is refused with 400")
     max_concurrent_submits: int = option(256, "Submit and Abort RPCs in flight to the schedulers at once; the rest "
@@ -44,9 +46,9 @@ class GatewayConfig(ServiceConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        require_positive(self, ("max_batch_size", "max_concurrent_submits", "hop_timeout_s", "health_interval_s",
-                                "health_timeout_s", "max_stop_strings", "max_stop_length", "max_logprob_elements",
-                                "http_header_timeout_s", "http_body_timeout_s"))
+        require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
+                                "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
+                                "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s"))
         if self.max_outstanding_requests < 0:
             raise ValueError("--max-outstanding-requests: must be 0 (automatic) or positive")
         if 0 < self.max_outstanding_requests < self.max_batch_size:

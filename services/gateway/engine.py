@@ -2,9 +2,10 @@
 
 One Engine per gateway process. It owns the scheduler pool (submit, abort, load
 balancing, health) and one output stream per detokenizer, on which arrive the
-StepOutputs of the requests this gateway owns. Each request's outputs are kept as
-byte ranges of the step buffers (accumulator.py) and joined when read: per stream
-chunk, and once when the request finishes.
+StepOutputs of the requests this gateway owns. Each request's outputs are copied
+into buffers sized for its whole output (accumulator.py). A streaming request's
+generator is woken by every message that brings it tokens; any other request's only
+once, when it ends.
 
 A request ends complete or fails: it fails (RequestError "unavailable", rendered as
 HTTP 503 or gRPC UNAVAILABLE) when a hop reports an error, when part of its output
@@ -29,7 +30,8 @@ from services.common.discovery import INSTANCE_METADATA
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import create_channel
-from services.gateway.accumulator import Accumulator, OutputLost, StepBlock, track_of
+from services.common.steps import token_offsets
+from services.gateway.accumulator import Accumulator, MessageRows, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.protocol.parse import rename_field
 from services.gateway.result import LogprobTrack, RequestResult
@@ -72,6 +74,7 @@ class GenerateInput:
     sampling: scheduler_pb2.SamplingParams
     logprob: scheduler_pb2.LogprobParams
     detokenize: scheduler_pb2.DetokenizeParams
+    stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -201,11 +204,12 @@ class Engine:
         else:
             self._check_room(1)
         rid = uuid.uuid4().hex
-        state = RequestState(rid=rid, inp=inp, started_at=time.perf_counter(), outputs=Accumulator(inp.logprob))
+        state = RequestState(rid=rid, inp=inp, started_at=time.perf_counter(),
+                             outputs=Accumulator(inp.logprob, inp.sampling.max_new_tokens))
         self._requests[rid] = state
         request = scheduler_pb2.TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
-            detokenize=inp.detokenize)
+            detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0)
         try:
             state.scheduler = await self._submit(request, inp.fields)
             if state.abort_requested:  # aborted while it was being submitted
@@ -255,8 +259,13 @@ class Engine:
             raise RequestError(status, *rename_field(detail.split(":", 1)[0], detail, fields)) from None
 
     def _take_chunk(self, state: RequestState) -> Chunk:
-        token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
-        chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=state.result)
+        result = state.result
+        if result is not None and not state.outputs.read_any:  # one chunk: the whole output
+            chunk = Chunk(token_ids=result.output_ids, text=result.text, rid=state.rid, output=result.output,
+                          result=result)
+        else:
+            token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
+            chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=result)
         if state.prompt is not None and not state.prompt_sent:
             chunk.prompt, state.prompt_sent = state.prompt, True
         return chunk
@@ -286,7 +295,13 @@ class Engine:
                 self.schedulers.recheck()
                 backoff = 0.1
                 async for step in call:
-                    self._dispatch(step)
+                    try:
+                        self._dispatch(step)
+                    except Exception:  # a bug must not end the stream: fail what this message concerned
+                        log.exception("dispatching a message from detokenizer %s failed", address)
+                        for rid in {*step.rids, *step.prompt_rids, *(finish.rid for finish in step.finished)}:
+                            if state := self._requests.get(rid):
+                                self._fail(state, "the gateway failed to take its outputs")
             except grpc.aio.AioRpcError as exc:
                 log.warning("detokenizer %s stream ended: %s", address, exc.code())
             finally:
@@ -296,33 +311,36 @@ class Engine:
             backoff = min(backoff * 2, DETOKENIZER_RECONNECT_MAX_S)
 
     def _dispatch(self, step: scheduler_pb2.StepOutput) -> None:
-        touched: set[str] = set()
+        """Work per message and per request in it; the arrays are copied with numpy, entry by entry."""
+        woken: set[str] = set()
         if step.rids:
-            block = StepBlock.of(step.output) if step.output.rows else None
+            rows = MessageRows.of(step.output) if step.output.rows else None
+            tokens = list(step.token_ids)
             texts = step.texts or [""] * len(step.rids)
-            for i, (rid, position, token_id, text) in enumerate(zip(step.rids, step.positions, step.token_ids,
-                                                                     texts)):
+            for i, (rid, position, count, first, text) in enumerate(zip(
+                    step.rids, step.positions, step.counts, token_offsets(step.counts), texts)):
                 state = self._requests.get(rid)
                 if state is None or state.ended:
                     continue
                 try:
-                    if state.outputs.add(position, token_id, text, block, i):
-                        touched.add(rid)
+                    if state.outputs.add(position, tokens[first:first + count], text, rows, i) and state.inp.stream:
+                        woken.add(rid)
                 except OutputLost as exc:
                     self._fail(state, str(exc))
         if step.prompt_rids:
-            block = StepBlock.of(step.prompt)
+            rows = MessageRows.of(step.prompt)
             for i, rid in enumerate(step.prompt_rids):
                 state = self._requests.get(rid)
                 if state is not None and state.prompt is None:  # a second one is a replay
-                    state.prompt = _prompt_track(state, block, step.prompt.null_prefix[i], i)
-                    touched.add(rid)
+                    state.prompt = _prompt_track(state, rows, i)
+                    if state.inp.stream:
+                        woken.add(rid)
         for finish in step.finished:
             state = self._requests.get(finish.rid)
             if state is not None and not state.ended:
                 self._finish(state, finish)
-                touched.add(finish.rid)
-        for rid in touched:
+                woken.add(finish.rid)
+        for rid in woken:
             self._requests[rid].wakeup.set()
 
     def _finish(self, state: RequestState, finish: scheduler_pb2.Finish) -> None:
@@ -375,13 +393,18 @@ class Engine:
                 self._fail(state, why)
 
 
-def _prompt_track(state: RequestState, block: StepBlock, null_prefix: int, i: int) -> LogprobTrack:
+def _prompt_track(state: RequestState, rows: MessageRows, i: int) -> LogprobTrack:
     """Request i's prompt logprobs: rows for positions [start + null_prefix, L)."""
-    start = max(state.inp.logprob.logprob_start_len, 0)
-    ids = state.inp.input_ids
-    logprob = state.inp.logprob
-    track = track_of([block.ranges(i)], ids[start + null_prefix:], logprob.top_logprobs_num,
-                     len(logprob.token_ids_logprob))
-    track.null_prefix = null_prefix
-    track.null_token_ids = np.asarray(ids[start:start + null_prefix], dtype=I32)
-    return track
+    logprob, ids = state.inp.logprob, state.inp.input_ids
+    entry = rows.entry(i)
+    start, null_prefix = max(logprob.logprob_start_len, 0), int(entry.null_prefix[0])
+    n, k, m = int(entry.rows[0]), logprob.top_logprobs_num, len(logprob.token_ids_logprob)
+    return LogprobTrack(
+        token_ids=np.asarray(ids[start + null_prefix:], dtype=I32),
+        token_logprobs=entry.token_logprobs,
+        topk_values=entry.topk_values.reshape(n, k),
+        topk_ids=entry.topk_ids.reshape(n, k),
+        ids_logprobs=entry.ids_logprobs.reshape(n, m),
+        null_prefix=null_prefix,
+        null_token_ids=np.asarray(ids[start:start + null_prefix], dtype=I32),
+    )

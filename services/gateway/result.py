@@ -1,15 +1,15 @@
-"""What the gateway accumulates for one request, and hands to the renderers.
+"""What the gateway gathers for one request, and hands to the renderers.
 
-Top-k arrays arrive as one small LogprobBlock slice per step; they are kept as
-byte chunks and joined once, when the request finishes (or when a stream chunk is
-rendered), so no per-element work happens while generating.
+Logprob rows arrive as slices of each message's LogprobBlock and are copied into
+one LogprobTrack per request, allocated for its whole output (accumulator.py);
+renderers get views of it.
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.arrays import F32, I32
+from services.common.arrays import F32, I32, LogprobArrays
 
 
 @dataclass
@@ -34,14 +34,29 @@ class LogprobTrack:
         return self.topk_values.shape[1]
 
     @classmethod
+    def allocate(cls, n: int, k: int, m: int) -> "LogprobTrack":
+        """Room for n rows (filled by put); token_ids stays empty: view() supplies them."""
+        return cls(token_ids=np.zeros(0, dtype=I32), token_logprobs=np.empty(n, dtype=F32),
+                   topk_values=np.empty((n, k), dtype=F32), topk_ids=np.empty((n, k), dtype=I32),
+                   ids_logprobs=np.empty((n, m), dtype=F32))
+
+    def put(self, at: int, rows: LogprobArrays) -> None:
+        """Copy one request's rows (of a decoded LogprobBlock) in, from row `at` on."""
+        n = len(rows.token_logprobs)
+        self.token_logprobs[at:at + n] = rows.token_logprobs
+        self.topk_values[at:at + n] = rows.topk_values.reshape(n, self.k)
+        self.topk_ids[at:at + n] = rows.topk_ids.reshape(n, self.k)
+        self.ids_logprobs[at:at + n] = rows.ids_logprobs.reshape(n, self.ids_logprobs.shape[1])
+
+    def view(self, start: int, end: int, token_ids: np.ndarray) -> "LogprobTrack":
+        """Rows start..end-1 (views, no copy), for the tokens `token_ids`."""
+        return LogprobTrack(token_ids=token_ids, token_logprobs=self.token_logprobs[start:end],
+                            topk_values=self.topk_values[start:end], topk_ids=self.topk_ids[start:end],
+                            ids_logprobs=self.ids_logprobs[start:end])
+
+    @classmethod
     def empty(cls, k: int = 0, m: int = 0) -> "LogprobTrack":
-        return cls(
-            token_ids=np.zeros(0, dtype=I32),
-            token_logprobs=np.zeros(0, dtype=F32),
-            topk_values=np.zeros((0, k), dtype=F32),
-            topk_ids=np.zeros((0, k), dtype=I32),
-            ids_logprobs=np.zeros((0, m), dtype=F32),
-        )
+        return cls.allocate(0, k, m)
 
 
 @dataclass

@@ -1,12 +1,28 @@
 """One model step for a scheduled batch: forward, logprobs, sampling, one host copy."""
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from services.scheduler.host_copy import copy_to_host
-from services.scheduler.model_runner import ModelRunner, StepTokens
 from services.scheduler.request import Request
 from services.scheduler.sampler import SamplingBatch, chunked_logprob_rows, logprob_rows, sample
+
+if TYPE_CHECKING:
+    from services.scheduler.model_runner import ModelRunner
+
+
+@dataclass
+class StepTokens:
+    """The step's flat sequence: decode tokens first, then whole prompts."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    decode_lengths: np.ndarray  # [num_decode] sequence length (position + 1) of each decode token
+    prefill_lengths: np.ndarray  # [num_prefill]
 
 
 def _flat_tokens(decode: list[Request], prefill: list[Request]) -> StepTokens:
@@ -32,7 +48,7 @@ def _padded_ids(requests: list[Request], device) -> torch.Tensor:
     return torch.from_numpy(ids).to(device)
 
 
-def run_step(runner: ModelRunner, decode: list[Request], prefill: list[Request],
+def run_step(runner: "ModelRunner", decode: list[Request], prefill: list[Request],
              chunk_rows: int) -> dict[str, np.ndarray]:
     """Rows are decode requests then prefill requests; returns the step's host arrays (see output.py)."""
     rows = decode + prefill
@@ -57,7 +73,7 @@ def run_step(runner: ModelRunner, decode: list[Request], prefill: list[Request],
         return copy_to_host(out)
 
 
-def _prompt_logprobs(runner: ModelRunner, hidden: torch.Tensor, prefill: list[Request], prompt_ends: np.ndarray,
+def _prompt_logprobs(runner: "ModelRunner", hidden: torch.Tensor, prefill: list[Request], prompt_ends: np.ndarray,
                      chunk_rows: int) -> dict[str, torch.Tensor]:
     """Prompt logprob rows of each prefill asking for them, flattened and concatenated in request order.
 

@@ -17,9 +17,15 @@ class SchedulerConfig(ServiceConfig):
     max_context: int = option(0, "longest sequence (prompt + output); 0: min(model maximum, 4096)")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
+    output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "
+                                  "every 50 steps too); streaming requests ship every step, or per their "
+                                  "stream_interval")
     replay_window_s: float = option(30.0, "seconds of published steps kept for a detokenizer that reconnects or "
                                     "restarts: an outage shorter than this loses nothing")
     replay_window_mb: int = option(256, "most MiB of published steps kept for that replay (oldest dropped first)")
+    engine: str = option("model", "model: run the checkpoint; synthetic: no weights, deterministic tokens at "
+                         "--step-ms per step (capacity planning)")
+    step_ms: float = option(10.0, "milliseconds each step takes, only with --engine synthetic")
     max_waiting_requests: int = option(0, "requests accepted but not yet running (the waiting list); past it Submit "
                                        "answers RESOURCE_EXHAUSTED (HTTP 429 at the gateway); 0: max(4096, 8 x "
                                        "--max-running-requests), room for a gateway's largest batch")
@@ -30,13 +36,18 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError(f"--dtype: unknown dtype {self.dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
-        require_positive(self, ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows"))
+        require_positive(self, ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows",
+                                "output_interval"))
         if self.replay_window_s < 0 or self.replay_window_mb < 0:
             raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
         if self.max_context < 0:
             raise ValueError("--max-context: must be 0 (automatic) or positive")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests: must be 0 (automatic) or positive")
+        if self.engine not in ("model", "synthetic"):
+            raise ValueError(f"--engine: expected model or synthetic, not {self.engine!r}")
+        if not self.step_ms >= 0:  # also refuses nan
+            raise ValueError("--step-ms: must not be negative")
 
     @property
     def waiting_limit(self) -> int:

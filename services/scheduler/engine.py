@@ -4,7 +4,9 @@ Each iteration takes new requests and aborts from the inbox, frees aborted
 requests' slots, admits waiting requests (first come, first served) while a KV
 slot is free and the step's prefill budget allows (a prompt longer than the whole
 budget is admitted alone, so nothing starves), runs one step over every running
-request plus the admitted prompts, and publishes one StepOutput. Requests join and
+request plus the admitted prompts, and publishes a StepOutput with what ships
+(requests that stream every step; the others every --output-interval tokens and
+when they end: pending.py) and what started and finished. Requests join and
 leave between steps; a new request never waits for running ones to finish, only
 for a free slot. The thread blocks while there is no work.
 
@@ -16,11 +18,14 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
 
 from services.common.pb import arrays_pb2, scheduler_pb2
-from services.scheduler.batch_step import run_step
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.model_runner import ModelRunner
+from services.scheduler.kv_cache import SlotPool
 from services.scheduler.output import step_output
 from services.scheduler.request import Request
 
@@ -33,8 +38,23 @@ class QueueFull(Exception):
     """Submit past the waiting list's bound (--max-waiting-requests): RESOURCE_EXHAUSTED."""
 
 
+class StepRunner(Protocol):
+    """What the engine runs steps on: the model (model_runner.ModelRunner) or a stand-in (synthetic.py)."""
+
+    cache: SlotPool
+    max_context: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: torch.device
+    dtype: torch.dtype
+
+    def step(self, decode: list[Request], prefill: list[Request]) -> dict[str, np.ndarray]:
+        """Host arrays of one step over `decode` then `prefill` rows (keys: batch_step.run_step)."""
+        ...
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig,
+    def __init__(self, runner: StepRunner, config: SchedulerConfig,
                  publish: Callable[[scheduler_pb2.StepOutput], None]):
         self.runner = runner
         self.config = config
@@ -94,26 +114,38 @@ class Engine:
 
     def _iterate(self, new: list[Request], aborts: list[scheduler_pb2.AbortRequest]) -> None:
         """Aborts, admission, one model step, finishes; then one StepOutput if anything happened."""
-        finished = [f for f in map(self._remove, aborts) if f is not None]
+        finished, ended = [], []
+        for abort in aborts:
+            if (request := self._request_of(abort)) is not None:  # None: it finished before the abort arrived
+                ended.append(request)
+                finished.append(self._finish(request, abort.reason or Reason.FINISH_REASON_ABORT,
+                                             matched_stop=abort.matched_stop,
+                                             message="aborted" if abort.reason in (0, Reason.FINISH_REASON_ABORT)
+                                             else ""))
         decode = list(self._running)
         prefill = self._admit()
         rows, host = decode + prefill, {}
         if rows:
             try:
-                host = run_step(self.runner, decode, prefill, self.config.logits_chunk_rows)
+                host = self.runner.step(decode, prefill)
             except Exception as exc:  # keep serving: fail this step's requests, not the process
                 log.exception("step failed")
                 finished += [self._finish(r, Reason.FINISH_REASON_ERROR, message=f"scheduler step failed: {exc}")
                              for r in rows]
                 rows, prefill = [], []
             else:
-                finished += self._advance(rows, host["next_ids"].tolist())
-        if new or rows or finished:
+                done = self._advance(rows, host)
+                finished += [finish for _, finish in done]
+                ended += [request for request, _ in done]
+        # An ended request ships what it has left with its Finish (an aborted one too: the client gets
+        # the tokens it had); the others when an entry's worth is pending.
+        shipping = [r for r in ended if r.pending.count] + [r for r in rows if r.slot >= 0 and r.pending.due]
+        prompt_requests = [r for r in prefill if r.wants_prompt_logprobs]
+        if rows:
             self._step += 1
-            prompt_requests = [r for r in prefill if r.wants_prompt_logprobs]
-            message = step_output(self._step, new, rows, host, prompt_requests, finished)
-            self._update_stats()  # before publishing: a subscriber never sees stats older than the step
-            self.publish(message)
+        self._update_stats()  # before publishing: a subscriber never sees stats older than the step
+        if new or shipping or finished or prompt_requests:
+            self.publish(step_output(self._step, new, shipping, host, prompt_requests, finished))
 
     def _drain_inbox(self, block: bool) -> tuple[list[Request], list[scheduler_pb2.AbortRequest]]:
         new, aborts = [], []
@@ -142,23 +174,21 @@ class Engine:
         self._running += admitted
         return admitted
 
-    def _advance(self, rows: list[Request], next_ids: list[int]) -> list[scheduler_pb2.Finish]:
-        """Append each row's new token and finish the requests that are done."""
-        finished = []
-        for request, token in zip(rows, next_ids):
+    def _advance(self, rows: list[Request], host: dict) -> list[tuple[Request, scheduler_pb2.Finish]]:
+        """Append each row's new token (to its output and its pending entry); finish the requests that are done."""
+        done = []
+        for row, (request, token) in enumerate(zip(rows, host["next_ids"].tolist())):
             request.output_ids.append(token)
+            request.pending.add(token, host, row)
             if token in request.stop_ids:
-                finished.append(self._finish(request, Reason.FINISH_REASON_STOP_TOKEN, matched_token=token))
+                done.append((request, self._finish(request, Reason.FINISH_REASON_STOP_TOKEN, matched_token=token)))
             elif len(request.output_ids) >= request.max_new_tokens or request.length >= self.runner.max_context:
-                finished.append(self._finish(request, Reason.FINISH_REASON_LENGTH))
-        return finished
+                done.append((request, self._finish(request, Reason.FINISH_REASON_LENGTH)))
+        return done
 
-    def _remove(self, abort: scheduler_pb2.AbortRequest) -> scheduler_pb2.Finish | None:
-        request = next((r for r in [*self._running, *self._waiting] if r.rid == abort.rid), None)
-        if request is None:
-            return None  # finished before the abort arrived
-        return self._finish(request, abort.reason or Reason.FINISH_REASON_ABORT, matched_stop=abort.matched_stop,
-                            message="aborted" if abort.reason in (0, Reason.FINISH_REASON_ABORT) else "")
+    def _request_of(self, abort: scheduler_pb2.AbortRequest) -> Request | None:
+        """The running or waiting request an abort is for."""
+        return next((r for r in [*self._running, *self._waiting] if r.rid == abort.rid), None)
 
     def _finish(self, request: Request, reason: int, matched_token: int = 0, matched_stop: str = "",
                 message: str = "") -> scheduler_pb2.Finish:

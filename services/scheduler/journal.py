@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.pb import scheduler_pb2
+from services.common.steps import token_offsets
 
 
 @dataclass
@@ -47,8 +48,9 @@ class StepJournal:
         """Called with every published step, in order."""
         for start in message.started:
             self._requests[start.rid] = _Tracked(start)
-        for rid, token in zip(message.rids, message.token_ids):
-            self._requests[rid].output_ids.append(token)
+        tokens = list(message.token_ids)
+        for rid, first, count in zip(message.rids, token_offsets(message.counts), message.counts):
+            self._requests[rid].output_ids.extend(tokens[first:first + count])
         retained = _Retained(time.monotonic(), message.ByteSize(), message)
         self._steps.append(retained)
         self._bytes += retained.size

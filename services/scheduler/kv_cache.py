@@ -9,12 +9,10 @@ masked-out positions never carry NaN into attention (0 * NaN is NaN).
 import torch
 
 
-class SlotKVCache:
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_context: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (num_slots, num_kv_heads, max_context, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+class SlotPool:
+    """Which of `num_slots` slots are held; the engine's admission asks it for room."""
+
+    def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -31,3 +29,12 @@ class SlotKVCache:
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
+
+
+class SlotKVCache(SlotPool):
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_context: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(num_slots)
+        shape = (num_slots, num_kv_heads, max_context, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

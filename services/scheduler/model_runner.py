@@ -8,7 +8,6 @@ between steps without padding.
 """
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.scheduler.attention import ATTENTION_NAME, FlatBatch
+from services.scheduler.batch_step import StepTokens, run_step
 from services.scheduler.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -49,19 +49,10 @@ def eos_token_ids(model) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
-@dataclass
-class StepTokens:
-    """The step's flat sequence: decode tokens first, then whole prompts."""
-
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slots: np.ndarray  # [T]
-    decode_lengths: np.ndarray  # [num_decode] sequence length (position + 1) of each decode token
-    prefill_lengths: np.ndarray  # [num_prefill]
-
-
 class ModelRunner:
-    def __init__(self, model_dir: Path, device: str, dtype: str, max_context: int, max_running: int):
+    def __init__(self, model_dir: Path, device: str, dtype: str, max_context: int, max_running: int,
+                 logits_chunk_rows: int = 256):
+        self.logits_chunk_rows = logits_chunk_rows
         self.device = pick_device(device)
         config = AutoConfig.from_pretrained(model_dir)
         text_config = config.get_text_config()
@@ -123,3 +114,7 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given hidden rows."""
         return self.lm_head(hidden).float()
+
+    def step(self, decode: list, prefill: list) -> dict[str, np.ndarray]:
+        """One model step over running `decode` and admitted `prefill` requests: host arrays (batch_step.run_step)."""
+        return run_step(self, decode, prefill, self.logits_chunk_rows)

@@ -1,4 +1,4 @@
-"""Builds the step's StepOutput from host arrays (DESIGN.md, wire rules 1 and 5)."""
+"""Builds a step's StepOutput: the entries of the requests that ship, and the step's prompt rows."""
 
 import numpy as np
 
@@ -12,21 +12,19 @@ def started(request: Request) -> scheduler_pb2.RequestStart:
                                       prompt_tokens=request.prompt_len)
 
 
-def output_block(requests: list[Request], host: dict[str, np.ndarray]) -> arrays_pb2.LogprobBlock:
-    """One row per request; each keeps the first k_i of the step's [B, k_max] top-k and n_i of its id logprobs."""
-    k = np.array([r.top_logprobs_num for r in requests], dtype=np.int64)
-    n = np.array([len(r.token_ids_logprob) for r in requests], dtype=np.int64)
-    keep_k = np.arange(host["topk_values"].shape[1]) < k[:, None]
-    keep_n = np.arange(host["ids_logprobs"].shape[1]) < n[:, None]
+def output_block(shipping: list[Request]) -> arrays_pb2.LogprobBlock:
+    """Each entry's pending rows, one request after another (a request without logprobs has none)."""
+    pending = [r.pending for r in shipping]
+    rows = [p.count if p.with_logprobs else 0 for p in pending]
     return encode_block(LogprobArrays(
-        rows=np.ones(len(requests), dtype=np.int64),
-        null_prefix=np.zeros(len(requests), dtype=np.int64),
-        token_logprobs=host["token_logprobs"],
-        topk=k,
-        topk_values=host["topk_values"][keep_k],
-        topk_ids=host["topk_ids"][keep_k],
-        id_counts=n,
-        ids_logprobs=host["ids_logprobs"][keep_n],
+        rows=np.array(rows, dtype=np.int64),
+        null_prefix=np.zeros(len(pending), dtype=np.int64),
+        token_logprobs=np.concatenate([p.token_logprobs[:n] for p, n in zip(pending, rows)]),
+        topk=np.array([p.k for p in pending], dtype=np.int64),
+        topk_values=np.concatenate([p.topk_values[:n].reshape(-1) for p, n in zip(pending, rows)]),
+        topk_ids=np.concatenate([p.topk_ids[:n].reshape(-1) for p, n in zip(pending, rows)]),
+        id_counts=np.array([p.m for p in pending], dtype=np.int64),
+        ids_logprobs=np.concatenate([p.ids_logprobs[:n].reshape(-1) for p, n in zip(pending, rows)]),
     ))
 
 
@@ -44,18 +42,22 @@ def prompt_block(requests: list[Request], host: dict[str, np.ndarray]) -> arrays
     ))
 
 
-def step_output(step: int, new: list[Request], rows: list[Request], host: dict[str, np.ndarray],
+def step_output(step: int, new: list[Request], shipping: list[Request], host: dict[str, np.ndarray],
                 prompt_requests: list[Request], finished: list[scheduler_pb2.Finish]) -> scheduler_pb2.StepOutput:
+    """The message of one step; `shipping` requests' pending output becomes its entries (and is marked shipped)."""
     message = scheduler_pb2.StepOutput(
         step=step,
         started=[started(r) for r in new],
-        rids=[r.rid for r in rows],
-        token_ids=host["next_ids"].tolist() if rows else [],
-        positions=[len(r.output_ids) - 1 for r in rows],  # each row's token was just appended
+        rids=[r.rid for r in shipping],
+        token_ids=[token for r in shipping for token in r.pending.token_ids],
+        positions=[r.pending.first_position for r in shipping],
+        counts=[r.pending.count for r in shipping],
         finished=finished,
     )
-    if any(r.return_logprob for r in rows):
-        message.output.CopyFrom(output_block(rows, host))
+    if any(r.return_logprob for r in shipping):
+        message.output.CopyFrom(output_block(shipping))
+    for request in shipping:
+        request.pending.shipped()
     if prompt_requests:
         message.prompt_rids.extend(r.rid for r in prompt_requests)
         message.prompt.CopyFrom(prompt_block(prompt_requests, host))

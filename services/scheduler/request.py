@@ -7,10 +7,13 @@ import numpy as np
 import torch
 
 from services.common.pb import scheduler_pb2
+from services.scheduler.pending import PendingOutput
 
 # A temperature below this samples greedily (SGLang's _SAMPLING_EPS): logits / 1e-45 are inf or nan,
 # and the softmax of those picks token 0 instead of the most likely one.
 GREEDY_BELOW_TEMPERATURE = 1e-6
+# Bounds the tokens (and logprob rows) a request holds back between two entries.
+MAX_STREAM_INTERVAL = 1024
 
 
 class InvalidRequest(ValueError):
@@ -23,6 +26,7 @@ class Limits:
     max_context: int
     max_top_logprobs: int
     eos_token_ids: tuple[int, ...]
+    output_interval: int  # tokens per entry of a request that does not stream (--output-interval)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Request:
     logprob_start_len: int  # -1 unless return_logprob
     token_ids_logprob: list[int]  # empty unless return_logprob
     seed: int | None
+    pending: PendingOutput  # output not shipped yet
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
@@ -92,6 +97,7 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
     _check(len(input_ids) < limits.max_context, "input_ids",
            f"{len(input_ids)} tokens leave no room to generate within max_context {limits.max_context}")
     _check(sampling.max_new_tokens > 0, "sampling.max_new_tokens", "must be positive")
+    _check(msg.stream_interval <= MAX_STREAM_INTERVAL, "stream_interval", f"must be at most {MAX_STREAM_INTERVAL}")
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
     _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be a finite number >= 0")
     if temperature < GREEDY_BELOW_TEMPERATURE:  # as SGLang: dividing the logits by it would overflow
@@ -110,6 +116,10 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
     _check_ids(logprob.token_ids_logprob, "logprob.token_ids_logprob", limits.vocab_size)
 
     eos = () if sampling.ignore_eos else limits.eos_token_ids
+    # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
+    interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
+    top_k = logprob.top_logprobs_num if wants else 0
+    ids = list(logprob.token_ids_logprob) if wants else []
     return Request(
         rid=msg.rid,
         owner=msg.owner,
@@ -122,8 +132,9 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
         min_p=min_p,
         stop_ids=frozenset(sampling.stop_token_ids) | frozenset(eos),
         return_logprob=wants,
-        top_logprobs_num=logprob.top_logprobs_num if wants else 0,
+        top_logprobs_num=top_k,
         logprob_start_len=logprob.logprob_start_len if wants else -1,
-        token_ids_logprob=list(logprob.token_ids_logprob) if wants else [],
+        token_ids_logprob=ids,
         seed=sampling.seed if sampling.HasField("seed") else None,
+        pending=PendingOutput(min(interval, sampling.max_new_tokens), top_k, len(ids), wants),
     )

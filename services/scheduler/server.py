@@ -22,19 +22,21 @@ from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import add_health, create_server, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine, QueueFull
+from services.scheduler.engine import Engine, QueueFull, StepRunner
 from services.scheduler.journal import StepJournal
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import InvalidRequest, Limits, parse_request
+from services.scheduler.synthetic import SyntheticRunner
 
 log = logging.getLogger("flatwire.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, model_name: str, runner: ModelRunner):
+    def __init__(self, config: SchedulerConfig, model_name: str, runner: StepRunner):
         self.limits = Limits(vocab_size=runner.vocab_size, max_context=runner.max_context,
-                             max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids))
+                             max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
+                             output_interval=config.output_interval)
         self.model_info = scheduler_pb2.ModelInfo(
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
@@ -102,8 +104,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 async def serve(config: SchedulerConfig) -> None:
     resolve_internal_secret(config, log)
     model_dir = resolve_model(config.model, config.cache_dir)
-    runner = await asyncio.to_thread(
-        ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests)
+    if config.engine == "synthetic":
+        runner = await asyncio.to_thread(SyntheticRunner, model_dir, config.max_context, config.max_running_requests,
+                                         config.max_top_logprobs, config.step_ms)
+    else:
+        runner = await asyncio.to_thread(
+            ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests,
+            config.logits_chunk_rows)
     # The checkpoint directory's name, never its path (clients see it; the gateway's --served-model-name wins).
     service = SchedulerService(config, model_dir.resolve().name or "model", runner)
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,

@@ -52,20 +52,22 @@ class DetokenizeParams(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
-    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize")
+    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval")
     RID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     rid: str
     owner: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     logprob: LogprobParams
     detokenize: DetokenizeParams
-    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
@@ -126,7 +128,7 @@ class Finish(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed")
+    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class StepOutput(_message.Message):
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     started: _containers.RepeatedCompositeFieldContainer[RequestStart]
     rids: _containers.RepeatedScalarFieldContainer[str]
@@ -149,7 +152,8 @@ class StepOutput(_message.Message):
     texts: _containers.RepeatedScalarFieldContainer[str]
     positions: _containers.RepeatedScalarFieldContainer[int]
     resumed: _containers.RepeatedCompositeFieldContainer[RequestResume]
-    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ...) -> None: ...
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,66 @@
+"""--engine synthetic: the whole pipeline without weights, deterministic tokens at --step-ms per step."""
+
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.procs import free_port
+
+STEP_MS = 5
+
+
+@pytest.fixture(scope="module")
+def http(start_service):
+    _, scheduler = start_service("scheduler", "--engine", "synthetic", "--step-ms", str(STEP_MS),
+                                 "--max-running-requests", "8")
+    _, detokenizer = start_service("detokenizer", "--schedulers", scheduler)
+    grpc_port = free_port()
+    _, address = start_service("gateway", "--schedulers", scheduler, "--detokenizers", detokenizer,
+                               "--grpc-port", str(grpc_port), health_port=grpc_port)
+    with httpx.Client(base_url=f"http://{address}", timeout=60) as client:
+        yield client
+
+
+def generate(http, **body) -> dict:
+    response = http.post("/generate", json={"text": "Capacity planning without a GPU", **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_runs_to_max_new_tokens_with_sorted_top_logprobs(http):
+    start = time.perf_counter()
+    body = generate(http, sampling_params={"max_new_tokens": 20}, return_logprob=True, top_logprobs_num=8)
+    elapsed = time.perf_counter() - start
+    meta = body["meta_info"]
+    assert meta["completion_tokens"] == 20 and len(body["output_ids"]) == 20
+    assert meta["finish_reason"]["type"] == "length"  # never an eos
+    assert body["text"].strip()
+    top = meta["output_top_logprobs"]
+    assert len(top) == 20 and all(len(row) == 8 for row in top)
+    values = np.array([[entry[0] for entry in row] for row in top])
+    assert (np.diff(values, axis=1) < 0).all()  # best first
+    assert [row[0][1] for row in top] == body["output_ids"]  # the chosen token is the best one
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == values[:, 0].tolist()
+    assert elapsed >= 20 * STEP_MS / 1e3  # one token per step, each step --step-ms
+
+
+def test_identical_requests_give_identical_output(http):
+    request = dict(sampling_params={"max_new_tokens": 12, "temperature": 1.0}, return_logprob=True,
+                   top_logprobs_num=3, logprob_start_len=0)
+    first, second = generate(http, **request), generate(http, **request)
+    assert first["output_ids"] == second["output_ids"] and first["text"] == second["text"]
+    assert first["meta_info"]["output_top_logprobs"] == second["meta_info"]["output_top_logprobs"]
+    assert first["meta_info"]["input_top_logprobs"] == second["meta_info"]["input_top_logprobs"]
+    seeded = generate(http, sampling_params={"max_new_tokens": 12, "seed": 3})
+    assert seeded["output_ids"] != first["output_ids"]  # the seed picks another place in the table
+
+
+def test_model_info_is_the_checkpoints(http, model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    info = http.get("/server_info").json()
+    assert info["vocab_size"] == config["vocab_size"]
+    assert info["eos_token_ids"] == config["eos_token_id"]
+    assert info["device"] == "cpu" and info["dtype"] == "float32"
