@@ -1,0 +1,307 @@
+"""Capacity: the tokens/s the detokenizer and gateway deliver against a synthetic scheduler's offer.
+
+The scheduler runs `--engine synthetic --step-ms S` (no weights: one token per running
+request every S ms, the default model's real vocabulary), so it offers C x 1000 / S
+tokens/s with C requests running; the real detokenizer and gateway run beside it,
+each its own process (bench.faults.Pipeline). C closed-loop HTTP clients each send
+POST /generate (a 16-token prompt, max_new_tokens N, ignore_eos) again as soon as the
+last one ends, for a warm-up and then a measured window. Per configuration (C x k x
+format x mode):
+
+- delivered tokens/s: output tokens of the requests that completed in the window,
+  over the window; and its fraction of the offer;
+- CPU microseconds per delivered token of each service process (utime + stime from
+  /proc/PID/stat, before and after the window), and of this client process, which
+  shares the cores;
+- the scheduler's measured step time (its steps over the window: above S when the
+  scheduler's own output building falls behind), median and p99 request latency,
+  and errors (non-200 replies, error events, transport failures).
+
+Formats: flat_b64 (`return_flat_raw_output_top_logprobs` + `_b64`: base64 <f4/<i4
+arrays) and nested ([logprob, id, text] rows); k=0 is `return_logprob: false`, one
+row per mode whatever the formats. flat_b64 with stream=true is refused by the
+gateway today: those cells read n/a. The gateway runs one process (it has no worker
+option), so there is no scale-out axis.
+
+    python -m bench.capacity                  # the full matrix: writes bench/out/capacity.{md,json}
+    python -m bench.capacity --concurrency 32 --k 128 --formats flat_b64 --modes nonstream --duration 5
+    python -m bench.capacity --replot         # redraw bench/plots/capacity.png (needs matplotlib)
+"""
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+
+from bench.common import OUT_DIR, Progress, Table, write_results
+from bench.e2e import cpu_seconds
+from bench.faults import Pipeline, running
+from services.common.model_store import resolve_model
+
+PROMPT_IDS = list(range(1000, 1016))  # a fixed 16-token prompt
+SERVICES = ("scheduler", "detokenizer", "gateway")
+FORMATS = ("flat_b64", "nested")
+MODES = ("nonstream", "stream")
+FLAT_B64 = {"return_flat_raw_top_logprobs": True, "return_flat_raw_output_top_logprobs": True,
+            "return_flat_raw_top_logprobs_b64": True}
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+PLOT = Path(__file__).resolve().parent / "plots" / "capacity.png"
+
+
+@dataclass(frozen=True)
+class Config:
+    concurrency: int
+    k: int
+    format: str  # flat_b64, nested, or "-" (k=0)
+    mode: str  # nonstream or stream
+
+    @property
+    def supported(self) -> bool:
+        return not (self.format == "flat_b64" and self.mode == "stream")
+
+    def body(self, tokens: int) -> bytes:
+        body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
+                "stream": self.mode == "stream"}
+        if self.k:
+            body.update(return_logprob=True, top_logprobs_num=self.k, **(FLAT_B64 if self.format == "flat_b64" else {}))
+        return orjson.dumps(body)
+
+
+def configs(args) -> list[Config]:
+    return [Config(c, k, fmt, mode) for c in args.concurrency for k in args.k
+            for fmt in (args.formats if k else ["-"]) for mode in args.modes]
+
+
+@dataclass
+class Reply:
+    start: float
+    end: float
+    tokens: int  # completion_tokens of its last event; -1: an error
+
+
+def check(body: bytes, config: Config, tokens: int) -> str:
+    """'' when one complete reply has the asked shape, else what is wrong (a format the gateway did not give)."""
+    meta = orjson.loads(body)["meta_info"]
+    if meta["completion_tokens"] != tokens:
+        return f"completion_tokens {meta['completion_tokens']}"
+    if config.k and config.mode == "nonstream":
+        shape = (meta.get("output_top_logprobs_shape") if config.format == "flat_b64" else
+                 [len(meta.get("output_top_logprobs") or []), len((meta.get("output_top_logprobs") or [[]])[0])])
+        if shape != [tokens, config.k]:
+            return f"top logprobs shape {shape}"
+    return ""
+
+
+async def generate(client: httpx.AsyncClient, body: bytes, stream: bool) -> bytes | None:
+    """The reply's body (streaming: its last data event); None when it failed."""
+    headers = {"content-type": "application/json"}
+    if not stream:
+        reply = await client.post("/generate", content=body, headers=headers)
+        return reply.content if reply.status_code == 200 else None
+    last = ""
+    async with client.stream("POST", "/generate", content=body, headers=headers) as reply:
+        if reply.status_code != 200:
+            return None
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = line[len("data: "):]
+    return last.encode() if last and not last.startswith('{"error"') else None
+
+
+async def client_loop(client: httpx.AsyncClient, body: bytes, stream: bool, delay: float, replies: list[Reply],
+                      first: list[bytes]) -> None:
+    await asyncio.sleep(delay)  # clients start spread over one request's time, so completions spread too
+    while True:
+        start = time.perf_counter()
+        try:
+            content = await generate(client, body, stream)
+        except httpx.HTTPError:
+            content = None
+        found = COMPLETION_TOKENS.findall(content) if content else None
+        replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1))
+        if found and not first:
+            first.append(content)
+
+
+def snapshot(pipeline: Pipeline, pids: dict[str, int]) -> tuple[float, dict[str, float], int]:
+    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    return time.perf_counter(), cpu, pipeline.stats().steps
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+async def measure(pipeline: Pipeline, pids: dict[str, int], config: Config, args) -> dict:
+    body, stream = config.body(args.tokens), config.mode == "stream"
+    replies: list[Reply] = []
+    first: list[bytes] = []
+    spread = min(args.warmup, args.tokens * args.step_ms / 1e3)
+    limits = httpx.Limits(max_connections=config.concurrency + 8, max_keepalive_connections=config.concurrency + 8)
+    async with httpx.AsyncClient(base_url=pipeline.http_url, timeout=httpx.Timeout(300.0), limits=limits) as client:
+        tasks = [asyncio.create_task(client_loop(client, body, stream, i * spread / config.concurrency, replies,
+                                                 first)) for i in range(config.concurrency)]
+        await asyncio.sleep(args.warmup)
+        t0, cpu0, steps0 = snapshot(pipeline, pids)
+        await asyncio.sleep(args.duration)
+        t1, cpu1, steps1 = snapshot(pipeline, pids)
+        for task in tasks:  # requests still in flight are cut (the gateway aborts them)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    wall = t1 - t0
+    done = [r for r in replies if t0 <= r.end <= t1]
+    ok = [r for r in done if r.tokens >= 0]
+    delivered = sum(r.tokens for r in ok) / wall
+    offered = config.concurrency * 1e3 / args.step_ms if args.step_ms else float("inf")
+    latencies = [r.end - r.start for r in ok]
+    return {
+        **config.__dict__, "supported": True, "offered_tok_s": offered, "delivered_tok_s": delivered,
+        "fraction": delivered / offered, "requests": len(ok), "errors": len(done) - len(ok),
+        "check": check(first[0], config, args.tokens) if first else "no complete reply",
+        "cpu_s": {name: cpu1[name] - cpu0[name] for name in pids}, "wall_s": wall,
+        "us_per_token": {name: (cpu1[name] - cpu0[name]) * 1e6 / max(1.0, delivered * wall) for name in pids},
+        "step_ms_measured": wall * 1e3 / max(1, steps1 - steps0),
+        "latency_p50_s": statistics.median(latencies) if latencies else float("nan"),
+        "latency_p99_s": percentile(latencies, 0.99),
+    }
+
+
+def wait_idle(pipeline: Pipeline, timeout: float = 120.0) -> None:
+    """Until the scheduler holds no request (cut requests are aborted or run out)."""
+    deadline = time.monotonic() + timeout
+    while (stats := pipeline.stats()).running or stats.waiting:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the scheduler did not drain: {stats}")
+        time.sleep(0.2)
+
+
+def table(rows: list[dict], args) -> Table:
+    columns = ["C", "k", "format", "mode", "offered tok/s", "delivered tok/s", "of offer",
+               *(f"{s} us/tok" for s in (*SERVICES, "client")), "step ms", "p50 s", "p99 s", "errors"]
+    out = Table(f"Capacity: {args.tokens}-token requests, synthetic step {args.step_ms:g} ms", columns,
+                "us/tok: CPU microseconds per delivered token of each process (client: this benchmark's HTTP "
+                "clients, on the same cores). step ms: the scheduler's measured step time in the window.")
+    for r in rows:
+        head = [r["concurrency"], r["k"], r["format"], r["mode"]]
+        if not r["supported"]:
+            out.add(*head, *["n/a"] * (len(columns) - 4))
+            continue
+        us = r["us_per_token"]
+        out.add(*head, f"{r['offered_tok_s']:,.0f}", f"{r['delivered_tok_s']:,.0f}", f"{r['fraction']:.0%}",
+                *(f"{us[s]:.1f}" for s in (*SERVICES, "client")), f"{r['step_ms_measured']:.1f}",
+                f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
+                f"{r['errors']}" + (f" (check: {r['check']})" if r["check"] else ""))
+    return out
+
+
+def plot(rows: list[dict]) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return None
+    lines: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["supported"]:
+            lines.setdefault(" ".join([f"k={r['k']}", *([r["format"]] if r["k"] else []), r["mode"]]), []).append(r)
+    fig, (rate, cost) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, points in lines.items():
+        points.sort(key=lambda p: p["offered_tok_s"])
+        xs = [p["offered_tok_s"] for p in points]
+        rate.plot(xs, [p["delivered_tok_s"] for p in points], marker="o", label=name)
+        cost.plot(xs, [p["us_per_token"]["gateway"] for p in points], marker="o", label=name)
+    offers = [r["offered_tok_s"] for r in rows if r["supported"]]
+    rate.plot([min(offers), max(offers)], [min(offers), max(offers)], "k--", label="delivered = offered")
+    rate.set(title="delivered vs offered", xlabel="offered tokens/s (C x 1000 / step ms)", ylabel="tokens/s",
+             xscale="log", yscale="log")
+    cost.set(title="gateway CPU per delivered token", xlabel="offered tokens/s", ylabel="us / token", xscale="log")
+    for ax in (rate, cost):
+        ax.grid(True, which="both", alpha=0.3)
+    rate.legend(fontsize=8)
+    fig.tight_layout()
+    PLOT.parent.mkdir(exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+    return PLOT
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def names(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if not set(values) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}")
+        return values
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=ints, default=[32, 128, 512], help="closed-loop clients, e.g. 32,128")
+    parser.add_argument("--k", type=ints, default=[0, 128], help="top_logprobs_num values; 0: no logprobs")
+    parser.add_argument("--formats", type=names(FORMATS), default=list(FORMATS))
+    parser.add_argument("--modes", type=names(MODES), default=list(MODES))
+    parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per configuration")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the window")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="the synthetic scheduler's step time")
+    parser.add_argument("--tokens", type=int, default=256, help="max_new_tokens of every request")
+    parser.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default model)")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from bench/out/capacity.json")
+    args = parser.parse_args(argv)
+    if args.replot:
+        print(plot(orjson.loads((OUT_DIR / "capacity.json").read_bytes())["results"]["rows"]))
+        return
+    model_dir = resolve_model(args.model)
+    todo = configs(args)
+    progress = Progress(len(todo), "capacity")
+    log_dir = OUT_DIR / "capacity-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for concurrency in args.concurrency:
+        scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms),
+                          "--max-running-requests", str(concurrency))
+        with running(model_dir, log_dir, scheduler_args=scheduler_args) as pipeline:
+            pipeline.wait_ready()
+            pids = {name: pipeline.procs[name].proc.pid for name in SERVICES} | {"client": os.getpid()}
+            for config in (c for c in todo if c.concurrency == concurrency):
+                if not config.supported:
+                    rows.append({**config.__dict__, "supported": False})
+                    progress.step(f"{config}: n/a (the gateway refuses flat arrays with stream=true)")
+                    continue
+                rows.append(asyncio.run(measure(pipeline, pids, config, args)))
+                wait_idle(pipeline)
+                r = rows[-1]
+                progress.step(f"{config}: {r['delivered_tok_s']:,.0f} of {r['offered_tok_s']:,.0f} tok/s, "
+                              f"gateway {r['us_per_token']['gateway']:.1f} us/tok, errors {r['errors']}"
+                              + (f", check: {r['check']}" if r["check"] else ""))
+    command = "python -m bench.capacity" + "".join(
+        f" --{name.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
+        for name, value in vars(args).items() if value != parser.get_default(name))
+    notes = (f"Synthetic scheduler (`--engine synthetic --step-ms {args.step_ms:g}`, --max-running-requests C) "
+             f"and the real detokenizer and gateway, one process each, on {os.cpu_count()} cores shared with the "
+             f"clients. Each of C closed-loop clients sends POST /generate ({len(PROMPT_IDS)}-token prompt, "
+             f"max_new_tokens {args.tokens}, ignore_eos) for {args.warmup:g} s of warm-up and {args.duration:g} s "
+             "measured. Offered: C x 1000 / step ms; a request also spends a step or two between its end and "
+             "the next one's admission, so 100% is not quite reachable.")
+    print(write_results("capacity", command, [table(rows, args)],
+                        {"step_ms": args.step_ms, "tokens": args.tokens, "duration_s": args.duration,
+                         "warmup_s": args.warmup, "rows": rows}, notes))
+    if (path := plot(rows)) is not None:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
