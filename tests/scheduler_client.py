@@ -55,13 +55,15 @@ class SchedulerClient:
         self._thread.join(timeout=5)
         self.channel.close()
 
-    def submit(self, rid: str | None = None, stream_interval: int = 1, **fields) -> str:
-        """Submit as a streaming request (a token per step) unless stream_interval says otherwise."""
+    def submit(self, rid: str | None = None, stream_interval: int = 1, owner: str | None = None, **fields) -> str:
+        """Submit as a streaming request (a token per step) unless stream_interval says otherwise; as this
+        client's owner unless `owner` names another (its outputs are collected all the same)."""
         rid = rid or uuid.uuid4().hex
         with self._lock:
             self.requests.setdefault(rid, Collected())
-        self.stub.Submit(scheduler_pb2.TokenizedRequest(rid=rid, owner=self.owner, stream_interval=stream_interval,
-                                                        **fields), timeout=30)
+        request = scheduler_pb2.TokenizedRequest(rid=rid, owner=owner or self.owner, stream_interval=stream_interval,
+                                                 **fields)
+        self.stub.Submit(request, timeout=30)
         return rid
 
     def wait(self, rid: str, timeout: float = 120) -> Collected:

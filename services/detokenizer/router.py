@@ -63,6 +63,21 @@ class Router:
         now = time.monotonic()
         return [owner for owner, since in self._away_since.items() if now - since > longer_than]
 
+    def congested(self, limit: int) -> list[str]:
+        """Subscribed owners with more than `limit` messages waiting: their gateways read slower than steps come."""
+        return [owner for owner, queue in self._outboxes.items()
+                if owner not in self._away_since and queue.qsize() > limit]
+
+    def cut(self, owner: str) -> None:
+        """End a subscriber that stayed too slow. What waits for it is dropped (its gateway, finding the same
+        detokenizer when it resubscribes, fails the requests that came through here); it is away from now on."""
+        queue = self._outboxes[owner]
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(None)
+        self._outboxes[owner] = asyncio.Queue()
+        self._away_since[owner] = time.monotonic()
+
     def forget(self, owner: str) -> None:
         self._outboxes.pop(owner, None)
         self._away_since.pop(owner, None)

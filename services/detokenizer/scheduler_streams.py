@@ -9,7 +9,7 @@ with another instance id than before, it restarted and `on_restarted` is told fi
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -23,7 +23,7 @@ ABORT_TIMEOUT_S = 10.0
 
 
 class SchedulerStreams:
-    def __init__(self, config: DetokenizerConfig, on_step: Callable[[scheduler_pb2.StepOutput, str], None],
+    def __init__(self, config: DetokenizerConfig, on_step: Callable[[scheduler_pb2.StepOutput, str], Awaitable[None]],
                  on_lost: Callable[[str], None], on_restarted: Callable[[str], None]):
         self.config = config
         self._on_step = on_step
@@ -102,7 +102,7 @@ class SchedulerStreams:
                     log.info("subscribed to scheduler %s", address)
                     backoff = 0.1
                     async for step in call:
-                        self._on_step(step, address)
+                        await self._on_step(step, address)
                     log.warning("scheduler %s ended its step stream", address)
                 except grpc.aio.AioRpcError as exc:
                     log.warning("scheduler %s stream: %s %s", address, exc.code(), exc.details())

@@ -36,6 +36,7 @@ from services.detokenizer.scheduler_streams import SchedulerStreams
 log = logging.getLogger("flatwire.detokenizer")
 SERVICE_NAME = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
 HEALTH_POLL_S = 0.1
+BACKPRESSURE_POLL_S = 0.002
 WATCH_INTERVAL_S = 0.5
 
 
@@ -69,13 +70,28 @@ class Pipeline:
         self.streams = SchedulerStreams(config, self.on_step, self.on_lost, self.on_restarted)
         self._lost_since: dict[str, float] = {}  # scheduler -> when its stream broke
 
-    def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
+    async def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
         self._lost_since.pop(scheduler, None)
         for part in self.manager.expand(step):
             owned, aborts = self.manager.process(part, scheduler)
             for abort in aborts:
                 self.streams.abort(scheduler, abort)
             self.router.publish(owned)
+        await self._wait_for_room()
+
+    async def _wait_for_room(self) -> None:
+        """Back-pressure: while a connected gateway has more than --max-outbox-messages waiting, read no more
+        steps (the scheduler's stream to here fills, and the scheduler slows down). A gateway that stays behind
+        for --stall-timeout-s is cut instead, so that one stuck gateway cannot stop the others for good."""
+        deadline = time.monotonic() + self.config.stall_timeout_s
+        while slow := self.router.congested(self.config.max_outbox_messages):
+            if time.monotonic() > deadline:
+                for owner in slow:
+                    log.warning("gateway %s stayed %.0fs behind: ending its stream", owner,
+                                self.config.stall_timeout_s)
+                    self.router.cut(owner)
+                return
+            await asyncio.sleep(BACKPRESSURE_POLL_S)
 
     def on_lost(self, scheduler: str) -> None:
         """Its stream broke: keep its requests, the resubscription replays what they miss."""

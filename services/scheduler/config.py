@@ -26,6 +26,10 @@ class SchedulerConfig(ServiceConfig):
     engine: str = option("model", "model: run the checkpoint; synthetic: no weights, deterministic tokens at "
                          "--step-ms per step (capacity planning)")
     step_ms: float = option(10.0, "milliseconds each step takes, only with --engine synthetic")
+    max_subscriber_backlog: int = option(128, "step messages queued for one detokenizer before the engine waits for "
+                                         "it to catch up (back-pressure)")
+    stall_timeout_s: float = option(10.0, "a detokenizer that stays past --max-subscriber-backlog this long has its "
+                                    "stream ended: it resubscribes and is replayed what it missed")
     max_waiting_requests: int = option(0, "requests accepted but not yet running (the waiting list); past it Submit "
                                        "answers RESOURCE_EXHAUSTED (HTTP 429 at the gateway); 0: max(4096, 8 x "
                                        "--max-running-requests), room for a gateway's largest batch")

@@ -14,7 +14,9 @@ Torch runs in this thread only; gRPC handlers talk to it through the inbox.
 """
 
 import logging
+import os
 import queue
+import signal
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -55,10 +57,12 @@ class StepRunner(Protocol):
 
 class Engine:
     def __init__(self, runner: StepRunner, config: SchedulerConfig,
-                 publish: Callable[[scheduler_pb2.StepOutput], None]):
+                 publish: Callable[[scheduler_pb2.StepOutput], None],
+                 wait_for_room: Callable[[], None] = lambda: None):
         self.runner = runner
         self.config = config
         self.publish = publish
+        self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
         self.stats = scheduler_pb2.SchedulerStats(kv_slots_total=runner.cache.num_slots)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # rids submitted and not yet finished
@@ -71,7 +75,8 @@ class Engine:
         self._finished_total = 0
         self._aborted_total = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.failure: BaseException | None = None  # what ended the engine thread, if not a stop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # -- called from other threads --------------------------------------------------
 
@@ -106,11 +111,21 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: a scheduler without its engine must not look healthy
+            log.critical("the engine thread failed; stopping the scheduler so that it is restarted", exc_info=True)
+            self.failure = exc
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def _loop(self) -> None:
         while not self._stopping:
             new, aborts = self._drain_inbox(block=not (self._waiting or self._running))
             if not self._stopping:
                 self._iterate(new, aborts)
+                if self._running:
+                    self.wait_for_room()
 
     def _iterate(self, new: list[Request], aborts: list[scheduler_pb2.AbortRequest]) -> None:
         """Aborts, admission, one model step, finishes; then one StepOutput if anything happened."""

@@ -10,6 +10,7 @@ falls between the two.
 import asyncio
 import logging
 import sys
+import time
 import uuid
 
 import grpc
@@ -30,6 +31,8 @@ from services.scheduler.synthetic import SyntheticRunner
 
 log = logging.getLogger("flatwire.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+BACKPRESSURE_POLL_S = 0.001
+CUT = object()  # queued to a subscriber that fell too far behind: its stream ends with UNAVAILABLE
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -42,10 +45,41 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex)
+        self.config = config
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
         self._loop = asyncio.get_running_loop()
-        self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream
-        self.engine = Engine(runner, config, publish=self._publish_threadsafe)
+        self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream, or CUT
+        self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
+        self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room)
+
+    def _wait_for_room(self) -> None:
+        """Engine thread, between steps: while a subscriber has more than --max-subscriber-backlog messages
+        queued, wait (its detokenizer, or a gateway behind it, is slower than the steps); one that stays behind
+        for --stall-timeout-s is cut, and resubscribing replays what it missed."""
+        deadline = time.monotonic() + self.config.stall_timeout_s
+        while slow := [queue for queue in self._queues if queue.qsize() > self.config.max_subscriber_backlog]:
+            if time.monotonic() > deadline:
+                log.warning("%d step subscribers stayed %.0fs behind: ending their streams", len(slow),
+                            self.config.stall_timeout_s)
+                self._loop.call_soon_threadsafe(self._cut, slow)
+                return
+            time.sleep(BACKPRESSURE_POLL_S)
+
+    def _cut(self, queues: list[asyncio.Queue]) -> None:
+        for queue in queues:
+            if queue in self._subscribers:
+                self._unsubscribe(queue)
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(CUT)
+
+    def _subscribe(self, queue: asyncio.Queue) -> None:
+        self._subscribers.add(queue)
+        self._queues = tuple(self._subscribers)
+
+    def _unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._subscribers.discard(queue)
+        self._queues = tuple(self._subscribers)
 
     def _publish_threadsafe(self, message: scheduler_pb2.StepOutput) -> None:
         self._loop.call_soon_threadsafe(self._broadcast, message)
@@ -85,14 +119,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         queue: asyncio.Queue = asyncio.Queue()
         for message in self.journal.replay():
             queue.put_nowait(message)
-        self._subscribers.add(queue)
+        self._subscribe(queue)
         try:
             # Tells the subscriber it is registered: every step from now on reaches it.
             await context.send_initial_metadata(())
             while (message := await queue.get()) is not None:
+                if message is CUT:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this subscriber fell behind for longer than "
+                                        "--stall-timeout-s; resubscribe to be replayed what it missed")
                 yield message
         finally:
-            self._subscribers.discard(queue)
+            self._unsubscribe(queue)
 
     async def GetModelInfo(self, request, context):
         return self.model_info
@@ -129,6 +166,8 @@ async def serve(config: SchedulerConfig) -> None:
     await asyncio.to_thread(service.engine.stop)  # its last steps are queued before the end of the streams
     service.end_streams()
     await server.stop(grace=1.0)
+    if service.engine.failure is not None:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
