@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import orjson
 
 from bench.common import OUT_DIR, Progress, Table, write_results
@@ -61,6 +60,7 @@ class Config:
     k: int
     format: str  # flat_b64, nested, or "-" (k=0)
     mode: str  # nonstream or stream
+    interval: int = 50  # the scheduler's --output-interval: tokens per entry of a request that does not stream
 
     @property
     def supported(self) -> bool:
@@ -75,8 +75,9 @@ class Config:
 
 
 def configs(args) -> list[Config]:
-    return [Config(c, k, fmt, mode) for c in args.concurrency for k in args.k
-            for fmt in (args.formats if k else ["-"]) for mode in args.modes]
+    return [Config(c, k, fmt, mode, interval) for interval in args.output_intervals for c in args.concurrency
+            for k in args.k for fmt in (args.formats if k else ["-"]) for mode in args.modes
+            if mode == "nonstream" or interval == args.output_intervals[0]]  # the interval is for nonstream
 
 
 @dataclass
@@ -99,35 +100,76 @@ def check(body: bytes, config: Config, tokens: int) -> str:
     return ""
 
 
-async def generate(client: httpx.AsyncClient, body: bytes, stream: bool) -> bytes | None:
-    """The reply's body (streaming: its last data event); None when it failed."""
-    headers = {"content-type": "application/json"}
-    if not stream:
-        reply = await client.post("/generate", content=body, headers=headers)
-        return reply.content if reply.status_code == 200 else None
-    last = ""
-    async with client.stream("POST", "/generate", content=body, headers=headers) as reply:
-        if reply.status_code != 200:
-            return None
-        async for line in reply.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = line[len("data: "):]
-    return last.encode() if last and not last.startswith('{"error"') else None
+class Connection:
+    """One keep-alive HTTP/1.1 connection, as lean as a client can be: the clients share this machine's two
+    cores with the services, and a full HTTP library (httpx: ~60 us per delivered token at k=128) would
+    measure itself. Reads Content-Length bodies and chunked (SSE) ones."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """(status, body); for a chunked body, its last chunk that carries data."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 24)
+        self.writer.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        status = int((await self.reader.readline()).split()[1])
+        length, chunked = 0, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value:
+                chunked = True
+        if not chunked:
+            return status, await self.reader.readexactly(length)
+        last = b""
+        while size := int((await self.reader.readline()).strip(), 16):
+            chunk = await self.reader.readexactly(size + 2)  # the chunk and its CRLF
+            if COMPLETION_TOKENS.search(chunk):
+                last = chunk
+        await self.reader.readline()  # the CRLF after the last (empty) chunk
+        return status, last
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.reader = self.writer = None
 
 
-async def client_loop(client: httpx.AsyncClient, body: bytes, stream: bool, delay: float, replies: list[Reply],
+async def generate(connection: Connection, body: bytes, stream: bool) -> bytes | None:
+    """The reply's body (streaming: its last event that carries completion_tokens); None when it failed."""
+    status, content = await connection.post("/generate", body)
+    if status != 200 or (stream and b'"error"' in content):
+        return None
+    if stream:  # the chunk's last complete data event
+        events = [e for e in content.split(b"data: ") if COMPLETION_TOKENS.search(e)]
+        return events[-1].strip() if events else None
+    return content
+
+
+async def client_loop(address: tuple[str, int], body: bytes, stream: bool, delay: float, replies: list[Reply],
                       first: list[bytes]) -> None:
     await asyncio.sleep(delay)  # clients start spread over one request's time, so completions spread too
-    while True:
-        start = time.perf_counter()
-        try:
-            content = await generate(client, body, stream)
-        except httpx.HTTPError:
-            content = None
-        found = COMPLETION_TOKENS.findall(content) if content else None
-        replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1))
-        if found and not first:
-            first.append(content)
+    connection = Connection(*address)
+    try:
+        while True:
+            start = time.perf_counter()
+            try:
+                content = await generate(connection, body, stream)
+            except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+                connection.close()
+                content = None
+            found = COMPLETION_TOKENS.findall(content) if content else None
+            replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1))
+            if found and not first:
+                first.append(content)
+    finally:
+        connection.close()
 
 
 def snapshot(pipeline: Pipeline, pids: dict[str, int]) -> tuple[float, dict[str, float], int]:
@@ -145,17 +187,16 @@ async def measure(pipeline: Pipeline, pids: dict[str, int], config: Config, args
     replies: list[Reply] = []
     first: list[bytes] = []
     spread = min(args.warmup, args.tokens * args.step_ms / 1e3)
-    limits = httpx.Limits(max_connections=config.concurrency + 8, max_keepalive_connections=config.concurrency + 8)
-    async with httpx.AsyncClient(base_url=pipeline.http_url, timeout=httpx.Timeout(300.0), limits=limits) as client:
-        tasks = [asyncio.create_task(client_loop(client, body, stream, i * spread / config.concurrency, replies,
-                                                 first)) for i in range(config.concurrency)]
-        await asyncio.sleep(args.warmup)
-        t0, cpu0, steps0 = snapshot(pipeline, pids)
-        await asyncio.sleep(args.duration)
-        t1, cpu1, steps1 = snapshot(pipeline, pids)
-        for task in tasks:  # requests still in flight are cut (the gateway aborts them)
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    host, port = pipeline.http_url.removeprefix("http://").rsplit(":", 1)
+    tasks = [asyncio.create_task(client_loop((host, int(port)), body, stream, i * spread / config.concurrency,
+                                             replies, first)) for i in range(config.concurrency)]
+    await asyncio.sleep(args.warmup)
+    t0, cpu0, steps0 = snapshot(pipeline, pids)
+    await asyncio.sleep(args.duration)
+    t1, cpu1, steps1 = snapshot(pipeline, pids)
+    for task in tasks:  # requests still in flight are cut (the gateway aborts them)
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     wall = t1 - t0
     done = [r for r in replies if t0 <= r.end <= t1]
     ok = [r for r in done if r.tokens >= 0]
@@ -184,15 +225,16 @@ def wait_idle(pipeline: Pipeline, timeout: float = 120.0) -> None:
 
 
 def table(rows: list[dict], args) -> Table:
-    columns = ["C", "k", "format", "mode", "offered tok/s", "delivered tok/s", "of offer",
+    columns = ["C", "k", "format", "mode", "interval", "offered tok/s", "delivered tok/s", "of offer",
                *(f"{s} us/tok" for s in (*SERVICES, "client")), "step ms", "p50 s", "p99 s", "errors"]
     out = Table(f"Capacity: {args.tokens}-token requests, synthetic step {args.step_ms:g} ms", columns,
                 "us/tok: CPU microseconds per delivered token of each process (client: this benchmark's HTTP "
                 "clients, on the same cores). step ms: the scheduler's measured step time in the window.")
     for r in rows:
-        head = [r["concurrency"], r["k"], r["format"], r["mode"]]
+        interval = r.get("interval", 50) if r["mode"] == "nonstream" else 1
+        head = [r["concurrency"], r["k"], r["format"], r["mode"], interval]
         if not r["supported"]:
-            out.add(*head, *["n/a"] * (len(columns) - 4))
+            out.add(*head, *["n/a"] * (len(columns) - len(head)))
             continue
         us = r["us_per_token"]
         out.add(*head, f"{r['offered_tok_s']:,.0f}", f"{r['delivered_tok_s']:,.0f}", f"{r['fraction']:.0%}",
@@ -213,7 +255,9 @@ def plot(rows: list[dict]) -> Path | None:
     lines: dict[str, list[dict]] = {}
     for r in rows:
         if r["supported"]:
-            lines.setdefault(" ".join([f"k={r['k']}", *([r["format"]] if r["k"] else []), r["mode"]]), []).append(r)
+            interval = [f"every {r.get('interval', 50)}"] if r["mode"] == "nonstream" else []
+            name = " ".join([f"k={r['k']}", *([r["format"]] if r["k"] else []), r["mode"], *interval])
+            lines.setdefault(name, []).append(r)
     fig, (rate, cost) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, points in lines.items():
         points.sort(key=lambda p: p["offered_tok_s"])
@@ -258,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before the window")
     parser.add_argument("--step-ms", type=float, default=10.0, help="the synthetic scheduler's step time")
     parser.add_argument("--tokens", type=int, default=256, help="max_new_tokens of every request")
+    parser.add_argument("--output-intervals", type=ints, default=[50],
+                        help="the scheduler's --output-interval values to compare (non-streaming requests only)")
     parser.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default model)")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from bench/out/capacity.json")
     args = parser.parse_args(argv)
@@ -270,13 +316,13 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = OUT_DIR / "capacity-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for concurrency in args.concurrency:
+    for interval, concurrency in dict.fromkeys((c.interval, c.concurrency) for c in todo):
         scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms),
-                          "--max-running-requests", str(concurrency))
+                          "--max-running-requests", str(concurrency), "--output-interval", str(interval))
         with running(model_dir, log_dir, scheduler_args=scheduler_args) as pipeline:
             pipeline.wait_ready()
             pids = {name: pipeline.procs[name].proc.pid for name in SERVICES} | {"client": os.getpid()}
-            for config in (c for c in todo if c.concurrency == concurrency):
+            for config in (c for c in todo if (c.interval, c.concurrency) == (interval, concurrency)):
                 if not config.supported:
                     rows.append({**config.__dict__, "supported": False})
                     progress.step(f"{config}: n/a (the gateway refuses flat arrays with stream=true)")

@@ -1,15 +1,17 @@
 """Replay benchmark (issue 4, item 1): step outputs through the real detokenizer and gateway code.
 
-A request's generation is replayed as the scheduler sends it, one StepOutput per step
-with one token per request (ids of a real English + CJK paragraph in the Qwen3.5
-vocabulary of the default model; random sorted logprobs for the top-k, the chosen
-token first). Each stage runs the services' own code in process, without sockets:
+A request's generation is replayed as the scheduler sends it: a request that does not
+stream ships 50 tokens per entry (its --output-interval), one that streams a token per
+message (ids of a real English + CJK paragraph in the Qwen3.5 vocabulary of the default
+model; random sorted logprobs for the top-k, the chosen token first). Each stage runs
+the services' own code in process, without sockets:
 
-- detokenize: the detokenizer's per-step work: StepOutput.FromString,
+- detokenize: the detokenizer's work per message: StepOutput.FromString,
   DetokenizerManager.process (incremental decode, stop strings), Router.publish (the
   owner's slice) and SerializeToString of what goes to the gateway.
-- accumulate: the gateway's Engine._dispatch of every step, a consumer taking a chunk
-  (Engine._take_chunk) every 50 tokens, and _finish joining the request's arrays.
+- accumulate: the gateway's Engine._dispatch of every message, the chunks a request's
+  generator takes (Engine._take_chunk: one per message when streaming, else one at the
+  end), and _finish.
 - build / serialize: the response in each client format from the finished
   RequestResult (the renderers the HTTP and gRPC routes call), then orjson /
   SerializeToString.
@@ -56,7 +58,8 @@ SWEEP_K = (0, 8, 32, 64, 128)  # at 1000 tokens, for the plots
 SWEEP_TOKENS = (125, 250, 500, 1000)  # at k=128
 TOPK_PART = ("SGLang flat base64", "gRPC raw (GenerateResponsePacked)")  # also timed at k=0: the top-k's share
 BATCHES = (1, 32)
-CHUNK_TOKENS = 50  # the consumer takes what arrived every 50 tokens
+INTERVAL = 50  # tokens per entry of a request that does not stream (the scheduler's --output-interval)
+STREAMED_SHAPE = (1000, 128)  # also replayed a token per message, as a streaming request ships
 OWNER = "gw-bench"
 SCHEDULER = "127.0.0.1:30010"
 # SGLang's table from issue 4 (Qwen3.5 tokenizer, CPU replay, median of 5):
@@ -87,7 +90,8 @@ class Workload:
     k: int
     batch: int
     rids: list[str]
-    steps: list[bytes]  # serialized StepOutputs, one per step, as the scheduler streams them
+    steps: list[bytes]  # serialized StepOutputs as the scheduler sends them
+    interval: int  # tokens per entry
 
 
 def paragraph_ids(tokenizer, tokens: int) -> np.ndarray:
@@ -95,7 +99,9 @@ def paragraph_ids(tokenizer, tokens: int) -> np.ndarray:
     return np.resize(np.asarray(ids, dtype=I32), tokens)  # repeated to length
 
 
-def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, seed: int = 0) -> Workload:
+def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, interval: int = INTERVAL,
+                    seed: int = 0) -> Workload:
+    """The messages of `batch` requests generating `ids`, `interval` tokens per entry (1: streaming)."""
     tokens = len(ids)
     rng = np.random.default_rng(seed)
     values = -np.sort(rng.exponential(1.5, (tokens, batch, k)).astype(F32), axis=2)
@@ -107,21 +113,26 @@ def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, seed: int =
     per_request = np.ones(batch, dtype=np.int64)
     detokenize = scheduler_pb2.DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True)
     steps = []
-    for n in range(tokens):
+    for n in range(0, tokens, interval):
+        count = min(interval, tokens - n)
+        request_major = slice(n, n + count)  # [count, batch, ...] -> each request's rows, one request after another
         message = scheduler_pb2.StepOutput(
-            step=n, rids=rids, token_ids=[int(ids[n])] * batch, positions=[n] * batch, counts=[1] * batch,
+            step=n, rids=rids, token_ids=np.tile(ids[request_major], batch).tolist(), positions=[n] * batch,
+            counts=[count] * batch,
             output=encode_block(LogprobArrays(
-                rows=per_request, null_prefix=np.zeros(0, np.int64), token_logprobs=chosen[n], topk=per_request * k,
-                topk_values=values[n].reshape(-1), topk_ids=topk_ids[n].reshape(-1), id_counts=per_request * 0,
+                rows=per_request * count, null_prefix=np.zeros(0, np.int64),
+                token_logprobs=chosen[request_major].T.reshape(-1), topk=per_request * k,
+                topk_values=values[request_major].transpose(1, 0, 2).reshape(-1),
+                topk_ids=topk_ids[request_major].transpose(1, 0, 2).reshape(-1), id_counts=per_request * 0,
                 ids_logprobs=np.zeros(0, F32))))
         if n == 0:
             message.started.extend(scheduler_pb2.RequestStart(rid=rid, owner=OWNER, detokenize=detokenize,
                                                               prompt_tokens=8) for rid in rids)
-        if n == tokens - 1:
+        if n + count == tokens:
             message.finished.extend(scheduler_pb2.Finish(rid=rid, reason=arrays_pb2.FINISH_REASON_LENGTH,
                                                          output_tokens=tokens) for rid in rids)
         steps.append(message.SerializeToString())
-    return Workload(tokens, k, batch, rids, steps)
+    return Workload(tokens, k, batch, rids, steps, interval)
 
 
 # ---- the stages, each the services' own code ----
@@ -139,17 +150,19 @@ def detokenize(tokenizer, workload: Workload) -> list[bytes]:
 
 
 def accumulate(engine: Engine, workload: Workload, received: list[bytes]) -> list[RequestResult]:
-    """The gateway's receiving side: dispatch every step, take 50-token chunks, finish."""
-    inp = GenerateInput(input_ids=list(range(8)), sampling=scheduler_pb2.SamplingParams(),
+    """The gateway's receiving side: dispatch every message and take the chunks a request's generator would
+    (streaming: one per message; otherwise one, the whole output, at the end)."""
+    stream = workload.interval == 1
+    inp = GenerateInput(input_ids=list(range(8)), sampling=scheduler_pb2.SamplingParams(max_new_tokens=workload.tokens),
                         logprob=scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=workload.k,
                                                             logprob_start_len=-1),
-                        detokenize=scheduler_pb2.DetokenizeParams())
-    states = [RequestState(rid=rid, inp=inp, started_at=time.perf_counter(), outputs=Accumulator(inp.logprob))
-              for rid in workload.rids]
+                        detokenize=scheduler_pb2.DetokenizeParams(), stream=stream)
+    states = [RequestState(rid=rid, inp=inp, started_at=time.perf_counter(),
+                           outputs=Accumulator(inp.logprob, workload.tokens)) for rid in workload.rids]
     engine._requests = {state.rid: state for state in states}
     for n, data in enumerate(received, 1):
         engine._dispatch(scheduler_pb2.StepOutput.FromString(data))
-        if n % CHUNK_TOKENS == 0 or n == len(received):
+        if stream or n == len(received):
             for state in states:
                 engine._take_chunk(state)
     return [state.result for state in states]
@@ -297,6 +310,12 @@ def run(repeats: int) -> dict:
             shape["workloads"][batch] = (workload, received)
             timer.add((tokens, k, batch, "detokenize"), lambda w=workload: detokenize(tokenizer, w))
             timer.add((tokens, k, batch, "accumulate"), lambda w=workload, r=received: accumulate(engine, w, r))
+            if (tokens, k) == STREAMED_SHAPE:
+                streamed = scheduler_steps(ids, k, batch, table.size, interval=1)
+                streamed_received = detokenize(tokenizer, streamed)
+                timer.add((tokens, k, batch, "detokenize streamed"), lambda w=streamed: detokenize(tokenizer, w))
+                timer.add((tokens, k, batch, "accumulate streamed"),
+                          lambda w=streamed, r=streamed_received: accumulate(engine, w, r))
             if batch == 1:
                 shape["results"] = results
         result = shape["results"][0]
@@ -405,10 +424,27 @@ def tables(run_data: dict) -> tuple[list[Table], dict]:
                 expected = (topk_bytes * 4 / 3 if "base64" in name else topk_bytes) + fixed
                 bodies.add(label, name, fmt_bytes(body), fmt_bytes(fixed), fmt_bytes(int(expected)),
                            f"{body / expected:.4f}")
+    tokens, k = STREAMED_SHAPE
+    streamed = Table(f"A token per message (streaming) against {INTERVAL}-token entries (not streaming), "
+                     f"{tokens} x {k}",
+                     ["stage", "B=1 streamed", f"B=1 every {INTERVAL}", "ratio", "B=32 streamed",
+                      f"B=32 every {INTERVAL}", "ratio"],
+                     "Per response. streamed: the scheduler ships each token in its own message and the gateway "
+                     "takes a chunk per message (a streaming request's generator); otherwise the request ships "
+                     f"{INTERVAL} tokens per entry and its generator is woken once, at the end.")
+    per_message = {}
+    for stage in ("detokenize", "accumulate"):
+        cells = []
+        for b in BATCHES:
+            each, coalesced = (ms(timer, (tokens, k, b, f"{stage} streamed")) / b,
+                               ms(timer, (tokens, k, b, stage)) / b)
+            cells += [fmt_time(each), fmt_time(coalesced), fmt_ratio(each / coalesced)]
+            per_message[f"{stage}_b{b}"] = {"streamed": each, "coalesced": coalesced}
+        streamed.add(stage, *cells)
     sweep = [{"tokens": tokens, "k": k, "format": name, "build_serialize": ms(timer, ("sweep", tokens, k, name)),
               "body_bytes": body, "floor": ms(timer, ("sweep", tokens, k, "floor"))}
              for (tokens, k, name), body in run_data["sweep"].items()]
-    return [main, sglang, floor, bodies], {"rows": data, "sweep": sweep}
+    return [main, streamed, sglang, floor, bodies], {"rows": data, "sweep": sweep, "streamed": per_message}
 
 
 def targets(rows: list[dict]) -> Table:
@@ -440,6 +476,12 @@ def targets(rows: list[dict]) -> Table:
         total = nested[key_detok] + nested[key_accum] + nested["build"] + nested["serialize"]
         checks.add(f"nested + text: at least 10x below SGLang's 3754 ms ({label})",
                    f"{fmt_time(total)}: {3754e-3 / total:.0f}x below", verdict(total * 10 <= 3754e-3))
+    for label, key in (("B=1", "accumulate_b1"), ("B=32", "accumulate_b32")):
+        gateway = b64[key] + bs
+        checks.add(f"flat base64 (issue 10): gateway CPU per response (accumulate + build + serialize) <= 2 ms "
+                   f"({label})", fmt_time(gateway), verdict(gateway <= 2e-3))
+    checks.add("flat base64 (issue 10): detokenizer CPU per response <= 3 ms (B=32)", fmt_time(b64["detokenize_b32"]),
+               verdict(b64["detokenize_b32"] <= 3e-3))
     for row, what in ((b64, "4/3 x 8 x tokens x k + fixed fields"), (raw, "8 x tokens x k + fixed fields")):
         expected = 8 * 1000 * 128 * (4 / 3 if row is b64 else 1) + row["fixed_bytes"]
         checks.add(f"{row['format']} body within 1% of {what}",
@@ -477,10 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     out, data = tables(run_data)
     out.append(targets(data["rows"]))
     command = "python -m bench.replay" + (f" --repeats {args.repeats}" if args.repeats != 5 else "")
-    notes = (f"One StepOutput per step, one token per request; a consumer takes a chunk every {CHUNK_TOKENS} "
-             f"tokens. Token ids: an English + CJK paragraph, repeated, in the default model's Qwen3.5 vocabulary; "
-             f"top-k: random sorted logprobs, uniform vocabulary ids. CPU time (process_time), medians of "
-             f"{args.repeats} interleaved rounds.")
+    notes = (f"Requests ship {INTERVAL} tokens per entry (the scheduler's --output-interval for requests that do "
+             f"not stream) and are taken whole when they end; the streamed table ships a token per message. Token "
+             f"ids: an English + CJK paragraph, repeated, in the default model's Qwen3.5 vocabulary; top-k: random "
+             f"sorted logprobs, uniform vocabulary ids. CPU time (process_time), medians of {args.repeats} "
+             f"interleaved rounds.")
     print(write_results("replay", command, out, data, notes))
 
 

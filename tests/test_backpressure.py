@@ -1,10 +1,11 @@
 """Back-pressure: a consumer that does not keep up slows what is sent to it, within a bound.
 
-A synthetic scheduler (1 ms steps, 8 requests x 2000 tokens of top-256 rows: 260 MB, far more than
-gRPC's flow-control windows absorb before a writer blocks) and a subscriber that stops reading. The engine waits for it between steps (its
-queue is over --max-subscriber-backlog) and, once it has stayed behind for --stall-timeout-s, its
-stream ends with UNAVAILABLE (it would resubscribe and be replayed what it missed) and the engine
-goes on. The detokenizer does the same for a gateway that stops reading its outputs.
+A synthetic scheduler (1 ms steps, 8 requests x 2000 tokens of top-256 rows: 33 MB, more
+than gRPC's flow-control windows absorb before a writer blocks) and a subscriber that
+stops reading. The engine waits for it between steps (its queue is over
+--max-subscriber-backlog) and, once it has stayed behind for --stall-timeout-s, its
+stream ends with UNAVAILABLE (it would resubscribe and be replayed what it missed) and
+the engine goes on. The detokenizer does the same for a gateway that stops reading.
 """
 
 import time

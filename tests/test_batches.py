@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.config import GatewayConfig
 from services.gateway.engine import Chunk, GenerateInput, RequestError
 from services.gateway.http import streams
@@ -94,7 +95,8 @@ class FakeEngine:
             if mark == -1:
                 raise RequestError("unavailable", None, f"submit {index} failed")
             await asyncio.sleep(0.01 if mark == -2 else 0)
-            result = RequestResult(rid=str(index), prompt_tokens=2, output_ids=[7], text="x", finish_reason="length")
+            result = RequestResult(rid=str(index), prompt_tokens=2, output_ids=[7], text="x",
+                                   finish_reason=FinishReason.FINISH_REASON_LENGTH)
             self.in_flight -= 1
             waiting = False
             yield Chunk(token_ids=[7], text="x", rid=str(index), result=result)

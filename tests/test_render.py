@@ -13,6 +13,7 @@ import pytest
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from services.common.arrays import F32, I32
+from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.render import LogprobFormat, chat_logprobs, completion_logprobs, dumps, logprob_meta_info
 from services.gateway.result import LogprobTrack, RequestResult
 from services.gateway.token_table import TokenTable
@@ -62,7 +63,8 @@ def result(table, byte_ids) -> RequestResult:
     output.topk_values[5, 2] = -np.inf
     prompt = _track(rng, 4, pool, null_prefix=1)
     return RequestResult(rid="r", prompt_tokens=5, output_ids=output.token_ids.tolist(), text="",
-                         finish_reason="length", output=output, prompt=prompt, token_ids_logprob=TOKEN_IDS_LOGPROB)
+                         finish_reason=FinishReason.FINISH_REASON_LENGTH, output=output, prompt=prompt,
+                         token_ids_logprob=TOKEN_IDS_LOGPROB)
 
 
 def _client(rendered) -> dict:
@@ -173,7 +175,8 @@ def test_fields_follow_the_flags(result, table):
     assert "input_top_logprobs" in output_b64 and "input_top_logprobs_shape" not in output_b64
     assert "output_top_logprobs" not in output_b64 and "output_top_logprobs_val_flat" not in output_b64
     assert output_b64["output_top_logprobs_shape"] == [9, K] and output_b64["output_top_logprobs_null_prefix"] == 0
-    no_prompt = RequestResult(rid="r", prompt_tokens=5, output_ids=[], text="", finish_reason="length",
+    no_prompt = RequestResult(rid="r", prompt_tokens=5, output_ids=[], text="",
+                              finish_reason=FinishReason.FINISH_REASON_LENGTH,
                               output=result.output)
     meta = _client(logprob_meta_info(no_prompt, FLAT_FORMATS["flat JSON"], table))
     assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs_shape"] == [0, K]

@@ -16,14 +16,7 @@ from services.common.arrays import I32, decode_block
 from services.common.pb import arrays_pb2, generate_pb2, scheduler_pb2
 from services.common.rpc import message_options
 from services.gateway.grpc_api import SERVICE_NAME
-from services.gateway.result import LogprobTrack
-
-FINISH_NAMES = {
-    arrays_pb2.FINISH_REASON_LENGTH: "length",
-    arrays_pb2.FINISH_REASON_STOP_TOKEN: "stop",
-    arrays_pb2.FINISH_REASON_STOP_STRING: "stop",
-    arrays_pb2.FINISH_REASON_ABORT: "abort",
-}
+from services.gateway.result import FINISH_NAMES, LogprobTrack
 
 
 @dataclass

@@ -40,12 +40,6 @@ from services.gateway.schedulers import SchedulerPool
 log = logging.getLogger("flatwire.gateway")
 DETOKENIZER_RECONNECT_MAX_S = 0.5
 
-FINISH_NAMES = {
-    FinishReason.FINISH_REASON_LENGTH: "length",
-    FinishReason.FINISH_REASON_STOP_TOKEN: "stop",
-    FinishReason.FINISH_REASON_STOP_STRING: "stop",
-    FinishReason.FINISH_REASON_ABORT: "abort",
-}
 GRPC_TO_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
     grpc.StatusCode.NOT_FOUND: "not_found",
@@ -359,7 +353,7 @@ class Engine:
             prompt_tokens=len(state.inp.input_ids),
             output_ids=output_ids,
             text=text,
-            finish_reason=FINISH_NAMES.get(finish.reason, "abort"),
+            finish_reason=finish.reason,
             e2e_latency=time.perf_counter() - state.started_at,
             token_ids_logprob=list(state.inp.logprob.token_ids_logprob) or None,
             prompt=state.prompt,

@@ -31,10 +31,6 @@ ERROR_CODES = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
-FINISH_REASONS = {
-    "length": arrays_pb2.FINISH_REASON_LENGTH,
-    "abort": arrays_pb2.FINISH_REASON_ABORT,
-}
 
 
 # /generate's field names -> this API's (GenerateRequest has `sampling`, and stop & co. at the top).
@@ -171,15 +167,11 @@ class GenerationService:
 
     @staticmethod
     def _set_finish(response: generate_pb2.GenerateResponsePacked, result) -> None:
-        if result.finish_reason == "stop":
-            if isinstance(result.matched_stop, str):
-                response.finish_reason = arrays_pb2.FINISH_REASON_STOP_STRING
-                response.matched_stop = result.matched_stop
-            else:
-                response.finish_reason = arrays_pb2.FINISH_REASON_STOP_TOKEN
-                response.matched_token = result.matched_stop or 0
-        else:
-            response.finish_reason = FINISH_REASONS[result.finish_reason]
+        response.finish_reason = result.finish_reason
+        if result.finish_reason == arrays_pb2.FINISH_REASON_STOP_STRING:
+            response.matched_stop = result.matched_stop
+        elif result.finish_reason == arrays_pb2.FINISH_REASON_STOP_TOKEN:
+            response.matched_token = result.matched_stop
 
     async def get_model_info(self, request, context) -> scheduler_pb2.ModelInfo:
         info = scheduler_pb2.ModelInfo()

@@ -10,6 +10,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.arrays import F32, I32, LogprobArrays
+from services.common.pb.arrays_pb2 import FinishReason
+
+# How SGLang and OpenAI name a finish reason: the renderers' words for the FinishReason they are given.
+FINISH_NAMES = {
+    FinishReason.FINISH_REASON_LENGTH: "length",
+    FinishReason.FINISH_REASON_STOP_TOKEN: "stop",
+    FinishReason.FINISH_REASON_STOP_STRING: "stop",
+    FinishReason.FINISH_REASON_ABORT: "abort",
+}
 
 
 @dataclass
@@ -67,13 +76,18 @@ class RequestResult:
     prompt_tokens: int
     output_ids: list[int]
     text: str
-    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
-    matched_stop: int | str | None = None  # the stop token id or stop string
+    finish_reason: FinishReason.ValueType | None  # LENGTH, STOP_TOKEN, STOP_STRING or ABORT; None while running
+    matched_stop: int | str | None = None  # the stop token id (STOP_TOKEN) or stop string (STOP_STRING)
     output: LogprobTrack | None = None  # set when return_logprob
     prompt: LogprobTrack | None = None  # set when logprob_start_len >= 0
     token_ids_logprob: list[int] | None = None  # the ids of ids_logprobs columns
     e2e_latency: float = 0.0
-    error: str | None = None  # set with finish_reason "abort" on a failure
+    error: str | None = None  # why, with finish_reason ABORT
+
+    @property
+    def finish_name(self) -> str | None:
+        """"length", "stop" or "abort" (SGLang's and OpenAI's word), None while running."""
+        return FINISH_NAMES[self.finish_reason] if self.finish_reason is not None else None
 
     @property
     def completion_tokens(self) -> int:

@@ -3,11 +3,14 @@
 `flatwire scheduler --engine synthetic --step-ms X` serves the same messages and
 shapes as the real model (the checkpoint's vocabulary size, eos ids and context
 length, read from its config files) so that the detokenizer, the gateway and their
-clients can be measured at a chosen token rate without a GPU: every step takes
-`step_ms` in all. A request's next token is a function of (its seed or 0, its
-position), drawn from an English paragraph encoded with the model's tokenizer, and is
-never an eos id: requests run to max_new_tokens. Logprobs are cheap constants: the
-chosen token is always the best of a fixed, descending top-k row.
+clients can be measured at a chosen token rate without a GPU: a step starts every
+`step_ms` (the engine's own work between steps counts in it, as a GPU step's host
+work does), or as soon as the previous one ends when that takes longer.
+
+A request's next token is a function of (its seed or 0, its position), drawn from an
+English paragraph encoded with the model's tokenizer, and is never an eos id:
+requests run to max_new_tokens. Logprobs are cheap constants: the chosen token is
+always the best of a fixed, descending top-k row.
 """
 
 import json
@@ -54,6 +57,7 @@ class SyntheticRunner:
         self.cache = SlotPool(max_running)
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.step_s = step_ms / 1e3
+        self._next_step_at = 0.0  # time.perf_counter() at which the next step may return
         ids = np.array(AutoTokenizer.from_pretrained(model_dir).encode(PARAGRAPH, add_special_tokens=False))
         ids = ids[~np.isin(ids, self.eos_token_ids) & (ids < self.vocab_size)]
         # Top-k candidates: the paragraph's distinct ids in order of appearance, then other ids up to k + 1.
@@ -74,7 +78,6 @@ class SyntheticRunner:
         return self.candidates[(first[:, None] + np.arange(k)) % len(self.candidates)]
 
     def step(self, decode: list[Request], prefill: list[Request]) -> dict[str, np.ndarray]:
-        start = time.perf_counter()
         rows = decode + prefill
         # The new token's position is the sequence length so far (prompt + generated).
         where = np.array([((r.seed or 0) * SEED_STRIDE + r.length) % len(self.text) for r in rows], dtype=np.int64)
@@ -87,7 +90,10 @@ class SyntheticRunner:
                        topk_values=np.tile(self.values[:k], (len(rows), 1)), topk_ids=self._ids(chosen, k),
                        ids_logprobs=np.full((len(rows), n), OTHER_LOGPROB, dtype=np.float32))
         out.update(self._prompt_logprobs([r for r in prefill if r.wants_prompt_logprobs]))
-        time.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
+        now = time.perf_counter()
+        if self._next_step_at > now:
+            time.sleep(self._next_step_at - now)
+        self._next_step_at = max(now, self._next_step_at) + self.step_s
         return out
 
     def _prompt_logprobs(self, requests: list[Request]) -> dict[str, np.ndarray]:

@@ -1,16 +1,18 @@
 """SGLang's meta_info fields that are not logprobs: id, token counts, finish_reason, latency."""
 
+from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.result import RequestResult
 
 
 def finish_reason(result: RequestResult) -> dict | None:
     """SGLang's finish_reason object; None while the request runs."""
-    if result.finish_reason == "length":
-        return {"type": "length", "length": result.completion_tokens}
-    if result.finish_reason == "stop":
-        return {"type": "stop", "matched": result.matched_stop}
-    if result.finish_reason == "abort":
-        return {"type": "abort", "message": result.error or "aborted"}
+    match result.finish_reason:
+        case FinishReason.FINISH_REASON_LENGTH:
+            return {"type": "length", "length": result.completion_tokens}
+        case FinishReason.FINISH_REASON_STOP_TOKEN | FinishReason.FINISH_REASON_STOP_STRING:
+            return {"type": "stop", "matched": result.matched_stop}
+        case FinishReason.FINISH_REASON_ABORT:
+            return {"type": "abort", "message": result.error or "aborted"}
     return None
 
 

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from services.common.pb import scheduler_pb2
+from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.engine import GenerateInput, RequestError
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
@@ -139,7 +140,7 @@ async def _one_token(gateway: Gateway) -> None:
     async with aclosing(gateway.engine.generate(_health_input())) as chunks:
         async for chunk in chunks:
             if chunk.result is not None:
-                if chunk.result.finish_reason == "abort":
+                if chunk.result.finish_reason == FinishReason.FINISH_REASON_ABORT:
                     raise RequestError("unavailable", None, chunk.result.error or "aborted")
                 return
     raise RequestError("unavailable", None, "the generation ended without a result")

@@ -22,7 +22,7 @@ def response_id(prefix: str) -> str:
 
 def finish_fields(result: RequestResult) -> dict:
     """finish_reason ("stop" | "length" | "abort", as SGLang names them) and SGLang's matched_stop."""
-    return {"finish_reason": result.finish_reason, "matched_stop": result.matched_stop}
+    return {"finish_reason": result.finish_name, "matched_stop": result.matched_stop}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
