@@ -29,7 +29,7 @@ from services.common.arrays import I32
 from services.common.discovery import INSTANCE_METADATA
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
-from services.common.rpc import create_channel
+from services.common.rpc import FIELD_METADATA, create_channel
 from services.common.steps import token_offsets
 from services.gateway.accumulator import Accumulator, MessageRows, OutputLost
 from services.gateway.config import GatewayConfig
@@ -250,7 +250,8 @@ class Engine:
                 self.rejected["scheduler"] += 1
             if status in ("unavailable", "resource_exhausted"):
                 raise RequestError(status, None, detail) from None
-            raise RequestError(status, *rename_field(detail.split(":", 1)[0], detail, fields)) from None
+            field = dict(exc.trailing_metadata() or ()).get(FIELD_METADATA)
+            raise RequestError(status, *rename_field(field, detail, fields)) from None
 
     def _take_chunk(self, state: RequestState) -> Chunk:
         result = state.result

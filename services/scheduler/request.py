@@ -17,7 +17,12 @@ MAX_STREAM_INTERVAL = 1024
 
 
 class InvalidRequest(ValueError):
-    """A TokenizedRequest the scheduler refuses; the message starts with the field name."""
+    """A TokenizedRequest the scheduler refuses: `field` names the offending field, and the message starts
+    with it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Request:
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise InvalidRequest(f"{name}: {message}")
+        raise InvalidRequest(name, message)
 
 
 def _check_ids(ids, name: str, vocab_size: int) -> None:

@@ -20,7 +20,7 @@ from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.rpc import add_health, create_server, mark_serving
+from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, QueueFull, StepRunner
@@ -98,7 +98,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             parsed = parse_request(request, self.limits)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                                trailing_metadata=((FIELD_METADATA, exc.field),))
         try:
             accepted = self.engine.submit(parsed)
         except QueueFull as exc:  # the gateway answers 429 (or tries another replica)
