@@ -9,8 +9,9 @@ import httpx
 import pytest
 
 from services.common.pb import detokenizer_pb2, generate_pb2, scheduler_pb2
+from services.common.rpc import FIELD_METADATA
 from services.gateway.client import FlatwireClient
-from services.gateway.engine import Engine, RequestError
+from services.gateway.pipeline import PipelineClient, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field
 from services.gateway.protocol.sglang import GenerateRequest
@@ -168,13 +169,13 @@ def test_grpc_refuses_values_json_cannot_carry(client):
 def test_scheduler_refusals_are_renamed(detail, fields, expected):
     class Refusing:
         async def submit(self, request):
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details=detail)
+            field = grpc.aio.Metadata((FIELD_METADATA, detail.split(":", 1)[0]))  # as the scheduler sends it
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), field, details=detail)
 
-    engine = Engine.__new__(Engine)
-    engine.schedulers = Refusing()
+    pipeline = PipelineClient.__new__(PipelineClient)
+    pipeline.schedulers = Refusing()
     with pytest.raises(RequestError) as caught:
-        asyncio.run(engine._submit(scheduler_pb2.TokenizedRequest(), fields))
+        asyncio.run(pipeline._submit(scheduler_pb2.TokenizedRequest(), fields))
     assert caught.value.status == "invalid_argument"
     assert caught.value.field == expected
     assert caught.value.message == expected + detail[detail.index(":"):]

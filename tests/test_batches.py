@@ -12,9 +12,9 @@ import pytest
 
 from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.config import GatewayConfig
-from services.gateway.engine import Chunk, GenerateInput, RequestError
 from services.gateway.http import streams
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import Chunk, GenerateInput, RequestError
 from services.gateway.result import RequestResult
 
 MAX_BATCH_SIZE = GatewayConfig().max_batch_size
@@ -67,7 +67,7 @@ def test_one_more_than_the_limit_is_refused(http, model):
     assert http.get("/health").status_code == 200
 
 
-# -- Generations.start against a fake engine: a failure among many ---------------------------------------
+# -- Generations.start against a fake pipeline: a failure among many ---------------------------------------
 
 
 class FakeEngine:
@@ -131,13 +131,13 @@ def _run(coro):
 
 
 def test_a_failed_submit_leaves_no_exception_unretrieved():
-    engine = FakeEngine()
+    pipeline = FakeEngine()
     count = 1500
     marks = [-2] * count  # slow
     marks[5] = marks[9] = marks[17] = -1  # three submits fail
-    outcome, reported = _run(streams.Generations.start(engine, _inputs(marks), GatewayMetrics(), "/t", 0.0))
+    outcome, reported = _run(streams.Generations.start(pipeline, _inputs(marks), GatewayMetrics(), "/t", 0.0))
     assert outcome == "submit 5 failed"
     assert not reported, [c.get("message") for c in reported]
     # Every one that started was closed.
-    assert sorted(engine.closed) == sorted(engine.started)
-    assert engine.in_flight == 0
+    assert sorted(pipeline.closed) == sorted(pipeline.started)
+    assert pipeline.in_flight == 0

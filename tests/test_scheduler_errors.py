@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.pb import arrays_pb2, scheduler_pb2
+from services.common.rpc import FIELD_METADATA
 from tests.scheduler_client import SchedulerClient
 
 GOOD_PROMPT = np.random.default_rng(30).integers(0, 240_000, 19).tolist()
@@ -70,6 +71,7 @@ def test_bad_requests_rejected_while_a_good_one_runs(client):
             client.stub.Submit(scheduler_pb2.TokenizedRequest(**{"rid": "bad", "owner": client.owner, **fields}))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert error.value.details().startswith(field + ":"), error.value.details()
+        assert dict(error.value.trailing_metadata())[FIELD_METADATA] == field  # what the gateway renames
 
     with pytest.raises(grpc.RpcError) as error:
         client.stub.Abort(scheduler_pb2.AbortRequest(rid="no-such-request"))

@@ -29,7 +29,7 @@ Reason = arrays_pb2.FinishReason
 
 
 @dataclass
-class RequestState:
+class DecodingRequest:
     owner: str
     scheduler: str  # address of the scheduler running it
     skip_special_tokens: bool
@@ -39,7 +39,7 @@ class RequestState:
     next_position: int = 0  # of the next output token to decode
 
     @classmethod
-    def of(cls, start: scheduler_pb2.RequestStart, scheduler: str) -> "RequestState":
+    def of(cls, start: scheduler_pb2.RequestStart, scheduler: str) -> "DecodingRequest":
         params = start.detokenize
         return cls(start.owner, scheduler, params.skip_special_tokens, params.spaces_between_special_tokens,
                    StopStrings.of(params.stop, params.no_stop_trim))
@@ -49,14 +49,14 @@ class RequestState:
 class _Entry:
     index: int  # position in the step's rids
     rid: str
-    state: RequestState
+    state: DecodingRequest
     finish: scheduler_pb2.Finish | None  # the scheduler's, when the request ended this step
 
 
 class DetokenizerManager:
     def __init__(self, tokenizer):
         self._batch_decode = batch_decoder(tokenizer)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, DecodingRequest] = {}
         # Requests ended here by a stop string -> their scheduler, until the scheduler's own
         # Finish for them arrives (steps already in flight still carry them).
         self.stopped: dict[str, str] = {}
@@ -79,7 +79,7 @@ class DetokenizerManager:
         """One scheduler step -> (the step with texts and owners, AbortRequests to send to `scheduler`)."""
         for start in step.started:
             if start.rid not in self.requests:  # a replayed start of a request known here changes nothing
-                self.requests[start.rid] = RequestState.of(start, scheduler)
+                self.requests[start.rid] = DecodingRequest.of(start, scheduler)
         scheduler_finish = {finish.rid: finish for finish in step.finished}
         owned = OwnedStep(step, texts=[""] * len(step.rids), owners=[None] * len(step.rids))
         entries, aborts = [], []

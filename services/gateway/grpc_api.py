@@ -15,9 +15,9 @@ import numpy as np
 from services.common.arrays import F32, I32
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
 from services.common.pb import arrays_pb2, generate_pb2, scheduler_pb2
-from services.gateway.engine import Engine, GenerateInput, RequestError
 from services.gateway.http.generate import generate_input
 from services.gateway.http.prompts import encode_checked
+from services.gateway.pipeline import GenerateInput, PipelineClient, RequestError
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
@@ -91,12 +91,12 @@ def track_to_block(track: LogprobTrack) -> arrays_pb2.LogprobBlock:
 
 
 class GenerationService:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, pipeline: PipelineClient):
+        self.pipeline = pipeline
 
     @cached_property
     def limits(self) -> ModelLimits:
-        return model_limits(self.engine.model_info, self.engine.config)
+        return model_limits(self.pipeline.model_info, self.pipeline.config)
 
     def to_input(self, request: generate_pb2.GenerateRequest) -> GenerateInput:
         """Blocking (validation, tokenization): generate() runs it in a worker thread."""
@@ -104,7 +104,7 @@ class GenerationService:
         input_ids = list(request.input_ids)
         if not input_ids:
             try:  # a text that cannot fit the context is refused before it is tokenized
-                input_ids = encode_checked(self.engine.tokenizer, [request.text], self.limits.max_context,
+                input_ids = encode_checked(self.pipeline.tokenizer, [request.text], self.limits.max_context,
                                            req.prompt_field, add_special_tokens=False)[0]
             except InvalidRequest as exc:
                 raise _refusal(exc) from None
@@ -133,7 +133,7 @@ class GenerationService:
             inp = await asyncio.to_thread(self.to_input, request)
             prompt_tokens = len(inp.input_ids)
             completion_tokens = 0
-            async for chunk in self.engine.generate(inp):
+            async for chunk in self.pipeline.generate(inp):
                 completion_tokens += len(chunk.token_ids)
                 result = chunk.result
                 if not request.stream and result is None:
@@ -175,13 +175,13 @@ class GenerationService:
 
     async def get_model_info(self, request, context) -> scheduler_pb2.ModelInfo:
         info = scheduler_pb2.ModelInfo()
-        info.CopyFrom(self.engine.model_info)
-        info.model = self.engine.model_name
+        info.CopyFrom(self.pipeline.model_info)
+        info.model = self.pipeline.model_name
         return info
 
 
-def add_generation_service(server: grpc.aio.Server, engine: Engine) -> None:
-    service = GenerationService(engine)
+def add_generation_service(server: grpc.aio.Server, pipeline: PipelineClient) -> None:
+    service = GenerationService(pipeline)
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.generate,

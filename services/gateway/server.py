@@ -14,19 +14,19 @@ from services.common.memory import use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
 from services.common.rpc import add_health_and_reflection, create_server
 from services.gateway.config import GatewayConfig
-from services.gateway.engine import Engine
 from services.gateway.grpc_api import SERVICE_NAME, add_generation_service
 from services.gateway.http.app import create_app
 from services.gateway.http.limits import with_header_timeout
+from services.gateway.pipeline import PipelineClient
 
 log = logging.getLogger("flatwire.gateway")
 
 
-async def _report_health(engine: Engine, servicer) -> None:
+async def _report_health(pipeline: PipelineClient, servicer) -> None:
     """gRPC health follows the pipeline: SERVING only while every hop is connected."""
     last = None
     while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if engine.healthy()
+        status = (health_pb2.HealthCheckResponse.SERVING if pipeline.healthy()
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         if status != last:
             for name in ("", SERVICE_NAME):
@@ -41,28 +41,28 @@ async def serve(config: GatewayConfig) -> None:
         log.warning("no API key (FLATWIRE_API_KEY) while listening on %s: the HTTP and gRPC APIs are open to "
                     "anyone who reaches them", config.host)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
-    engine = Engine(config, tokenizer)
-    await engine.start()
+    pipeline = PipelineClient(config, tokenizer)
+    await pipeline.start()
 
     grpc_server = create_server(config.max_message_mb, config.keepalive_s, api_key=config.api_key,
                                 max_receive_mb=config.max_request_mb)
-    add_generation_service(grpc_server, engine)
+    add_generation_service(grpc_server, pipeline)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await grpc_server.start()
-    health_task = asyncio.create_task(_report_health(engine, health))
+    health_task = asyncio.create_task(_report_health(pipeline, health))
 
-    http = uvicorn.Server(uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
+    http = uvicorn.Server(uvicorn.Config(create_app(pipeline, config), host=config.host, port=config.port,
                                          log_level=config.log_level.lower(), access_log=False,
                                          http=with_header_timeout(config.http_header_timeout_s)))
-    log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", engine.owner, config.host, config.port, config.host,
+    log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", pipeline.owner, config.host, config.port, config.host,
              config.grpc_port)
     try:
         await http.serve()  # returns on SIGINT/SIGTERM
     finally:
         health_task.cancel()
         await grpc_server.stop(grace=2)
-        await engine.stop()
+        await pipeline.stop()
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

@@ -16,7 +16,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-6
 MAX_STREAM_INTERVAL = 1024
 
 
-class InvalidRequest(ValueError):
+class InvalidTokenizedRequest(ValueError):
     """A TokenizedRequest the scheduler refuses: `field` names the offending field, and the message starts
     with it."""
 
@@ -84,7 +84,7 @@ class Request:
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise InvalidRequest(name, message)
+        raise InvalidTokenizedRequest(name, message)
 
 
 def _check_ids(ids, name: str, vocab_size: int) -> None:
@@ -93,7 +93,7 @@ def _check_ids(ids, name: str, vocab_size: int) -> None:
 
 
 def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Request:
-    """Validate a TokenizedRequest; raises InvalidRequest naming the offending field."""
+    """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field."""
     sampling, logprob = msg.sampling, msg.logprob
     _check(bool(msg.rid), "rid", "must not be empty")
     input_ids = np.array(msg.input_ids, dtype=np.int64)

@@ -26,7 +26,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, QueueFull, StepRunner
 from services.scheduler.journal import StepJournal
 from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import InvalidRequest, Limits, parse_request
+from services.scheduler.request import InvalidTokenizedRequest, Limits, parse_request
 from services.scheduler.synthetic import SyntheticRunner
 
 log = logging.getLogger("flatwire.scheduler")
@@ -97,7 +97,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         try:
             parsed = parse_request(request, self.limits)
-        except InvalidRequest as exc:
+        except InvalidTokenizedRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                                 trailing_metadata=((FIELD_METADATA, exc.field),))
         try:

@@ -5,7 +5,7 @@ from http import HTTPStatus
 import orjson
 from fastapi import Response
 
-from services.gateway.engine import RequestError
+from services.gateway.pipeline import RequestError
 from services.gateway.protocol.parse import InvalidRequest
 
 # nginx's "client closed request": nobody reads it, it marks the log line of a request whose client left.
@@ -33,12 +33,12 @@ def invalid_request_response(exc: InvalidRequest) -> Response:
     return error_response(exc.status, exc.message, exc.param, exc.code)
 
 
-def engine_error_response(exc: RequestError) -> Response:
+def pipeline_error_response(exc: RequestError) -> Response:
     status = ENGINE_STATUS.get(exc.status, 500)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
     return error_response(status, exc.message, exc.field, headers=headers)
 
 
 def error_body(exc: RequestError) -> dict:
-    """engine_error_response's body, for a stream's error event."""
+    """pipeline_error_response's body, for a stream's error event."""
     return _body(ENGINE_STATUS.get(exc.status, 500), exc.message, exc.field)

@@ -5,7 +5,6 @@ import time
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from services.gateway.engine import Chunk, GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.limits import parse_body_off_loop
@@ -14,6 +13,7 @@ from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.pipeline import Chunk, GenerateInput
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import ModelLimits
 from services.gateway.protocol.sglang import GenerateRequest
@@ -35,7 +35,7 @@ async def generate(request: Request) -> Response:
     req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
     inputs = await _inputs(gateway, req)
     gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream:
@@ -53,7 +53,7 @@ async def generate(request: Request) -> Response:
 async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]:
     prompts = req.prompts()
     if req.text is not None:
-        ids = await encode_texts(gateway.engine.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
+        ids = await encode_texts(gateway.pipeline.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
     else:
         ids = prompts
     inputs = [generate_input(req, i, prompt_ids, gateway.limits) for i, prompt_ids in enumerate(ids)]

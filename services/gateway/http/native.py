@@ -16,12 +16,12 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from services.common.pb import scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
-from services.gateway.engine import GenerateInput, RequestError
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import encode_checked
+from services.gateway.pipeline import GenerateInput, RequestError
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids
 
 log = logging.getLogger("flatwire.gateway")
@@ -45,8 +45,8 @@ def _json(data, status: int = 200) -> Response:
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:
-    if model is not None and model != gateway.engine.model_name:
-        raise InvalidRequest("model", f"model: this server serves {gateway.engine.model_name!r}, not {model!r}",
+    if model is not None and model != gateway.pipeline.model_name:
+        raise InvalidRequest("model", f"model: this server serves {gateway.pipeline.model_name!r}, not {model!r}",
                              status=404, code="model_not_found")
 
 
@@ -55,7 +55,7 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 def model_card(gateway: Gateway) -> dict:
     """The served model as OpenAI's model object (GET /v1/models lists it, GET /v1/models/{model} returns it)."""
-    name = gateway.engine.model_name
+    name = gateway.pipeline.model_name
     return {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire", "root": name,
             "max_model_len": gateway.limits.max_context}
 
@@ -63,7 +63,7 @@ def model_card(gateway: Gateway) -> dict:
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
     gateway = gateway_of(request)
-    if model != gateway.engine.model_name:
+    if model != gateway.pipeline.model_name:
         return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
     return _json(model_card(gateway))
 
@@ -72,7 +72,7 @@ async def retrieve_model(model: str, request: Request) -> Response:
 @router.get("/model_info")
 async def model_info(request: Request) -> Response:
     """SGLang's model info; model_path is the served model name (the checkpoint's location is not disclosed)."""
-    name = gateway_of(request).engine.model_name
+    name = gateway_of(request).pipeline.model_name
     return _json({"model_path": name, "tokenizer_path": name, "is_generation": True,
                   "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION})
 
@@ -83,8 +83,8 @@ async def server_info(request: Request) -> Response:
     """The settings SGLang clients read: its ServerArgs' names where flatwire has the same setting, and
     scheduler_info's token capacity. bench_serving reads internal_states[0].get("avg_spec_accept_length")."""
     gateway = gateway_of(request)
-    info, config, engine = gateway.engine.model_info, gateway.config, gateway.engine
-    name = engine.model_name
+    info, config, pipeline = gateway.pipeline.model_info, gateway.config, gateway.pipeline
+    name = pipeline.model_name
     return _json({
         "version": _version(),
         "model_path": name,
@@ -106,10 +106,10 @@ async def server_info(request: Request) -> Response:
         "max_running_requests": info.max_running_requests,  # per scheduler replica
         # Each running request holds one slot of max_context tokens (services/scheduler/kv_cache.py).
         "max_total_num_tokens": info.max_running_requests * info.max_context,
-        "scheduler_replicas": len(engine.schedulers.replicas),
+        "scheduler_replicas": len(pipeline.schedulers.replicas),
         "detokenizers": len(config.detokenizers),
         "max_batch_size": config.max_batch_size,
-        "max_outstanding_requests": engine.admission_limit,
+        "max_outstanding_requests": pipeline.admission_limit,
         "disable_radix_cache": True,  # no prefix cache: /flush_cache is a no-op, cached_tokens always 0
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
@@ -137,7 +137,7 @@ def _health_input() -> GenerateInput:
 
 
 async def _one_token(gateway: Gateway) -> None:
-    async with aclosing(gateway.engine.generate(_health_input())) as chunks:
+    async with aclosing(gateway.pipeline.generate(_health_input())) as chunks:
         async for chunk in chunks:
             if chunk.result is not None:
                 if chunk.result.finish_reason == FinishReason.FINISH_REASON_ABORT:
@@ -208,7 +208,7 @@ async def tokenize(request: Request) -> Response:
     req = await parse_body_off_loop(TokenizeRequest, await request.body(), gateway.limits)
     _check_model(gateway, req.model)
     texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    ids = await asyncio.to_thread(encode_checked, gateway.engine.tokenizer, texts, None, "prompt",
+    ids = await asyncio.to_thread(encode_checked, gateway.pipeline.tokenizer, texts, None, "prompt",
                                   req.add_special_tokens) if texts else []
     if isinstance(req.prompt, str):
         body = {"tokens": ids[0], "count": len(ids[0])}
@@ -230,7 +230,7 @@ async def detokenize(request: Request) -> Response:
     _check_model(gateway, req.model)
     nested = bool(req.tokens) and isinstance(req.tokens[0], list)
     lists = req.tokens if nested else [req.tokens]
-    texts = await asyncio.to_thread(_decode, gateway.engine.tokenizer, lists, req.skip_special_tokens)
+    texts = await asyncio.to_thread(_decode, gateway.pipeline.tokenizer, lists, req.skip_special_tokens)
     return _json({"text": texts if nested else texts[0]})
 
 
@@ -252,7 +252,7 @@ async def abort_request(request: Request) -> Response:
     gateway = gateway_of(request)
     req = await parse_body_off_loop(AbortRequest, await request.body(), gateway.limits)
     if req.abort_all:
-        gateway.engine.abort(None)
+        gateway.pipeline.abort(None)
     elif req.rid:
-        gateway.engine.abort(req.rid)
+        gateway.pipeline.abort(req.rid)
     return Response(status_code=200)

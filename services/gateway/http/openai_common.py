@@ -11,9 +11,9 @@ from services.gateway.result import RequestResult
 
 
 def check_model(gateway: Gateway, model: str) -> None:
-    if model != gateway.engine.model_name:
+    if model != gateway.pipeline.model_name:
         raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves "
-                                      f"`{gateway.engine.model_name}`", status=404, code="model_not_found")
+                                      f"`{gateway.pipeline.model_name}`", status=404, code="model_not_found")
 
 
 def response_id(prefix: str) -> str:

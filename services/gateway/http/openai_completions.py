@@ -5,7 +5,6 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from services.gateway.engine import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.limits import parse_body_off_loop
@@ -21,6 +20,7 @@ from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
+from services.gateway.pipeline import GenerateInput
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.openai import CompletionRequest
 from services.gateway.render.openai_completions import completion_logprobs
@@ -41,7 +41,7 @@ async def completions(request: Request) -> Response:
     req = await parse_body_off_loop(CompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
     prompts = req.prompts()
-    tokenizer = gateway.engine.tokenizer
+    tokenizer = gateway.pipeline.tokenizer
     if isinstance(prompts[0], str):
         ids, texts = await encode_texts(tokenizer, prompts, gateway.limits.max_context, "prompt"), prompts
     else:
@@ -58,7 +58,7 @@ async def completions(request: Request) -> Response:
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     prompt_tokens = sum(map(len, ids))
@@ -70,7 +70,7 @@ async def completions(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({
         "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-        "model": gateway.engine.model_name,
+        "model": gateway.pipeline.model_name,
         "choices": [_choice(gateway, req, i, result, echoes[i]) for i, result in enumerate(results)],
         "usage": usage(prompt_tokens, sum(r.completion_tokens for r in results)),
     })
@@ -107,7 +107,7 @@ def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: Reques
 async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, echoes: list[str],
                   prompt_tokens: int):
     head = {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": gateway.engine.model_name}
+            "model": gateway.pipeline.model_name}
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
     completion_tokens = 0
     async for i, chunk in gens.merged():

@@ -1,6 +1,6 @@
-"""Running a route's generations on the engine: submit, merge, collect, stop on disconnect.
+"""Running a route's generations on the pipeline: submit, merge, collect, stop on disconnect.
 
-Every generation is an engine iterator; closing it before its last chunk aborts the
+Every generation is an pipeline iterator; closing it before its last chunk aborts the
 request in the scheduler. Each helper here closes what it opened, whether it ends
 normally, fails, or is cancelled because the HTTP client went away.
 """
@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from services.gateway.engine import Chunk, Engine, GenerateInput
 from services.gateway.metrics import GatewayMetrics, TokenTimer
+from services.gateway.pipeline import Chunk, GenerateInput, PipelineClient
 from services.gateway.result import RequestResult
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ T = TypeVar("T")
 class Generations:
     """A route's requests, submitted together; each one's first chunk already taken.
 
-    Taking the first chunk before answering turns the engine's refusal (a RequestError)
+    Taking the first chunk before answering turns the pipeline's refusal (a RequestError)
     into an HTTP error instead of a broken stream.
     """
 
@@ -34,7 +34,7 @@ class Generations:
         self._timers = timers
 
     @classmethod
-    async def start(cls, engine: Engine, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
+    async def start(cls, pipeline: PipelineClient, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
                     started: float) -> "Generations":
         """Submit every input and take each one's first chunk (the scheduler pool bounds the Submits in flight).
 
@@ -43,8 +43,8 @@ class Generations:
         in input order is raised. Admission control takes the inputs whole or refuses them all
         (RequestError "resource_exhausted").
         """
-        with engine.admit(len(inputs)) as admission:  # until every generation has started or never will
-            iterators = [engine.generate(inp, admission) for inp in inputs]
+        with pipeline.admit(len(inputs)) as admission:  # until every generation has started or never will
+            iterators = [pipeline.generate(inp, admission) for inp in inputs]
             reads = [asyncio.ensure_future(anext(it)) for it in iterators]
             try:
                 await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
@@ -114,7 +114,7 @@ _closing: set[asyncio.Task] = set()  # strong references to close tasks in fligh
 
 
 async def _close(iterators: list[AsyncIterator[Chunk]], pending: Iterable[asyncio.Future] = ()) -> None:
-    """Close the engine iterators (aborting unfinished requests), after the pending reads on them end.
+    """Close the pipeline iterators (aborting unfinished requests), after the pending reads on them end.
 
     The pending reads' outcomes (results, exceptions, cancellations) are all retrieved
     here. The closing runs as its own task behind a shield: the caller is often being

@@ -73,7 +73,7 @@ class OpenAIRequest(SamplingFields):
         return "max_tokens"
 
     def scheduler_fields(self) -> dict[str, str]:
-        """The scheduler's field names -> this request's (see engine.GenerateInput.fields)."""
+        """The scheduler's field names -> this request's (see pipeline.GenerateInput.fields)."""
         return {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field,
                 **{f"logprob.{name}": "logprobs" for name in scheduler_pb2.LogprobParams.DESCRIPTOR.fields_by_name}}
 

@@ -92,7 +92,7 @@ class GenerateRequest(BaseModel):
         return f"sampling_params[{i}]" if isinstance(self.sampling_params, list) else "sampling_params"
 
     def scheduler_fields(self, i: int) -> dict[str, str]:
-        """The scheduler's field names -> this request's, for prompt i (see engine.GenerateInput.fields)."""
+        """The scheduler's field names -> this request's, for prompt i (see pipeline.GenerateInput.fields)."""
         return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": ""}
 
     def check_logprob_start_len(self, prompt_len: int) -> None:

@@ -1,6 +1,6 @@
-"""The gateway's engine: submits requests to schedulers, gathers their outputs.
+"""The gateway's pipeline: submits requests to schedulers, gathers their outputs.
 
-One Engine per gateway process. It owns the scheduler pool (submit, abort, load
+One PipelineClient per gateway process. It owns the scheduler pool (submit, abort, load
 balancing, health) and one output stream per detokenizer, on which arrive the
 StepOutputs of the requests this gateway owns. Each request's outputs are copied
 into buffers sized for its whole output (accumulator.py). A streaming request's
@@ -87,7 +87,7 @@ class Chunk:
 
 
 @dataclass
-class RequestState:
+class GenerationState:
     rid: str
     inp: GenerateInput
     started_at: float
@@ -97,7 +97,7 @@ class RequestState:
     prompt_sent: bool = False
     result: RequestResult | None = None
     failure: str | None = None  # why the request failed (a server-side fault)
-    abort_requested: bool = False  # by Engine.abort: stopped in its scheduler as soon as it has one
+    abort_requested: bool = False  # by PipelineClient.abort: stopped in its scheduler as soon as it has one
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -107,13 +107,13 @@ class RequestState:
 
 @dataclass
 class Admission:
-    """Room for `count` generations, reserved whole before any of them starts (Engine.admit)."""
+    """Room for `count` generations, reserved whole before any of them starts (PipelineClient.admit)."""
 
     count: int
     started: int = 0
 
 
-class Engine:
+class PipelineClient:
     def __init__(self, config: GatewayConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
@@ -122,8 +122,8 @@ class Engine:
                                         delivering=lambda address: address in self._connected_detokenizers)
         self.model_info: scheduler_pb2.ModelInfo | None = None
         self.model_name = config.served_model_name or ""
-        self._requests: dict[str, RequestState] = {}
-        self._reserved = 0  # generations admitted (Engine.admit) that have not started yet
+        self._requests: dict[str, GenerationState] = {}
+        self._reserved = 0  # generations admitted (PipelineClient.admit) that have not started yet
         # Refusals by admission control: requests past this gateway's limit, submits a scheduler refused.
         self.rejected = {"gateway": 0, "scheduler": 0}
         self._connected_detokenizers: set[str] = set()
@@ -198,7 +198,7 @@ class Engine:
         else:
             self._check_room(1)
         rid = uuid.uuid4().hex
-        state = RequestState(rid=rid, inp=inp, started_at=time.perf_counter(),
+        state = GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
                              outputs=Accumulator(inp.logprob, inp.sampling.max_new_tokens))
         self._requests[rid] = state
         request = scheduler_pb2.TokenizedRequest(
@@ -253,7 +253,7 @@ class Engine:
             field = dict(exc.trailing_metadata() or ()).get(FIELD_METADATA)
             raise RequestError(status, *rename_field(field, detail, fields)) from None
 
-    def _take_chunk(self, state: RequestState) -> Chunk:
+    def _take_chunk(self, state: GenerationState) -> Chunk:
         result = state.result
         if result is not None and not state.outputs.read_any:  # one chunk: the whole output
             chunk = Chunk(token_ids=result.output_ids, text=result.text, rid=state.rid, output=result.output,
@@ -338,7 +338,7 @@ class Engine:
         for rid in woken:
             self._requests[rid].wakeup.set()
 
-    def _finish(self, state: RequestState, finish: scheduler_pb2.Finish) -> None:
+    def _finish(self, state: GenerationState, finish: scheduler_pb2.Finish) -> None:
         if finish.reason == FinishReason.FINISH_REASON_ERROR:
             return self._fail(state, finish.message)
         held = len(state.outputs.token_ids)
@@ -368,7 +368,7 @@ class Engine:
             result.error = finish.message or "aborted"
         state.result = result
 
-    def _fail(self, state: RequestState, why: str) -> None:
+    def _fail(self, state: GenerationState, why: str) -> None:
         """End the request with an error (a server-side fault); its generate() raises it."""
         if not state.ended:
             log.warning("request %s failed: %s", state.rid, why)
@@ -388,7 +388,7 @@ class Engine:
                 self._fail(state, why)
 
 
-def _prompt_track(state: RequestState, rows: MessageRows, i: int) -> LogprobTrack:
+def _prompt_track(state: GenerationState, rows: MessageRows, i: int) -> LogprobTrack:
     """Request i's prompt logprobs: rows for positions [start + null_prefix, L)."""
     logprob, ids = state.inp.logprob, state.inp.input_ids
     entry = rows.entry(i)
