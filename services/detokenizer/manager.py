@@ -143,11 +143,15 @@ class DetokenizerManager:
 
     def drop_scheduler(self, scheduler: str, why: str) -> OwnedStep:
         """Its requests cannot go on (it restarted, or stayed away): fail them and tell their owners."""
-        owned = OwnedStep(scheduler_pb2.StepOutput())
-        for rid in [rid for rid, state in self.requests.items() if state.scheduler == scheduler]:
-            owned.finished.append((self.requests[rid].owner, self._fail(rid, why)))
         for rid in [rid for rid, address in self.stopped.items() if address == scheduler]:
             del self.stopped[rid]
+        return self.fail([rid for rid, state in self.requests.items() if state.scheduler == scheduler], why)
+
+    def fail(self, rids, why: str) -> OwnedStep:
+        """Fail those of `rids` running here (FINISH_REASON_ERROR to their owners)."""
+        owned = OwnedStep(scheduler_pb2.StepOutput())
+        for rid in [rid for rid in rids if rid in self.requests]:
+            owned.finished.append((self.requests[rid].owner, self._fail(rid, why)))
         return owned
 
     def drop_owner(self, owner: str) -> list[tuple[str, str]]:

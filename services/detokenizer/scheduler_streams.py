@@ -10,10 +10,12 @@ with another instance id than before, it restarted and `on_restarted` is told fi
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import grpc
 
 from services.common.discovery import resolve
+from services.common.follow import follow_stream
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
 from services.detokenizer.config import DetokenizerConfig
@@ -24,9 +26,11 @@ ABORT_TIMEOUT_S = 10.0
 
 class SchedulerStreams:
     def __init__(self, config: DetokenizerConfig, on_step: Callable[[scheduler_pb2.StepOutput, str], Awaitable[None]],
-                 on_lost: Callable[[str], None], on_restarted: Callable[[str], None]):
+                 on_failure: Callable[[scheduler_pb2.StepOutput, str], None], on_lost: Callable[[str], None],
+                 on_restarted: Callable[[str], None]):
         self.config = config
         self._on_step = on_step
+        self._on_failure = on_failure
         self._on_lost = on_lost
         self._on_restarted = on_restarted
         self._instances: dict[str, str] = {}  # replica -> instance id last subscribed to
@@ -86,32 +90,29 @@ class SchedulerStreams:
                                  internal_secret=self.config.internal_secret)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._stubs[address] = stub
-        backoff = 0.1
+
+        @asynccontextmanager
+        async def subscribe():
+            call = stub.StreamSteps(scheduler_pb2.StreamStepsRequest())
+            try:
+                # A unary round trip on the same connection, answered after the stream was opened,
+                # means the scheduler has registered this subscriber: from now on no request it
+                # accepts can be missed.
+                info = await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
+                if self._instances.setdefault(address, info.instance_id) != info.instance_id:
+                    self._instances[address] = info.instance_id
+                    self._on_restarted(address)
+                self._connected.add(address)
+                log.info("subscribed to scheduler %s", address)
+                yield call
+            finally:
+                self._connected.discard(address)
+                self._on_lost(address)
+                call.cancel()
+
         try:
-            while True:
-                call = stub.StreamSteps(scheduler_pb2.StreamStepsRequest())
-                try:
-                    # A unary round trip on the same connection, answered after the stream was
-                    # opened, means the scheduler has registered this subscriber: from now on no
-                    # request it accepts can be missed.
-                    info = await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
-                    if self._instances.setdefault(address, info.instance_id) != info.instance_id:
-                        self._instances[address] = info.instance_id
-                        self._on_restarted(address)
-                    self._connected.add(address)
-                    log.info("subscribed to scheduler %s", address)
-                    backoff = 0.1
-                    async for step in call:
-                        await self._on_step(step, address)
-                    log.warning("scheduler %s ended its step stream", address)
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("scheduler %s stream: %s %s", address, exc.code(), exc.details())
-                finally:
-                    self._connected.discard(address)
-                    self._on_lost(address)
-                    call.cancel()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.reconnect_max_s)
+            await follow_stream(f"scheduler {address}", subscribe, lambda step: self._on_step(step, address),
+                                lambda step: self._on_failure(step, address), self.config.reconnect_max_s)
         finally:
             self._stubs.pop(address, None)
             await channel.close()

@@ -67,7 +67,7 @@ class Pipeline:
         self.manager = manager
         self.router = router
         self.config = config
-        self.streams = SchedulerStreams(config, self.on_step, self.on_lost, self.on_restarted)
+        self.streams = SchedulerStreams(config, self.on_step, self.on_step_failed, self.on_lost, self.on_restarted)
         self._lost_since: dict[str, float] = {}  # scheduler -> when its stream broke
 
     async def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
@@ -92,6 +92,15 @@ class Pipeline:
                     self.router.cut(owner)
                 return
             await asyncio.sleep(BACKPRESSURE_POLL_S)
+
+    def on_step_failed(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
+        """Processing the step raised (a bug): its requests' state here is in doubt, so they fail and stop."""
+        rids = {*step.rids, *step.prompt_rids, *(finish.rid for finish in step.finished),
+                *(resume.start.rid for resume in step.resumed)}
+        owned = self.manager.fail(rids, f"detokenizer: failed to process a step of scheduler {scheduler}")
+        self.router.publish(owned)
+        for _, finish in owned.finished:
+            self.streams.abort(scheduler, scheduler_pb2.AbortRequest(rid=finish.rid))
 
     def on_lost(self, scheduler: str) -> None:
         """Its stream broke: keep its requests, the resubscription replays what they miss."""

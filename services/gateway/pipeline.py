@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +27,7 @@ import numpy as np
 
 from services.common.arrays import I32
 from services.common.discovery import INSTANCE_METADATA
+from services.common.follow import follow_stream
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import FIELD_METADATA, create_channel
@@ -268,17 +269,18 @@ class PipelineClient:
     # -- outputs ----------------------------------------------------------------------------------------
 
     async def _listen(self, address: str) -> None:
-        """Consume this gateway's outputs from one detokenizer, reconnecting on failure.
+        """Consume this gateway's outputs from one detokenizer, resubscribing when the stream ends.
 
         Reconnection retries fast (loopback or a cluster network: an attempt is cheap), since
         requests wait for it only up to the hop timeout."""
-        backoff = 0.1
-        while True:
+
+        @asynccontextmanager
+        async def subscribe():
             channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
                                      internal_secret=self.config.internal_secret)
-            stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
             try:
-                call = stub.StreamOutputs(detokenizer_pb2.StreamOutputsRequest(owner=self.owner))
+                call = detokenizer_pb2_grpc.DetokenizerStub(channel).StreamOutputs(
+                    detokenizer_pb2.StreamOutputsRequest(owner=self.owner))
                 instance = dict(await call.initial_metadata()).get(INSTANCE_METADATA)
                 if instance is not None and self._detokenizer_instances.get(address) == instance:
                     # The same process after a cut: what was in transit is lost and will not be replayed
@@ -288,22 +290,20 @@ class PipelineClient:
                 self._detokenizer_instances[address] = instance
                 self._connected_detokenizers.add(address)
                 self.schedulers.recheck()
-                backoff = 0.1
-                async for step in call:
-                    try:
-                        self._dispatch(step)
-                    except Exception:  # a bug must not end the stream: fail what this message concerned
-                        log.exception("dispatching a message from detokenizer %s failed", address)
-                        for rid in {*step.rids, *step.prompt_rids, *(finish.rid for finish in step.finished)}:
-                            if state := self._requests.get(rid):
-                                self._fail(state, "the gateway failed to take its outputs")
-            except grpc.aio.AioRpcError as exc:
-                log.warning("detokenizer %s stream ended: %s", address, exc.code())
+                yield call
             finally:
                 self._connected_detokenizers.discard(address)
                 await channel.close()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, DETOKENIZER_RECONNECT_MAX_S)
+
+        async def handle(step: scheduler_pb2.StepOutput) -> None:
+            self._dispatch(step)
+
+        def failed(step: scheduler_pb2.StepOutput) -> None:
+            for rid in {*step.rids, *step.prompt_rids, *(finish.rid for finish in step.finished)}:
+                if state := self._requests.get(rid):
+                    self._fail(state, "the gateway failed to take its outputs")
+
+        await follow_stream(f"detokenizer {address}", subscribe, handle, failed, DETOKENIZER_RECONNECT_MAX_S)
 
     def _dispatch(self, step: scheduler_pb2.StepOutput) -> None:
         """Work per message and per request in it; the arrays are copied with numpy, entry by entry."""

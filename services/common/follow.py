@@ -1,0 +1,45 @@
+"""Following a server stream for as long as the process runs.
+
+The detokenizer follows each scheduler's steps and the gateway each detokenizer's
+outputs the same way: subscribe, handle every message, and when the stream ends or
+breaks, subscribe again after a backoff. A handler that raises (a bug) fails what
+that one message concerned (`on_failure`) and the stream goes on: one bad message
+must not end a consumer, and with it every request behind it, for good.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+FIRST_BACKOFF_S = 0.1
+M = TypeVar("M")
+
+
+async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextManager[AsyncIterator[M]]],
+                        handle: Callable[[M], Awaitable[None]], on_failure: Callable[[M], None],
+                        max_backoff_s: float) -> None:
+    """Forever: `async with subscribe() as messages`, `await handle(message)` for each; reconnect on an end.
+
+    `subscribe` opens the stream and confirms the subscription (raising grpc.aio.AioRpcError when it
+    cannot); its exit runs however the stream ended, so it keeps the consumer's connected state."""
+    backoff = FIRST_BACKOFF_S
+    while True:
+        try:
+            async with subscribe() as messages:
+                backoff = FIRST_BACKOFF_S
+                async for message in messages:
+                    try:
+                        await handle(message)
+                    except Exception:
+                        log.exception("%s: handling a message failed; failing what it concerned", name)
+                        on_failure(message)
+                log.warning("%s ended its stream", name)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s stream: %s %s", name, exc.code(), exc.details())
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, max_backoff_s)
