@@ -46,7 +46,6 @@ from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.gateway.accumulator import Accumulator
 from services.gateway.config import GatewayConfig
-from services.gateway.grpc_api import track_to_block
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.pipeline import GenerateInput, GenerationState, PipelineClient
 from services.gateway.render import LogprobFormat, chat_logprobs, dumps, logprob_meta_info
@@ -198,7 +197,7 @@ def _packed(result: RequestResult) -> generate_pb2.GenerateResponsePacked:
         rid=result.rid, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
         token_ids=np.asarray(result.output_ids, dtype=I32).tobytes(), text=result.text,
         finish_reason=arrays_pb2.FINISH_REASON_LENGTH)
-    response.output.CopyFrom(track_to_block(result.output))
+    response.output.CopyFrom(result.output.to_block())
     return response
 
 

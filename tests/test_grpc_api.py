@@ -8,7 +8,6 @@ import pytest
 
 from services.common.pb import generate_pb2
 from services.gateway.client import FlatwireClient
-from services.gateway.grpc_api import track_to_block
 from services.gateway.result import LogprobTrack
 
 PROMPT = "gRPC clients get the arrays raw"
@@ -88,7 +87,7 @@ def test_minus_inf_survives_the_public_message():
     track = LogprobTrack(token_ids=np.array([3, 4], dtype=np.int32), token_logprobs=values[:, 0].copy(),
                          topk_values=values, topk_ids=np.array([[3, 7], [4, 8]], dtype=np.int32),
                          ids_logprobs=np.zeros((2, 0), dtype=np.float32))
-    wire = generate_pb2.GenerateResponsePacked(output=track_to_block(track)).SerializeToString()
+    wire = generate_pb2.GenerateResponsePacked(output=track.to_block()).SerializeToString()
     typed = generate_pb2.GenerateResponse.FromString(wire)
     assert np.array(typed.output.topk_values, dtype=np.float32).tobytes() == values.tobytes()
     assert list(typed.output.topk_ids) == [3, 7, 4, 8]

@@ -38,15 +38,7 @@ def _track(block: arrays_pb2.LogprobBlock, token_ids: np.ndarray) -> LogprobTrac
     if not block.rows:
         return None
     arrays = decode_block(block)
-    n, k, m = int(arrays.rows[0]), int(arrays.topk[0]), int(arrays.id_counts[0])
-    return LogprobTrack(
-        token_ids=token_ids,
-        token_logprobs=arrays.token_logprobs,
-        topk_values=arrays.topk_values.reshape(n, k),
-        topk_ids=arrays.topk_ids.reshape(n, k),
-        ids_logprobs=arrays.ids_logprobs.reshape(n, m),
-        null_prefix=int(arrays.null_prefix[0]),
-    )
+    return LogprobTrack.of_request(arrays, token_ids, int(arrays.topk[0]), int(arrays.id_counts[0]))
 
 
 def _generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[int] | None) -> Generation:
@@ -55,7 +47,7 @@ def _generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[i
     if prompt is not None and input_ids is not None:
         prompt.token_ids = np.asarray(input_ids[len(input_ids) - len(prompt.token_logprobs):], dtype=I32)
     finish = FINISH_NAMES.get(response.finish_reason)
-    matched = None
+    matched: int | str | None = None
     if response.finish_reason == arrays_pb2.FINISH_REASON_STOP_TOKEN:
         matched = response.matched_token
     elif response.finish_reason == arrays_pb2.FINISH_REASON_STOP_STRING:

@@ -12,7 +12,7 @@ from functools import cached_property
 import grpc
 import numpy as np
 
-from services.common.arrays import F32, I32
+from services.common.arrays import I32
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
 from services.common.pb import arrays_pb2, generate_pb2, scheduler_pb2
 from services.gateway.http.generate import generate_input
@@ -21,7 +21,6 @@ from services.gateway.pipeline import GenerateInput, PipelineClient, RequestErro
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
-from services.gateway.result import LogprobTrack
 
 SERVICE_NAME = "flatwire.v1.Generation"
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -77,19 +76,6 @@ def _refusal(exc: InvalidRequest) -> RequestError:
     return RequestError("invalid_argument", exc.param, message)
 
 
-def track_to_block(track: LogprobTrack) -> arrays_pb2.LogprobBlock:
-    return arrays_pb2.LogprobBlock(
-        rows=[len(track.token_ids)],
-        null_prefix=[track.null_prefix],
-        token_logprobs=np.ascontiguousarray(track.token_logprobs, dtype=F32).tobytes(),
-        topk=[track.k],
-        topk_values=np.ascontiguousarray(track.topk_values, dtype=F32).tobytes(),
-        topk_ids=np.ascontiguousarray(track.topk_ids, dtype=I32).tobytes(),
-        id_counts=[track.ids_logprobs.shape[1]],
-        ids_logprobs=np.ascontiguousarray(track.ids_logprobs, dtype=F32).tobytes(),
-    )
-
-
 class GenerationService:
     def __init__(self, pipeline: PipelineClient):
         self.pipeline = pipeline
@@ -140,18 +126,13 @@ class GenerationService:
                     continue
                 response = generate_pb2.GenerateResponsePacked(
                     rid=chunk.rid, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-                if request.stream:
-                    response.token_ids = np.asarray(chunk.token_ids, dtype=I32).tobytes()
-                    response.text = chunk.text
-                    output, prompt = chunk.output, chunk.prompt
-                else:
-                    response.token_ids = np.asarray(result.output_ids, dtype=I32).tobytes()
-                    response.text = result.text
-                    output, prompt = result.output, result.prompt
-                if output is not None:
-                    response.output.CopyFrom(track_to_block(output))
-                if prompt is not None:
-                    response.prompt.CopyFrom(track_to_block(prompt))
+                # Without stream, the only chunk is the whole output (the pipeline wakes it once, at the end).
+                response.token_ids = np.asarray(chunk.token_ids, dtype=I32).tobytes()
+                response.text = chunk.text
+                if chunk.output is not None:
+                    response.output.CopyFrom(chunk.output.to_block())
+                if chunk.prompt is not None:
+                    response.prompt.CopyFrom(chunk.prompt.to_block())
                 if result is not None:
                     self._set_finish(response, result)
                 yield response

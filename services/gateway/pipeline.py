@@ -393,13 +393,7 @@ def _prompt_track(state: GenerationState, rows: MessageRows, i: int) -> LogprobT
     logprob, ids = state.inp.logprob, state.inp.input_ids
     entry = rows.entry(i)
     start, null_prefix = max(logprob.logprob_start_len, 0), int(entry.null_prefix[0])
-    n, k, m = int(entry.rows[0]), logprob.top_logprobs_num, len(logprob.token_ids_logprob)
-    return LogprobTrack(
-        token_ids=np.asarray(ids[start + null_prefix:], dtype=I32),
-        token_logprobs=entry.token_logprobs,
-        topk_values=entry.topk_values.reshape(n, k),
-        topk_ids=entry.topk_ids.reshape(n, k),
-        ids_logprobs=entry.ids_logprobs.reshape(n, m),
-        null_prefix=null_prefix,
-        null_token_ids=np.asarray(ids[start:start + null_prefix], dtype=I32),
-    )
+    track = LogprobTrack.of_request(entry, np.asarray(ids[start + null_prefix:], dtype=I32),
+                                    logprob.top_logprobs_num, len(logprob.token_ids_logprob))
+    track.null_token_ids = np.asarray(ids[start:start + null_prefix], dtype=I32)
+    return track

@@ -1,15 +1,18 @@
 """What the gateway gathers for one request, and hands to the renderers.
 
-Logprob rows arrive as slices of each message's LogprobBlock and are copied into
-one LogprobTrack per request, allocated for its whole output (accumulator.py);
-renderers get views of it.
+A request's logprobs are one LogprobTrack per side (prompt, output): the per-request
+form of the LogprobBlock struct of arrays (services/common/arrays.py, the wire form
+of many requests). Rows arrive as entries of each message's block and are copied into
+a track allocated for the whole output (accumulator.py); renderers get views of it,
+the public gRPC API and its client convert it to and from one-request blocks.
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.arrays import F32, I32, LogprobArrays
+from services.common.arrays import F32, I32, LogprobArrays, encode_block
+from services.common.pb import arrays_pb2
 from services.common.pb.arrays_pb2 import FinishReason
 
 # How SGLang and OpenAI name a finish reason: the renderers' words for the FinishReason they are given.
@@ -41,6 +44,23 @@ class LogprobTrack:
     @property
     def k(self) -> int:
         return self.topk_values.shape[1]
+
+    @classmethod
+    def of_request(cls, rows: LogprobArrays, token_ids: np.ndarray, k: int, m: int) -> "LogprobTrack":
+        """One request's rows of a decoded block (arrays.request_slice), as views shaped [n, k] / [n, m]."""
+        n = len(rows.token_logprobs)
+        return cls(token_ids=token_ids, token_logprobs=rows.token_logprobs, topk_values=rows.topk_values.reshape(n, k),
+                   topk_ids=rows.topk_ids.reshape(n, k), ids_logprobs=rows.ids_logprobs.reshape(n, m),
+                   null_prefix=int(rows.null_prefix[0]) if len(rows.null_prefix) else 0)
+
+    def to_block(self) -> arrays_pb2.LogprobBlock:
+        """A one-request block (the public gRPC API's packed response)."""
+        one = np.ones(1, dtype=np.int64)
+        return encode_block(LogprobArrays(
+            rows=one * len(self.token_logprobs), null_prefix=one * self.null_prefix,
+            token_logprobs=self.token_logprobs, topk=one * self.k, topk_values=self.topk_values.reshape(-1),
+            topk_ids=self.topk_ids.reshape(-1), id_counts=one * self.ids_logprobs.shape[1],
+            ids_logprobs=self.ids_logprobs.reshape(-1)))
 
     @classmethod
     def allocate(cls, n: int, k: int, m: int) -> "LogprobTrack":
@@ -76,7 +96,7 @@ class RequestResult:
     prompt_tokens: int
     output_ids: list[int]
     text: str
-    finish_reason: FinishReason.ValueType | None  # LENGTH, STOP_TOKEN, STOP_STRING or ABORT; None while running
+    finish_reason: FinishReason | None  # LENGTH, STOP_TOKEN, STOP_STRING or ABORT; None while running
     matched_stop: int | str | None = None  # the stop token id (STOP_TOKEN) or stop string (STOP_STRING)
     output: LogprobTrack | None = None  # set when return_logprob
     prompt: LogprobTrack | None = None  # set when logprob_start_len >= 0
