@@ -8,7 +8,7 @@ from services.common.pb import scheduler_pb2
 from services.gateway.protocol.limits import check_stop
 from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, check_token_ids
 
-StopStrings = str | list[str] | None
+StopValue = str | list[str] | None
 
 
 def _check_top_k(value: int) -> int:
@@ -30,7 +30,7 @@ def _check_stop_token_ids(value: list[int] | None, info: ValidationInfo) -> list
 TopK = Annotated[int, AfterValidator(_check_top_k)]
 Float32 = Annotated[float, AfterValidator(_check_float32)]
 StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)]
-Stop = Annotated[StopStrings, AfterValidator(check_stop)]  # at most max_stop_strings of max_stop_length
+Stop = Annotated[StopValue, AfterValidator(check_stop)]  # at most max_stop_strings of max_stop_length
 
 
 def _neutral_text(value) -> str:
@@ -55,7 +55,7 @@ def choice_seed(seed: int | None, j: int) -> int | None:
     return None if seed is None else (seed + j) % 2**64
 
 
-def stop_list(stop: StopStrings) -> list[str]:
+def stop_list(stop: StopValue) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else stop
