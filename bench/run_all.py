@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md with their tables, profiles and plots.
 
-    python -m bench.run_all       # about 15 minutes on 2 cores; progress on stderr
+    python -m bench.run_all       # about 30 minutes on 2 cores; progress on stderr
 
 Each benchmark runs as its own process (python -m bench.<name>, one after the other, so
 none competes with another for the cores) and writes bench/out/<name>.md and .json;
@@ -21,7 +21,7 @@ from bench import plots
 from bench.common import OUT_DIR, Progress, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["hop", "replay", "step_codec", "e2e"]
+BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
 
@@ -103,17 +103,19 @@ def targets_summary() -> str:
 ANALYSIS = """\
 ### Where targets are missed, and why
 
-- **The detokenize and accumulate columns are per-step work, and they are what misses "10x below SGLang's
-  flat figure".** flatwire streams one StepOutput per model step (DESIGN.md, wire rule 1), so a
-  1000-token response crosses the detokenizer and the gateway's accumulation 1000 times, as it does in a
-  real SGLang deployment too; SGLang's reference replay fed its code 50-token chunks (20 calls). These
-  columns barely move from k=32 to k=128 (same steps, 4x the bytes) and fall several-fold from B=1 to
-  B=32, where 32 requests share each message: a fixed cost per step, not per candidate. The profiles
-  below name it: in the detokenizer, mostly the Rust tokenizer's own `decode_batch` (two batched calls
-  per step, SGLang's algorithm; transformers' Python wrapper is already bypassed); in the gateway, four
-  memoryview slices per request per step, joined once per chunk and once at the end. The part SGLang's
-  flat figure is dominated by, building and serializing the response, is 100x below it (`build` +
-  `serialize` columns).
+- **Per message, not per token.** A request that does not stream ships its tokens and rows 50 at a time
+  (the scheduler's `--output-interval`, as SGLang ships non-streaming outputs), so a 1000-token response
+  crosses the detokenizer and the gateway in 20 entries, and the gateway wakes its request once. The
+  replay's streamed table puts the same response through a token per message: that is what a streaming
+  client costs. What remains per entry is a fixed cost (the profiles below: the tokenizer's own
+  `decode_batch` in the detokenizer, two batched calls per message; numpy slice copies into the request's
+  buffers in the gateway), so the columns barely move from k=32 to k=128.
+- **Capacity** (a synthetic scheduler at 10 ms steps, C concurrent clients, real detokenizer and gateway):
+  non-streaming requests are delivered at the offered rate up to C=512 at k=128 flat base64; the same run
+  with `--output-interval 1` (a message per token, everything else equal) shows what coalescing saves.
+  Streaming delivery is per token and costs the gateway more (an SSE event per token, SGLang's cumulative
+  `text` and `output_ids` in each); nested rows while streaming are re-sent whole in every event (SGLang's
+  format), which is quadratic in the length: the streaming rows at k=128 nested show it.
 - **Flat base64 build + serialize vs the floor** includes `output_token_logprobs`, the per-token
   `[logprob, id, null]` rows every SGLang response carries whatever k is. The top-k fields' own share
   (the response minus the same response at k=0) is within 3x of the floor (replay targets).
@@ -161,6 +163,22 @@ def headlines() -> str:
                 lines.append(f"- End to end, {row['part']}: {row['mode']} {row['vs_k0']:.2f}x the k=0 time "
                              f"({row['median_s']:.1f} s); gateway busiest second {row['peak_cores']['gateway']:.2f} "
                              f"cores.")
+    capacity = _results("capacity")
+    if capacity:
+        rows = {(r["concurrency"], r["k"], r["format"], r["mode"], r.get("interval", 50)): r
+                for r in capacity["rows"] if r["supported"]}
+        for interval in (50, 1):
+            row = rows.get((512, 128, "flat_b64", "nonstream", interval))
+            if row:
+                us = row["us_per_token"]
+                lines.append(f"- Capacity, C=512 k=128 flat base64, a message per {interval} tokens: "
+                             f"{row['delivered_tok_s']:,.0f} of {row['offered_tok_s']:,.0f} tokens/s offered; CPU per "
+                             f"token: detokenizer {us['detokenizer']:.1f} us, gateway {us['gateway']:.1f} us.")
+    stop_waste = _results("stop_waste")
+    if stop_waste:
+        for row in stop_waste["rows"]:
+            lines.append(f"- Stop strings at {row['step_ms']:g} ms steps: {row['wasted_mean']:.1f} tokens generated "
+                         f"past the match on average (max {row['wasted_max']}).")
     hop = _results("hop")
     if hop:
         target = next(h for h in hop["hops"] if h["shape"] == {"requests": 32, "k": 128, "rows": 1, "prompt": False})
@@ -180,7 +198,7 @@ def assemble(profiles: dict[str, str]) -> str:
     parts = [
         "# Benchmarks",
         "",
-        f"Made by `{COMMAND}` (about 15 minutes here; `--skip NAME...` reuses earlier results). "
+        f"Made by `{COMMAND}` (about 30 minutes here; `--skip NAME...` reuses earlier results). "
         f"Machine: {machine_line()}. "
         "The machine is shared with other work: each table carries the load average when it finished; "
         "timings are medians of interleaved repeats, and the targets are judged on ratios from the same run.",
