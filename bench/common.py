@@ -2,8 +2,8 @@
 
 Every benchmark in bench/ times with `measure`, reports with `Table`, and writes
 bench/out/<name>.md and bench/out/<name>.json with `write_results`, so the lead
-can assemble BENCHMARKS.md from the same files. Machines are noisy (DESIGN.md,
-Measuring): report medians and ratios from the same run, never single timings.
+can assemble BENCHMARKS.md from the same files. Machines are noisy: report medians
+and ratios from the same run, never single timings.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""The typed/bytes twin (DESIGN.md, wire rule 3): typed views and bytes views of the
+"""The typed/bytes twin (docs/architecture.md, wire rule 3): typed views and bytes views of the
 same messages parse as each other, bit for bit, -inf included."""
 
 import numpy as np

@@ -1,7 +1,7 @@
 """numpy <-> LogprobBlock codecs: the flat arrays on every hop.
 
 Floats are little-endian float32 and ids little-endian int32 everywhere
-(DESIGN.md, wire rules). Decoding is zero-copy (`np.frombuffer` over the message's
+(docs/architecture.md, wire rules). Decoding is zero-copy (`np.frombuffer` over the message's
 bytes); encoding is one `tobytes` per array. Nothing here loops over elements.
 """
 
