@@ -78,3 +78,11 @@ def http(stack) -> httpx.Client:
     """An HTTP client of the stack's gateway."""
     with httpx.Client(base_url=stack.http_url, timeout=300) as client:
         yield client
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Mark `process` every test that runs services as processes (through start_service, or a module
+    marked so): `python -m pytest -m "not process"` is the fast, in-process inner loop."""
+    for item in items:
+        if "start_service" in item.fixturenames:
+            item.add_marker(pytest.mark.process)

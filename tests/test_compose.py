@@ -28,6 +28,8 @@ from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
 from tests.procs import ROOT, ServiceProcess, free_port
 
+pytestmark = pytest.mark.process  # runs services as processes of its own
+
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 CONFIGS = {"scheduler": SchedulerConfig, "detokenizer": DetokenizerConfig, "gateway": GatewayConfig}

@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 
 from bench.faults import LONG_HOP_TIMEOUT_S, run_scenario, running
 
+pytestmark = pytest.mark.process  # runs services as processes of its own
+
 REQUESTS = 16
 TOKENS = 200
 HOP_TIMEOUT_S = 5.0  # the gateway's default

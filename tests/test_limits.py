@@ -26,6 +26,8 @@ from services.gateway.config import GatewayConfig
 from tests.conftest import Stack
 from tests.procs import free_port
 
+pytestmark = pytest.mark.process  # runs services as processes of its own
+
 DEFAULTS = GatewayConfig()
 MAX_BODY = DEFAULTS.max_request_mb * 1024 * 1024
 

@@ -17,6 +17,8 @@ import pytest
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from tests.procs import ServiceProcess, free_port
 
+pytestmark = pytest.mark.process  # runs services as processes of its own
+
 SCHEDULER_ARGS = ("--max-running-requests", "16")
 SHORT = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}

@@ -12,8 +12,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.procs import ServiceProcess, free_port
+
+pytestmark = pytest.mark.process  # runs services as processes of its own
 
 REQUEST = {"text": "a long one", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
 
