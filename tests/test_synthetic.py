@@ -13,14 +13,25 @@ STEP_MS = 5
 
 
 @pytest.fixture(scope="module")
-def http(start_service):
+def backend(start_service) -> tuple[str, str]:
+    """A synthetic scheduler and a detokenizer following it: (scheduler, detokenizer) addresses."""
     _, scheduler = start_service("scheduler", "--engine", "synthetic", "--step-ms", str(STEP_MS),
                                  "--max-running-requests", "8")
     _, detokenizer = start_service("detokenizer", "--schedulers", scheduler)
+    return scheduler, detokenizer
+
+
+def gateway(start_service, backend, *args: str) -> httpx.Client:
+    scheduler, detokenizer = backend
     grpc_port = free_port()
     _, address = start_service("gateway", "--schedulers", scheduler, "--detokenizers", detokenizer,
-                               "--grpc-port", str(grpc_port), health_port=grpc_port)
-    with httpx.Client(base_url=f"http://{address}", timeout=60) as client:
+                               "--grpc-port", str(grpc_port), *args, health_port=grpc_port)
+    return httpx.Client(base_url=f"http://{address}", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(start_service, backend):
+    with gateway(start_service, backend) as client:
         yield client
 
 
@@ -64,3 +75,25 @@ def test_model_info_is_the_checkpoints(http, model_dir):
     assert info["vocab_size"] == config["vocab_size"]
     assert info["eos_token_ids"] == config["eos_token_id"]
     assert info["device"] == "cpu" and info["dtype"] == "float32"
+
+
+def _stream(http, body: dict) -> list[dict]:
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        return [json.loads(line[len("data: "):]) for line in reply.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_stream_interval_sends_fewer_larger_chunks_with_the_same_result(http, start_service, backend):
+    """--stream-interval 5 (SGLang's): a streaming request ships 5 tokens per message; the events carry the
+    same cumulative text and ids, and end where the request without streaming ends."""
+    body = {"text": "Capacity planning without a GPU", "sampling_params": {"max_new_tokens": 23}}
+    whole = generate(http, **body)
+    per_token = _stream(http, body)
+    with gateway(start_service, backend, "--stream-interval", "5") as coarse_http:
+        coarse = _stream(coarse_http, body)
+    for events in (per_token, coarse):
+        assert events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
+    sizes = [len(event["output_ids"]) for event in coarse]
+    assert sizes == [5, 10, 15, 20, 23]  # 5 per message, then what is left when the request ends
+    assert len(per_token) == 23
