@@ -54,15 +54,17 @@ class Supervised:
     started_at: float = 0.0
     restart_at: float | None = None  # set while the service is down, waiting to be restarted
 
-    def start(self) -> None:
+    def start(self) -> subprocess.Popen:
         # The services handle SIGINT themselves; the launcher forwards it.
         self.proc = subprocess.Popen(self.command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         self.started_at = time.monotonic()
         self.restart_at = None
+        return self.proc
 
     def supervise(self, config: UpConfig) -> None:
         """Schedule a restart if the service has exited; do it once the delay is over."""
         now = time.monotonic()
+        assert self.proc is not None, "supervised before it was started"
         if self.restart_at is not None:
             if now >= self.restart_at:
                 print(f"flatwire up: restarting {self.name}", file=sys.stderr, flush=True)
@@ -124,9 +126,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     deadline = time.monotonic() + config.startup_timeout_s
     http = f"http://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:{config.port}"
     try:
-        for service in services:
-            service.start()
-        procs = [service.proc for service in services]
+        procs = [service.start() for service in services]
         _wait(lambda: check_health(scheduler), "the scheduler", procs, deadline)
         _wait(lambda: check_health(detokenizer), "the detokenizer", procs, deadline)
         _wait(lambda: _http_ok(f"{http}/health"), "the gateway", procs, deadline)

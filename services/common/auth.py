@@ -41,7 +41,8 @@ def bearer_token(authorization: str | bytes | None) -> str | bytes | None:
     """The token of `Bearer TOKEN` (scheme case-insensitive, RFC 6750), else None; bytes for bytes."""
     if not authorization:
         return None
-    scheme, _, token = authorization.strip().partition(b" " if isinstance(authorization, bytes) else " ")
+    stripped = authorization.strip()
+    scheme, _, token = stripped.partition(b" ") if isinstance(stripped, bytes) else stripped.partition(" ")
     return token.strip() if scheme.lower() in ("bearer", b"bearer") else None
 
 

@@ -10,10 +10,13 @@ import dataclasses
 import os
 import types
 import typing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "FLATWIRE_"
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def env_name(field_name: str) -> str:

@@ -16,6 +16,7 @@ import ctypes.util
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("flatwire.memory")
 BIG_REQUEST_BYTES = 1 << 20  # a request at least this large is followed by a trim
@@ -25,6 +26,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 
 _libc = None
+_malloc_trim: Callable[[int], int] | None = None
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     _malloc_trim = _libc.malloc_trim

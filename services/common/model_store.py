@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 DEFAULT_MODEL_NAME = "flatwire-default-qwen3-v1"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flatwire"
@@ -26,7 +27,7 @@ CHAT_TEMPLATE = (
 )
 
 # Small enough to decode fast on two CPU cores; the vocabulary is the real one.
-DEFAULT_ARCHITECTURE = dict(
+DEFAULT_ARCHITECTURE: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=4,
@@ -112,7 +113,8 @@ def _build_weights(target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(target)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        # convert_tokens_to_ids returns an int for one token (annotated int | list[int], for lists too)
+        eos_token_id=[cast(int, tokenizer.convert_tokens_to_ids(token)) for token in ("<|im_end|>", "<|endoftext|>")],
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         **DEFAULT_ARCHITECTURE,

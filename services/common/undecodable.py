@@ -15,6 +15,8 @@ deserializer) are left as they are.
 import contextlib
 import inspect
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -54,8 +56,9 @@ async def _refuse(request: Undecodable, context) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
-def _unary_request(behavior):
+def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     """Guards a behavior that takes one request message."""
+    guarded: Callable[..., Any]  # an async generator, a coroutine or a plain function, as the behavior is
     if inspect.isasyncgenfunction(behavior):
         async def guarded(request, context):
             if isinstance(request, Undecodable):
@@ -83,8 +86,9 @@ async def _checked(requests, context):
         yield request
 
 
-def _stream_request(behavior):
+def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any] | None:
     """Guards a behavior that reads a stream of requests (sync ones are left alone)."""
+    guarded: Callable[..., Any]  # an async generator or a coroutine, as the behavior is
     if inspect.isasyncgenfunction(behavior):
         async def guarded(requests, context):
             async with contextlib.aclosing(behavior(_checked(requests, context), context)) as responses:

@@ -14,7 +14,8 @@ BatchDecode = Callable[[list[list[int]], bool, bool], list[str]]
 def batch_decoder(tokenizer) -> BatchDecode:
     """f(sequences, skip_special_tokens, spaces_between_special_tokens) -> texts."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if hasattr(backend, "decode_batch") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if (backend is not None and hasattr(backend, "decode_batch")
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
         return lambda sequences, skip, spaces: backend.decode_batch(sequences, skip_special_tokens=skip)
     return lambda sequences, skip, spaces: tokenizer.batch_decode(
         sequences, skip_special_tokens=skip, spaces_between_special_tokens=spaces)

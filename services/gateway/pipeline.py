@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
@@ -191,7 +191,7 @@ class PipelineClient:
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerateInput, admission: Admission | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, inp: GenerateInput, admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
         """One generation's chunks. Admitted by `admission` (a batch's, from admit()), or here on its own."""
         if admission is not None and admission.started < admission.count:
             admission.started += 1

@@ -32,7 +32,7 @@ def _shrink(normalizer: dict | None) -> int | None:
     """How many times shorter (in UTF-8 bytes) the normalizer can make a text; None: unbounded."""
     if normalizer is None:
         return 1
-    kind = normalizer.get("type")
+    kind = normalizer.get("type", "")
     if kind == "Sequence":
         factor = 1
         for part in normalizer.get("normalizers", []):

@@ -39,6 +39,7 @@ def flat_batch_attention(module, query, key, value, attention_mask, scaling=None
                          flat_batch: FlatBatch | None = None, **kwargs):
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None)."""
     batch = flat_batch
+    assert batch is not None  # the model runner passes flat_batch to every forward
     keys = batch.cache.keys[module.layer_idx]
     values = batch.cache.values[module.layer_idx]
     # Advanced indices on dims 0 and 2 put the token dim first: [T, Hkv, D].

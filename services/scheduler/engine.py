@@ -43,12 +43,15 @@ class QueueFull(Exception):
 class StepRunner(Protocol):
     """What the engine runs steps on: the model (model_runner.ModelRunner) or a stand-in (synthetic.py)."""
 
-    cache: SlotPool
     max_context: int
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def cache(self) -> SlotPool:  # read-only here, so that the model's SlotKVCache qualifies
+        ...
 
     def step(self, decode: list[Request], prefill: list[Request]) -> dict[str, np.ndarray]:
         """Host arrays of one step over `decode` then `prefill` rows (keys: batch_step.run_step)."""
@@ -101,7 +104,7 @@ class Engine:
         self._inbox.put(request)
         return True
 
-    def abort(self, rid: str, reason: int, matched_stop: str) -> bool:
+    def abort(self, rid: str, reason: arrays_pb2.FinishReason, matched_stop: str) -> bool:
         """Ask the engine to drop a request at its next step; False when the rid is unknown."""
         with self._live_lock:
             if rid not in self._live:
@@ -177,7 +180,8 @@ class Engine:
                 return new, aborts
 
     def _admit(self) -> list[Request]:
-        admitted, budget = [], self.config.max_tokens_per_step
+        admitted: list[Request] = []
+        budget = self.config.max_tokens_per_step
         while self._waiting and self.runner.cache.free_slots:
             request = self._waiting[0]
             if admitted and request.prompt_len > budget:
@@ -205,7 +209,7 @@ class Engine:
         """The running or waiting request an abort is for."""
         return next((r for r in [*self._running, *self._waiting] if r.rid == abort.rid), None)
 
-    def _finish(self, request: Request, reason: int, matched_token: int = 0, matched_stop: str = "",
+    def _finish(self, request: Request, reason: arrays_pb2.FinishReason, matched_token: int = 0, matched_stop: str = "",
                 message: str = "") -> scheduler_pb2.Finish:
         if request.slot >= 0:
             self.runner.cache.release(request.slot)

@@ -60,8 +60,9 @@ class ModelRunner:
         if layer_types != {"full_attention"}:
             raise ValueError(f"{model_dir}: only full-attention models are supported, not {sorted(layer_types)}")
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation=ATTENTION_NAME).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
+        # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(text_config.vocab_size)

@@ -142,6 +142,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 async def serve(config: SchedulerConfig) -> None:
     resolve_internal_secret(config, log)
     model_dir = resolve_model(config.model, config.cache_dir)
+    runner: StepRunner
     if config.engine == "synthetic":
         runner = await asyncio.to_thread(SyntheticRunner, model_dir, config.max_context, config.max_running_requests,
                                          config.max_top_logprobs, config.step_ms)

@@ -15,7 +15,7 @@ from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
 from services.gateway.pipeline import Chunk, GenerateInput
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
-from services.gateway.protocol.parse import ModelLimits
+from services.gateway.protocol.parse import ModelLimits, is_id_lists
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
@@ -52,10 +52,10 @@ async def generate(request: Request) -> Response:
 
 async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]:
     prompts = req.prompts()
-    if req.text is not None:
-        ids = await encode_texts(gateway.pipeline.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
-    else:
+    if is_id_lists(prompts):  # input_ids (text prompts are strings, and a batch is never empty)
         ids = prompts
+    else:
+        ids = await encode_texts(gateway.pipeline.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
     inputs = [generate_input(req, i, prompt_ids, gateway.limits) for i, prompt_ids in enumerate(ids)]
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     return inputs

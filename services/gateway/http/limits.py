@@ -128,7 +128,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._header_timer = None
+        self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
 
     def on_response_complete(self) -> None:

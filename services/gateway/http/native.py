@@ -22,7 +22,7 @@ from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import encode_checked
 from services.gateway.pipeline import GenerateInput, RequestError
-from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids
+from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, is_id_lists
 
 log = logging.getLogger("flatwire.gateway")
 router = APIRouter()
@@ -84,6 +84,7 @@ async def server_info(request: Request) -> Response:
     scheduler_info's token capacity. bench_serving reads internal_states[0].get("avg_spec_accept_length")."""
     gateway = gateway_of(request)
     info, config, pipeline = gateway.pipeline.model_info, gateway.config, gateway.pipeline
+    assert info is not None  # fetched when the pipeline starts, before the server listens
     name = pipeline.model_name
     return _json({
         "version": _version(),
@@ -190,7 +191,7 @@ class DetokenizeRequest(BaseModel):
     @field_validator("tokens")
     @classmethod
     def _ids(cls, value: list[int] | list[list[int]], info: ValidationInfo) -> list[int] | list[list[int]]:
-        if value and isinstance(value[0], list):
+        if is_id_lists(value):
             check_batch_size("tokens", len(value), "its token lists", info)
             for ids in value:
                 check_token_ids(ids, info)
@@ -228,10 +229,11 @@ async def detokenize(request: Request) -> Response:
     gateway = gateway_of(request)
     req = await parse_body_off_loop(DetokenizeRequest, await request.body(), gateway.limits)
     _check_model(gateway, req.model)
-    nested = bool(req.tokens) and isinstance(req.tokens[0], list)
-    lists = req.tokens if nested else [req.tokens]
-    texts = await asyncio.to_thread(_decode, gateway.pipeline.tokenizer, lists, req.skip_special_tokens)
-    return _json({"text": texts if nested else texts[0]})
+    tokenizer, skip = gateway.pipeline.tokenizer, req.skip_special_tokens
+    if is_id_lists(req.tokens):
+        return _json({"text": await asyncio.to_thread(_decode, tokenizer, req.tokens, skip)})
+    texts = await asyncio.to_thread(_decode, tokenizer, [req.tokens], skip)
+    return _json({"text": texts[0]})
 
 
 # -- abort -----------------------------------------------------------------------------------------------

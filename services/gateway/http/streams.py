@@ -7,7 +7,7 @@ normally, fails, or is cancelled because the HTTP client went away.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from typing import TypeVar
 
 from fastapi import Request
@@ -26,7 +26,8 @@ class Generations:
     into an HTTP error instead of a broken stream.
     """
 
-    def __init__(self, inputs: list[GenerateInput], iterators: list[AsyncIterator[Chunk]], firsts: list[Chunk],
+    def __init__(self, inputs: list[GenerateInput], iterators: list[AsyncGenerator[Chunk, None]],
+                 firsts: list[Chunk],
                  timers: list[TokenTimer]):
         self.inputs = inputs
         self._iterators = iterators
@@ -56,8 +57,8 @@ class Generations:
             if not all(read.done() for read in reads):  # one failed: the rest are not wanted
                 for read in reads:
                     read.cancel()
-            failures = [read.exception() for read in reads if read.done() and not read.cancelled()
-                        and read.exception() is not None]
+            failures = [exc for read in reads
+                        if read.done() and not read.cancelled() and (exc := read.exception()) is not None]
             if failures:
                 await _close(iterators, reads)  # waits for the cancelled reads, retrieving their outcomes
                 raise failures[0]
@@ -79,7 +80,7 @@ class Generations:
                     pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in sorted(done, key=pending.get):
+                for future in sorted(done, key=pending.__getitem__):
                     i = pending.pop(future)
                     chunk = future.result()
                     self._timers[i].tokens(len(chunk.token_ids), time.perf_counter())
@@ -93,11 +94,11 @@ class Generations:
 
     async def results(self) -> list[RequestResult]:
         """Every generation's finished result, in input order."""
-        results: list[RequestResult | None] = [None] * len(self._iterators)
+        results: dict[int, RequestResult] = {}
         async for i, chunk in self.merged():
             if chunk.result is not None:
                 results[i] = chunk.result
-        return results
+        return [results[i] for i in range(len(self._iterators))]
 
     async def close(self) -> None:
         await _close(self._iterators)
@@ -113,7 +114,7 @@ class Generations:
 _closing: set[asyncio.Task] = set()  # strong references to close tasks in flight
 
 
-async def _close(iterators: list[AsyncIterator[Chunk]], pending: Iterable[asyncio.Future] = ()) -> None:
+async def _close(iterators: list[AsyncGenerator[Chunk, None]], pending: Iterable[asyncio.Future] = ()) -> None:
     """Close the pipeline iterators (aborting unfinished requests), after the pending reads on them end.
 
     The pending reads' outcomes (results, exceptions, cancellations) are all retrieved

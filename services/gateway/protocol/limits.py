@@ -77,9 +77,9 @@ def check_logprob_elements(inputs, limits, fields: LogprobFields) -> None:
         what = f"{sizes[0][0]} positions x {sizes[0][1]} values"
     else:
         what = f"{len(sizes)} generations"
-    positions = " + ".join(name for name in (fields.max_new_tokens, fields.prompt) if name)
-    values = " + ".join(name for name in (fields.top_k, fields.token_ids and f"len({fields.token_ids})") if name)
+    position_names = " + ".join(name for name in (fields.max_new_tokens, fields.prompt) if name)
+    value_names = " + ".join(name for name in (fields.top_k, fields.token_ids and f"len({fields.token_ids})") if name)
     count = f" x {fields.n}" if fields.n else ""
     raise InvalidRequest(param, f"{param}: the response would carry {total} logprob values ({what}); this server's "
-                                f"maximum (max_logprob_elements) is {limit}. It counts positions ({positions}) x "
-                                f"values per position ({values}){count}")
+                                f"maximum (max_logprob_elements) is {limit}. It counts positions ({position_names}) x "
+                                f"values per position ({value_names}){count}")

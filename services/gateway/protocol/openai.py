@@ -17,6 +17,7 @@ from services.gateway.protocol.parse import (
     check_batch_size,
     check_token_ids,
     check_top_k,
+    is_token_ids,
     limits_of,
 )
 from services.gateway.protocol.sampling import SamplingFields, unsupported
@@ -175,7 +176,9 @@ class CompletionRequest(OpenAIRequest):
 
     def prompts(self) -> list[str] | list[list[int]]:
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if isinstance(prompt, str):
+            return [prompt]
+        if is_token_ids(prompt):
             return [prompt]
         return prompt
 

@@ -5,11 +5,15 @@ the gateway's limits (sub-requests per HTTP request) reads a ModelLimits passed 
 pydantic validation context.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError, ValidationInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -75,7 +79,9 @@ def model_limits(model_info, config) -> ModelLimits:
 
 
 def limits_of(info: ValidationInfo) -> ModelLimits:
-    return info.context["limits"]
+    context = info.context
+    assert context is not None  # parse_data always validates with the limits as context
+    return context["limits"]
 
 
 def check_top_k(name: str, k: int, info: ValidationInfo) -> int:
@@ -98,6 +104,16 @@ def check_token_ids(ids: list[int], info: ValidationInfo) -> list[int]:
     if ids and (min(ids) < 0 or max(ids) >= vocab):
         raise ValueError(f"token ids must be in [0, {vocab})")
     return ids
+
+
+def is_id_lists(items: Sequence[object]) -> "TypeIs[list[list[int]]]":
+    """Token ids given as a list of lists rather than one list (an empty list is one list, of no ids)."""
+    return bool(items) and isinstance(items[0], list)
+
+
+def is_token_ids(items: Sequence[object]) -> "TypeIs[list[int]]":
+    """A prompt given as one (non-empty) list of token ids, not as texts or lists of ids."""
+    return bool(items) and isinstance(items[0], int)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

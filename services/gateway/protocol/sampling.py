@@ -65,11 +65,11 @@ class SamplingFields(BaseModel):
     """The sampling and detokenizing options /generate and the OpenAI routes share (SGLang's names,
     defaults and checks), and the scheduler messages built from them."""
 
-    temperature: Float32 = Field(1.0, ge=0.0, allow_inf_nan=False)  # below 1e-6: greedy (the scheduler)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: TopK = Field(-1, ge=-1, le=INT32_MAX)  # bounds in the schema too; 0 is refused as well
-    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    temperature: Float32 = Field(default=1.0, ge=0.0, allow_inf_nan=False)  # below 1e-6: greedy (the scheduler)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: TopK = Field(default=-1, ge=-1, le=INT32_MAX)  # bounds in the schema too; 0 is refused as well
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: Stop = None
     stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
@@ -105,5 +105,5 @@ class SamplingFields(BaseModel):
 class SamplingOptions(SamplingFields):
     """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
 
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
     n: Annotated[int | None, unsupported(None, 1)] = None  # one sample per prompt (no n on /generate yet)

@@ -5,7 +5,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.pb import scheduler_pb2
-from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k
+from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k, is_id_lists
 from services.gateway.protocol.sampling import SamplingOptions, unsupported
 
 
@@ -72,17 +72,18 @@ class GenerateRequest(BaseModel):
     def is_batch(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        return self.input_ids is not None and is_id_lists(self.input_ids)
 
     @property
     def batch_size(self) -> int:
-        prompts = self.text if self.text is not None else self.input_ids
-        return len(prompts) if self.is_batch else 1
+        return len(self.prompts())
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list (one entry when not a batch)."""
-        prompts = self.text if self.text is not None else self.input_ids
-        return prompts if self.is_batch else [prompts]
+        if self.text is not None:
+            return self.text if isinstance(self.text, list) else [self.text]
+        assert self.input_ids is not None  # the validator requires text or input_ids
+        return self.input_ids if is_id_lists(self.input_ids) else [self.input_ids]
 
     def sampling_for(self, i: int) -> SamplingOptions:
         return self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params

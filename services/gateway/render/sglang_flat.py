@@ -6,6 +6,8 @@ j is at flat[(i - null_prefix) * k + j]). JSON lists write -inf as null; base64 
 the little-endian float32 / int32 bytes as they are, -inf included.
 """
 
+from typing import Any
+
 import numpy as np
 import orjson
 import pybase64
@@ -18,6 +20,7 @@ from services.gateway.result import LogprobTrack
 def flat_top_logprobs(side: str, track: LogprobTrack, b64: bool) -> dict:
     """The fields for side "input" (prompt) or "output"."""
     prefix = f"{side}_top_logprobs"
+    fields: dict[str, Any]
     if b64:
         fields = {
             f"{prefix}_val_flat_b64": b64_text(track.topk_values, F32),
@@ -38,5 +41,6 @@ def flat_top_logprobs(side: str, track: LogprobTrack, b64: bool) -> dict:
 def b64_text(values: np.ndarray, dtype: np.dtype) -> orjson.Fragment:
     """A JSON string of the standard base64 of the array's little-endian bytes, encoded
     from the array in place and embedded as is (no str round trip)."""
-    encoded = pybase64.b64encode(np.ascontiguousarray(values, dtype=dtype))
+    # ndarray has the buffer protocol, but numpy declares __buffer__ only for Python >= 3.12
+    encoded = pybase64.b64encode(np.ascontiguousarray(values, dtype=dtype))  # type: ignore[arg-type]
     return orjson.Fragment(b"".join((b'"', encoded, b'"')))
