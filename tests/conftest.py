@@ -81,8 +81,8 @@ def http(stack) -> httpx.Client:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Mark `process` every test that runs services as processes (through start_service, or a module
-    marked so): `python -m pytest -m "not process"` is the fast, in-process inner loop."""
+    """Mark `slow` every test that runs services as processes through start_service (modules that start
+    processes otherwise mark themselves): `python -m pytest -m "not slow"` is the fast inner loop."""
     for item in items:
         if "start_service" in item.fixturenames:
-            item.add_marker(pytest.mark.process)
+            item.add_marker(pytest.mark.slow)

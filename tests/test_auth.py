@@ -21,7 +21,7 @@ from services.common.rpc import check_health, message_options
 from services.gateway.client import FlatwireClient
 from tests.procs import ServiceProcess, free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 SECRET = f"internal-{secrets.token_hex(8)}"
 API_KEY = f"sk-{secrets.token_hex(8)}"

@@ -28,7 +28,7 @@ from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
 from tests.procs import ROOT, ServiceProcess, free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"

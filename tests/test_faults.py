@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from bench.faults import LONG_HOP_TIMEOUT_S, run_scenario, running
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 REQUESTS = 16
 TOKENS = 200

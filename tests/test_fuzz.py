@@ -7,7 +7,7 @@ import pytest
 from bench import fuzz
 from bench.faults import running
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 CASES = 40
 

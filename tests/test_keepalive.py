@@ -14,7 +14,7 @@ import pytest
 from services.common.rpc import check_health
 from tests.procs import ServiceProcess, free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 KEEPALIVE = {"FLATWIRE_KEEPALIVE_S": "0.5"}
 IDLE_S = 6.0

@@ -14,7 +14,7 @@ from services.common.rpc import check_health
 from services.launcher import Supervised, UpConfig
 from tests.procs import ROOT, free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 
 def _start_up(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:

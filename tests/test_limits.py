@@ -26,7 +26,7 @@ from services.gateway.config import GatewayConfig
 from tests.conftest import Stack
 from tests.procs import free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 DEFAULTS = GatewayConfig()
 MAX_BODY = DEFAULTS.max_request_mb * 1024 * 1024

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.procs import ROOT
+
+pytestmark = pytest.mark.slow  # runs protoc
 
 
 def test_committed_stubs_match_protos():

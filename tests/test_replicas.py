@@ -17,7 +17,7 @@ import pytest
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from tests.procs import ServiceProcess, free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 SCHEDULER_ARGS = ("--max-running-requests", "16")
 SHORT = {"max_new_tokens": 8, "temperature": 0}

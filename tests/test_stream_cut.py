@@ -16,7 +16,7 @@ import pytest
 
 from tests.procs import ServiceProcess, free_port
 
-pytestmark = pytest.mark.process  # runs services as processes of its own
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 REQUEST = {"text": "a long one", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
 
