@@ -27,7 +27,7 @@ from bench.common import Interleaved, Progress, Table, Timing, fmt_bytes, fmt_ra
 from services.common.arrays import F32, I32, LogprobArrays, encode_block
 from services.common.pb import scheduler_pb2
 from services.common.rpc import DEFAULT_MAX_MESSAGE_MB, create_channel, create_server
-from services.gateway.accumulator import StepBlock
+from services.gateway.accumulator import MessageRows
 
 VOCAB = 248077  # the Qwen3.5 vocabulary of the default model
 STREAM_METHOD = "/flatwire.v1.Scheduler/StreamSteps"
@@ -99,13 +99,13 @@ def encode_step(step: StepArrays, number: int = 0) -> bytes:
 
 
 def decode_step(data: bytes) -> list:
-    """Parse and split per request, as the gateway's dispatch does (StepBlock byte ranges)."""
+    """Parse and split per request, as the gateway's dispatch does (MessageRows: numpy views per entry)."""
     message = scheduler_pb2.StepOutput.FromString(data)
     if message.prompt_rids:
-        prompt = StepBlock.of(message.prompt)
-        return [(rid, prompt.ranges(i)) for i, rid in enumerate(message.prompt_rids)]
-    output = StepBlock.of(message.output)
-    return [(rid, message.token_ids[i], output.ranges(i)) for i, rid in enumerate(message.rids)]
+        prompt = MessageRows.of(message.prompt)
+        return [(rid, prompt.entry(i)) for i, rid in enumerate(message.prompt_rids)]
+    output = MessageRows.of(message.output)
+    return [(rid, message.token_ids[i], output.entry(i)) for i, rid in enumerate(message.rids)]
 
 
 # ---- SGLang: nested Python lists of (logprob, token_id, text) through pickle ----
@@ -258,11 +258,11 @@ def breakdown_cases(shape: Shape) -> dict[str, Callable[[], object]]:
     """The gateway side of one hop, step by step (where decode + slice goes)."""
     data = encode_step(make_step(shape))
     message = scheduler_pb2.StepOutput.FromString(data)
-    block = StepBlock.of(message.output)
+    rows = MessageRows.of(message.output)
     return {
         "StepOutput.FromString": lambda: scheduler_pb2.StepOutput.FromString(data),
-        "StepBlock.of (offsets)": lambda: StepBlock.of(message.output),
-        f"byte ranges x {shape.requests}": lambda: [block.ranges(i) for i in range(shape.requests)],
+        "MessageRows.of (numpy views, offsets)": lambda: MessageRows.of(message.output),
+        f"entry views x {shape.requests}": lambda: [rows.entry(i) for i in range(shape.requests)],
     }
 
 
@@ -349,7 +349,7 @@ def tables(results: list[HopResult], prompt: dict, slopes: list[dict], target: H
                 ["B", "k", "message", "encode", "transport", "decode + slice", "hop (sum)", "streamed (pipelined)"],
                 "encode: numpy -> encode_block -> SerializeToString. transport: pre-serialized messages "
                 "streamed back to back, per message (first to last arrival). decode + slice: FromString -> "
-                "StepBlock.of -> byte ranges per request, as the gateway dispatches. "
+                "MessageRows.of -> numpy views per entry, as the gateway dispatches. "
                 "hop (sum) = encode + transport + decode, no overlap credited. streamed: the server encodes "
                 "each message from numpy and the client decodes and slices each, per message; server and "
                 "client overlap on the two cores.")

@@ -29,6 +29,7 @@ COMMAND = "python -m bench.run_all"
 def run_benchmark(name: str) -> bool:
     done = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=ROOT, stdout=subprocess.DEVNULL)
     if done.returncode:
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
         (OUT_DIR / f"{name}.md").write_text(f"## {name}\n\nFailed (exit {done.returncode}); see its stderr.\n")
     return done.returncode == 0
 
