@@ -125,6 +125,29 @@ def test_stream_matches_non_stream(http):
     assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
 
 
+@pytest.mark.parametrize("b64", [True, False], ids=["flat b64", "flat JSON"])
+def test_streamed_flat_top_k_deltas_concatenate_to_the_whole_response(http, b64):
+    """Streaming with the flat flags: each event carries only its own output rows (shape [new rows, k], offset
+    of the first), the flat prompt arrays come once, in the first event; concatenated, the arrays are the
+    non-streamed response's, bit for bit."""
+    common = dict(text=PROMPT, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0,
+                  top_logprobs_num=K, return_flat_raw_top_logprobs=True, return_flat_raw_output_top_logprobs=True,
+                  return_flat_raw_top_logprobs_b64=b64)
+    whole = generate(http, **common)["meta_info"]
+    events = [event["meta_info"] for event in stream_events(http, **common)]
+    with_rows = [meta for meta in events if "output_top_logprobs_shape" in meta]
+    assert [meta["output_top_logprobs_offset"] for meta in with_rows] == list(range(GREEDY["max_new_tokens"]))
+    assert all(meta["output_top_logprobs_shape"] == [1, K] for meta in with_rows)  # a token per event
+    values, ids = (np.concatenate(part) for part in zip(*(flat_topk(meta, "output")[:2] for meta in with_rows)))
+    whole_values, whole_ids, _ = flat_topk(whole, "output")
+    assert values.tobytes() == whole_values.tobytes() and ids.tobytes() == whole_ids.tobytes()
+    prompt_events = [meta for meta in events if "input_top_logprobs_shape" in meta]
+    assert prompt_events == [events[0]]  # once, first
+    for got, want in zip(flat_topk(events[0], "input"), flat_topk(whole, "input")):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert events[-1]["output_token_logprobs"] == whole["output_token_logprobs"]  # still cumulative
+
+
 def test_streamed_text_decodes_like_the_tokenizer(http, tokenizer):
     """Chunks never split a character: the streamed text is the decode of all output ids."""
     prompt = "日本語のテキストと絵文字 🦊🚀 も大丈夫？ 中文也可以。"

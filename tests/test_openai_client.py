@@ -102,6 +102,33 @@ def test_chat_flat_candidates_in_meta_info(client):
                                   values)
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_flat_candidates_concatenate_to_the_whole(client, model, endpoint):
+    """stream=True with return_meta_info and the flat flag: each chunk's meta_info holds its own rows (at
+    output_top_logprobs_offset), the last one SGLang's finish meta_info; concatenated, the rows are the
+    non-streamed response's, bit for bit."""
+    extra = {"return_meta_info": True, "return_flat_raw_output_top_logprobs": True,
+             "return_flat_raw_top_logprobs_b64": True}
+    if endpoint == "chat":
+        def create(**kwargs):
+            return chat(client, logprobs=True, top_logprobs=K, extra_body=extra, **kwargs)
+    else:
+        def create(**kwargs):
+            return client.completions.create(model=model, prompt="Flat arrays", max_tokens=10, temperature=0,
+                                             logprobs=K, extra_body=extra, **kwargs)
+    whole = create().choices[0].model_extra["meta_info"]
+    metas = [c.choices[0].model_extra["meta_info"] for c in create(stream=True)
+             if c.choices and c.choices[0].model_extra.get("meta_info")]
+    rows = [m for m in metas if "output_top_logprobs_shape" in m]
+    assert [m["output_top_logprobs_offset"] for m in rows] == list(range(10))
+    values = b"".join(base64.b64decode(m["output_top_logprobs_val_flat_b64"]) for m in rows)
+    ids = b"".join(base64.b64decode(m["output_top_logprobs_idx_flat_b64"]) for m in rows)
+    assert values == base64.b64decode(whole["output_top_logprobs_val_flat_b64"])
+    assert ids == base64.b64decode(whole["output_top_logprobs_idx_flat_b64"])
+    assert metas[-1]["finish_reason"] == whole["finish_reason"]
+    assert metas[-1]["completion_tokens"] == whole["completion_tokens"] == 10
+
+
 def test_completions(client, model, tokenizer):
     prompt = "Tokyo 東京 and a fox 🦊 walk into"
     response = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=K,

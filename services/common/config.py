@@ -50,8 +50,11 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
     for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
         help_text = field.metadata.get("help", "")
+        # A boolean flag alone means true (`--incremental-streaming-output`); a value still sets it either way.
+        is_bool = _base_type(hints[field.name]) is bool
         parser.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
-                            help=f"{help_text} [env {env_name(field.name)}]")
+                            help=f"{help_text} [env {env_name(field.name)}]", nargs="?" if is_bool else None,
+                            const="true" if is_bool else None)
     args = parser.parse_args(argv)
     values = {}
     for field in dataclasses.fields(cls):

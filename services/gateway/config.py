@@ -25,6 +25,9 @@ class GatewayConfig(ServiceConfig):
                                   "from it) stays broken this long fails with an error naming the hop")
     stream_interval: int = option(1, "output tokens per message of a streaming request (SGLang's --stream-interval): "
                                   "1 sends each token as it is generated; more sends fewer, larger chunks")
+    incremental_streaming_output: bool = option(
+        False, "/generate streams send each event's new text, output_ids and output logprobs only (SGLang's "
+               "--incremental-streaming-output), not everything so far: linear bytes for long streams")
     max_batch_size: int = option(4096, "most generations one HTTP request may ask for (a /generate batch's prompts, "
                                  "a completion's prompts x n, a chat's n); more is refused with 400")
     max_concurrent_submits: int = option(256, "Submit and Abort RPCs in flight to the schedulers at once; the rest "

@@ -10,17 +10,16 @@ import asyncio
 from functools import cached_property
 
 import grpc
-import numpy as np
 
-from services.common.arrays import I32
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
-from services.common.pb import arrays_pb2, generate_pb2, scheduler_pb2
+from services.common.pb import generate_pb2, scheduler_pb2
 from services.gateway.http.generate import generate_input
 from services.gateway.http.prompts import encode_checked
 from services.gateway.pipeline import GenerateInput, PipelineClient, RequestError
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
+from services.gateway.render.packed import packed_response
 
 SERVICE_NAME = "flatwire.v1.Generation"
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -121,21 +120,10 @@ class GenerationService:
             completion_tokens = 0
             async for chunk in self.pipeline.generate(inp):
                 completion_tokens += len(chunk.token_ids)
-                result = chunk.result
-                if not request.stream and result is None:
+                if not request.stream and chunk.result is None:
                     continue
-                response = generate_pb2.GenerateResponsePacked(
-                    rid=chunk.rid, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
                 # Without stream, the only chunk is the whole output (the pipeline wakes it once, at the end).
-                response.token_ids = np.asarray(chunk.token_ids, dtype=I32).tobytes()
-                response.text = chunk.text
-                if chunk.output is not None:
-                    response.output.CopyFrom(chunk.output.to_block())
-                if chunk.prompt is not None:
-                    response.prompt.CopyFrom(chunk.prompt.to_block())
-                if result is not None:
-                    self._set_finish(response, result)
-                yield response
+                yield packed_response(chunk, prompt_tokens, completion_tokens)
         except RequestError as exc:
             # The status, then a plain return: context.abort() would raise an AbortError chained to this
             # exception, whose traceback holds the request's frames (a 20 MB text), and grpc keeps the
@@ -145,14 +133,6 @@ class GenerationService:
         finally:
             if len(request.text) + sum(map(len, request.stop)) + 4 * len(request.input_ids) >= BIG_REQUEST_BYTES:
                 trim_soon()  # its decoded message and tokens are freed by now, or soon: hand the memory back
-
-    @staticmethod
-    def _set_finish(response: generate_pb2.GenerateResponsePacked, result) -> None:
-        response.finish_reason = result.finish_reason
-        if result.finish_reason == arrays_pb2.FINISH_REASON_STOP_STRING:
-            response.matched_stop = result.matched_stop
-        elif result.finish_reason == arrays_pb2.FINISH_REASON_STOP_TOKEN:
-            response.matched_token = result.matched_stop
 
     async def get_model_info(self, request, context) -> scheduler_pb2.ModelInfo:
         info = scheduler_pb2.ModelInfo()

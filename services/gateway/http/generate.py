@@ -4,6 +4,8 @@ import time
 
 import orjson
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
@@ -15,8 +17,9 @@ from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
 from services.gateway.pipeline import Chunk, GenerateInput
 from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
-from services.gateway.protocol.parse import ModelLimits, is_id_lists
+from services.gateway.protocol.parse import InvalidRequest, ModelLimits, is_id_lists
 from services.gateway.protocol.sglang import GenerateRequest
+from services.gateway.render import packed as packed_format
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
 
@@ -33,17 +36,30 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
+    packed = packed_format.MEDIA_TYPE in request.headers.get("accept", "")
+    if packed and req.is_batch:
+        raise InvalidRequest(req.prompt_field, f"a batch cannot be answered as {packed_format.MEDIA_TYPE}: send "
+                                               "one prompt per request")
     inputs = await _inputs(gateway, req)
     gens = await unless_disconnected(
         request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
+    if req.stream and packed:
+        return StreamingResponse(_packed_messages(gens), media_type=packed_format.MEDIA_TYPE,
+                                 background=BackgroundTask(gens.close))
     if req.stream:
         return sse_response(_events(gateway, req, gens, started), gens.close,
                             gateway.metrics.bytes_sent.labels(logprob_format(req)).inc)
     results = await gens.results_unless_disconnected(request)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
+    if packed:
+        result = results[0]
+        whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,
+                      prompt=result.prompt, result=result)
+        message = packed_format.packed_response(whole, result.prompt_tokens, result.completion_tokens)
+        return Response(message.SerializeToString(), media_type=packed_format.MEDIA_TYPE)
     bodies = [_body(gateway, req, result) for result in results]
     body = orjson.dumps(bodies if req.is_batch else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
     gateway.metrics.bytes_sent.labels(logprob_format(req)).inc(len(body))
@@ -86,11 +102,15 @@ def _body(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict
 
 
 class _StreamState:
-    """One prompt's stream. SGLang sends text, output_ids and logprobs cumulatively.
+    """One prompt's stream. SGLang sends text, output_ids and logprobs cumulatively (or, with
+    --incremental-streaming-output, only what is new in each event).
 
     Each chunk's rows are rendered once and their JSON appended to what was rendered
     before (the renderers return finished JSON fragments); the prompt's fields come
-    with the first chunk and are repeated as they are.
+    with the first chunk and are repeated as they are. Flat top-k arrays are the
+    exception: each event carries only its own rows (`output_top_logprobs_offset` is
+    the index of the first), and the flat prompt arrays come once, in the first event,
+    so that a long stream's bytes stay those of the non-streamed response.
     """
 
     def __init__(self, prompt_tokens: int, token_ids_logprob: list[int] | None):
@@ -100,8 +120,13 @@ class _StreamState:
         self.output_ids: list[int] = []
         self.prompt_fields: dict = {}
         self.output_items: dict[str, list[bytes]] = {}  # each output list's elements so far, as JSON
+        self.rows_sent = 0  # flat output rows sent in earlier events
 
     def payload(self, gateway: Gateway, req: GenerateRequest, chunk: Chunk, started: float) -> dict:
+        incremental = gateway.config.incremental_streaming_output
+        if incremental:  # each event: what is new since the previous one
+            self.text, self.output_ids = "", []
+            self.output_items.clear()
         self.text += chunk.text
         self.output_ids += chunk.token_ids
         final = chunk.result
@@ -112,13 +137,22 @@ class _StreamState:
             e2e_latency=final.e2e_latency if final else time.perf_counter() - started,
             error=final.error if final else None)
         meta = base_meta_info(progress)
+        flat_output, flat_prompt = req.return_flat_raw_output_top_logprobs, req.return_flat_raw_top_logprobs
         for key, value in _logprob_meta(gateway, req, progress).items():
-            if key.startswith("output_"):
+            if flat_output and key.startswith("output_top_logprobs_"):  # this event's rows only
+                meta[key] = value
+            elif key.startswith("output_"):
                 elements = orjson.dumps(value)[1:-1]
                 self.output_items.setdefault(key, []).extend([elements] if elements else [])
                 meta[key] = orjson.Fragment(b"[" + b",".join(self.output_items[key]) + b"]")
+            elif flat_prompt and key.startswith("input_top_logprobs_"):  # once, with the prompt
+                if chunk.prompt is not None:
+                    meta[key] = value
             elif chunk.prompt is not None or key not in self.prompt_fields:
                 self.prompt_fields[key] = value
+        if flat_output and chunk.output is not None:
+            meta["output_top_logprobs_offset"] = self.rows_sent
+            self.rows_sent += len(chunk.output.token_logprobs)
         meta |= self.prompt_fields
         return {"text": self.text, "output_ids": progress.output_ids, "meta_info": meta}
 
@@ -132,6 +166,17 @@ async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, sta
             payload["index"] = i
         yield event(payload)
     yield DONE
+
+
+async def _packed_messages(gens: Generations):
+    """A stream as length-delimited GenerateResponsePacked messages, the last with its finish_reason. A fault
+    mid-way cuts the connection (there is no error message in this format): a client that got no message with
+    a finish_reason knows its stream is incomplete."""
+    completion_tokens = 0
+    async for _, chunk in gens.merged():
+        completion_tokens += len(chunk.token_ids)
+        yield packed_format.delimited(packed_format.packed_response(chunk, len(gens.inputs[0].input_ids),
+                                                                    completion_tokens))
 
 
 def logprob_format(req: GenerateRequest) -> str:

@@ -8,6 +8,7 @@ from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.openai_common import (
+    StreamedMetaInfo,
     check_model,
     choice_meta_info,
     finish_fields,
@@ -84,9 +85,14 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
     head = {"id": response_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
             "model": gateway.pipeline.model_name}
 
-    def chunk_event(index: int, delta: dict, logprobs: dict | None = None, finish: dict | None = None) -> bytes:
-        finish = finish or {"finish_reason": None}
-        return event(head | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, **finish}]})
+    metas = StreamedMetaInfo(gateway, req, req.n)
+
+    def chunk_event(index: int, delta: dict, logprobs: dict | None = None, finish: dict | None = None,
+                    meta: dict | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, **(finish or {"finish_reason": None})}
+        if meta is not None:
+            choice["meta_info"] = meta
+        return event(head | {"choices": [choice]})
 
     for i in range(req.n):
         yield chunk_event(i, {"role": "assistant", "content": ""})
@@ -94,9 +100,10 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
     async for i, chunk in gens.merged():
         completion_tokens += len(chunk.token_ids)
         if chunk.token_ids or chunk.text:
-            yield chunk_event(i, {"content": chunk.text}, _logprobs(gateway, req, chunk.output))
+            yield chunk_event(i, {"content": chunk.text}, _logprobs(gateway, req, chunk.output),
+                              meta=metas.chunk(i, chunk))
         if chunk.result is not None:
-            yield chunk_event(i, {}, finish=finish_fields(chunk.result))
+            yield chunk_event(i, {}, finish=finish_fields(chunk.result), meta=metas.last(chunk.result))
     if req.include_usage:
         yield event(head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield DONE

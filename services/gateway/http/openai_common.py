@@ -4,6 +4,7 @@ import uuid
 
 from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
+from services.gateway.pipeline import Chunk
 from services.gateway.protocol.openai import OpenAIRequest
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
@@ -30,12 +31,42 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _meta_format(req: OpenAIRequest) -> LogprobFormat:
+    return LogprobFormat(return_text_in_logprobs=True,
+                         return_flat_raw_output_top_logprobs=req.return_flat_raw_output_top_logprobs,
+                         return_flat_raw_top_logprobs_b64=req.return_flat_raw_top_logprobs_b64)
+
+
 def choice_meta_info(gateway: Gateway, req: OpenAIRequest, result: RequestResult) -> dict:
     """SGLang's meta_info of one choice; with the flat flag, the output candidates live here."""
-    fmt = LogprobFormat(return_text_in_logprobs=True,
-                        return_flat_raw_output_top_logprobs=req.return_flat_raw_output_top_logprobs,
-                        return_flat_raw_top_logprobs_b64=req.return_flat_raw_top_logprobs_b64)
-    return base_meta_info(result) | logprob_meta_info(result, fmt, gateway.table)
+    return base_meta_info(result) | logprob_meta_info(result, _meta_format(req), gateway.table)
+
+
+class StreamedMetaInfo:
+    """With return_meta_info, the meta_info of each choice's stream chunks: a chunk's own output logprob
+    fields (the flat arrays hold its rows only; output_top_logprobs_offset is the index of the first), and
+    SGLang's meta_info (id, finish reason, token counts, latency) with the last. Concatenated, a choice's
+    arrays are the non-streamed response's."""
+
+    def __init__(self, gateway: Gateway, req: OpenAIRequest, choices: int):
+        self.gateway, self.req = gateway, req
+        self.rows_sent = [0] * choices
+
+    def chunk(self, index: int, chunk: Chunk) -> dict | None:
+        if not self.req.return_meta_info:
+            return None
+        rows = RequestResult(rid=chunk.rid, prompt_tokens=0, output_ids=chunk.token_ids, text=chunk.text,
+                             finish_reason=None, output=chunk.output)
+        meta = {"id": chunk.rid} | {key: value for key, value in
+                                    logprob_meta_info(rows, _meta_format(self.req), self.gateway.table).items()
+                                    if key.startswith("output_")}
+        if chunk.output is not None and self.req.return_flat_raw_output_top_logprobs:
+            meta["output_top_logprobs_offset"] = self.rows_sent[index]
+        self.rows_sent[index] += len(chunk.token_ids)
+        return meta
+
+    def last(self, result: RequestResult) -> dict | None:
+        return base_meta_info(result) if self.req.return_meta_info else None
 
 
 def openai_format(req: OpenAIRequest, logprobs: bool) -> str:

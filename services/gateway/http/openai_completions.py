@@ -9,6 +9,7 @@ from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.limits import parse_body_off_loop
 from services.gateway.http.openai_common import (
+    StreamedMetaInfo,
     check_model,
     choice_meta_info,
     finish_fields,
@@ -109,6 +110,7 @@ async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, e
     head = {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": gateway.pipeline.model_name}
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
+    metas = StreamedMetaInfo(gateway, req, len(echoes))
     completion_tokens = 0
     async for i, chunk in gens.merged():
         completion_tokens += len(chunk.token_ids)
@@ -119,11 +121,15 @@ async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, e
             choice = {"index": i, "text": text,
                       "logprobs": _logprobs(gateway, req, chunk.prompt, chunk.output, sent_chars[i]),
                       "finish_reason": None}
+            if (meta := metas.chunk(i, chunk)) is not None:
+                choice["meta_info"] = meta
             sent_chars[i] += len(text)
             yield event(head | {"choices": [choice]})
         if chunk.result is not None:
-            yield event(head | {"choices": [{"index": i, "text": "", "logprobs": None,
-                                             **finish_fields(chunk.result)}]})
+            last = {"index": i, "text": "", "logprobs": None, **finish_fields(chunk.result)}
+            if (meta := metas.last(chunk.result)) is not None:
+                last["meta_info"] = meta
+            yield event(head | {"choices": [last]})
     if req.include_usage:
         yield event(head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield DONE

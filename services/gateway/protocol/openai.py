@@ -54,11 +54,6 @@ class OpenAIRequest(SamplingFields):
         if self.return_flat_raw_output_top_logprobs and not self.return_meta_info:
             raise InvalidRequest("return_flat_raw_output_top_logprobs",
                                  "return_flat_raw_output_top_logprobs requires return_meta_info")
-        if self.return_flat_raw_output_top_logprobs and self.stream:
-            raise InvalidRequest("return_flat_raw_output_top_logprobs",
-                                 "return_flat_raw_output_top_logprobs is not supported with stream=true yet")
-        if self.return_meta_info and self.stream:
-            raise InvalidRequest("return_meta_info", "return_meta_info is not supported with stream=true")
         return self
 
     @property

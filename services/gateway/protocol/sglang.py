@@ -59,9 +59,6 @@ class GenerateRequest(BaseModel):
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
             raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
                                  "return_flat_raw_top_logprobs or return_flat_raw_output_top_logprobs")
-        if self.return_flat_raw_output_top_logprobs and self.stream:
-            raise InvalidRequest("return_flat_raw_output_top_logprobs",
-                                 "return_flat_raw_output_top_logprobs is not supported with stream=true yet")
         return self
 
     @property

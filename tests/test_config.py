@@ -1,0 +1,19 @@
+"""Typed configuration: every field a flag and an environment variable; a boolean flag alone means true."""
+
+import pytest
+
+from services.common.config import parse_config
+from services.gateway.config import GatewayConfig
+
+
+def test_flags_environment_and_booleans(monkeypatch):
+    assert parse_config(GatewayConfig, ["--incremental-streaming-output"]).incremental_streaming_output is True
+    assert parse_config(GatewayConfig, ["--incremental-streaming-output", "off"]).incremental_streaming_output is False
+    assert parse_config(GatewayConfig, []).incremental_streaming_output is False
+    monkeypatch.setenv("FLATWIRE_STREAM_INTERVAL", "4")
+    assert parse_config(GatewayConfig, []).stream_interval == 4
+    assert parse_config(GatewayConfig, ["--stream-interval", "2"]).stream_interval == 2  # the flag wins
+    with pytest.raises(SystemExit):
+        parse_config(GatewayConfig, ["--incremental-streaming-output", "maybe"])
+    with pytest.raises(ValueError, match="--stream-interval: must be positive"):
+        parse_config(GatewayConfig, ["--stream-interval", "0"])
