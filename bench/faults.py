@@ -38,11 +38,11 @@ import httpx
 import numpy as np
 import orjson
 import pybase64
+from flatwire_client import FlatwireClient
 
 from services.common.arrays import block_offsets, decode_block, request_slice
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.steps import token_offsets
-from services.gateway.client import FlatwireClient
 from tests.procs import ServiceProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,10 +1,11 @@
-"""Generate the Python stubs in services/common/pb from protos/.
+"""Generate the Python stubs from protos/: the services' (services/common/pb) and the client
+package's (clients/python/flatwire_client/pb), the same files in both.
 
     python scripts/gen_protos.py          # regenerate in place
     python scripts/gen_protos.py --check  # fail if the committed stubs differ
 
 protoc writes absolute imports (`from flatwire.v1 import arrays_pb2`); they are
-rewritten to relative ones so the stubs live inside the `services` package.
+rewritten to relative ones so the stubs live inside each package.
 """
 
 import argparse
@@ -18,7 +19,7 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
 PACKAGE = "flatwire/v1"
-OUT = ROOT / "services" / "common" / "pb"
+OUTS = (ROOT / "services" / "common" / "pb", ROOT / "clients" / "python" / "flatwire_client" / "pb")
 ABSOLUTE_IMPORT = re.compile(r"^from flatwire\.v1 import (\w+_pb2)", re.MULTILINE)
 
 
@@ -41,15 +42,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     if not parser.parse_args().check:
-        generate(OUT)
+        for out in OUTS:
+            generate(out)
         return
     with tempfile.TemporaryDirectory() as fresh:
         generate(Path(fresh))
-        stale = [f.name for f in sorted(Path(fresh).iterdir())
-                 if not (OUT / f.name).exists() or (OUT / f.name).read_text() != f.read_text()]
-        extra = {f.name for f in OUT.iterdir() if f.is_file()} - {f.name for f in Path(fresh).iterdir()}
+        stale = [str(out.relative_to(ROOT) / f.name) for out in OUTS for f in sorted(Path(fresh).iterdir())
+                 if not (out / f.name).exists() or (out / f.name).read_text() != f.read_text()]
+        extra = [str(out.relative_to(ROOT) / name) for out in OUTS for name in sorted(
+            {f.name for f in out.iterdir() if f.is_file()} - {f.name for f in Path(fresh).iterdir()})]
     if stale or extra:
-        sys.exit(f"stubs out of date: {sorted(stale) + sorted(extra)}; run python scripts/gen_protos.py")
+        sys.exit(f"stubs out of date: {stale + extra}; run python scripts/gen_protos.py")
     print("stubs match protos/")
 
 

@@ -12,13 +12,13 @@ import grpc
 import httpx
 import openai
 import pytest
+from flatwire_client import FlatwireClient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.auth import SECRET_METADATA, load_internal_secret
 from services.common.pb import detokenizer_pb2, scheduler_pb2
 from services.common.rpc import check_health, message_options
-from services.gateway.client import FlatwireClient
 from tests.procs import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own

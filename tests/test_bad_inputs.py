@@ -7,10 +7,10 @@ import time
 import grpc
 import httpx
 import pytest
+from flatwire_client import FlatwireClient
 
 from services.common.pb import detokenizer_pb2, generate_pb2, scheduler_pb2
 from services.common.rpc import FIELD_METADATA
-from services.gateway.client import FlatwireClient
 from services.gateway.pipeline import PipelineClient, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field

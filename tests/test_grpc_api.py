@@ -5,9 +5,9 @@ import httpx
 import numpy as np
 import pybase64
 import pytest
+from flatwire_client import FlatwireClient
 
-from services.common.pb import generate_pb2
-from services.gateway.client import FlatwireClient
+from services.common.pb import arrays_pb2, generate_pb2
 from services.gateway.result import LogprobTrack
 
 PROMPT = "gRPC clients get the arrays raw"
@@ -91,3 +91,48 @@ def test_minus_inf_survives_the_public_message():
     typed = generate_pb2.GenerateResponse.FromString(wire)
     assert np.array(typed.output.topk_values, dtype=np.float32).tobytes() == values.tobytes()
     assert list(typed.output.topk_ids) == [3, 7, 4, 8]
+
+
+def _delimited(data: bytes) -> list[generate_pb2.GenerateResponsePacked]:
+    """Length-delimited messages: each after its size as a base-128 varint."""
+    messages, at = [], 0
+    while at < len(data):
+        size = shift = 0
+        while True:
+            byte, at = data[at], at + 1
+            size |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                break
+        messages.append(generate_pb2.GenerateResponsePacked.FromString(data[at:at + size]))
+        at += size
+    return messages
+
+
+def test_generate_answers_protobuf_to_a_client_that_accepts_it(client, stack):
+    """Accept: application/x-protobuf on /generate: the gRPC API's packed message (raw arrays, no JSON), one
+    length-delimited message per token when streaming; the arrays equal the gRPC API's bit for bit."""
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0}, "return_logprob": True,
+            "top_logprobs_num": K}
+    accept = {"accept": "application/x-protobuf"}
+    want = client.generate(PROMPT, max_new_tokens=10, temperature=0, top_logprobs_num=K)
+    reply = httpx.post(f"{stack.http_url}/generate", json=body, headers=accept, timeout=120)
+    assert reply.status_code == 200 and reply.headers["content-type"] == "application/x-protobuf"
+    whole = generate_pb2.GenerateResponsePacked.FromString(reply.content)
+    assert np.frombuffer(whole.token_ids, "<i4").tolist() == want.token_ids.tolist()
+    assert whole.output.topk_values == want.output.topk_values.tobytes()
+    assert whole.output.topk_ids == want.output.topk_ids.tobytes()
+    assert whole.finish_reason == arrays_pb2.FINISH_REASON_LENGTH and whole.completion_tokens == 10
+    typed = generate_pb2.GenerateResponse.FromString(reply.content)  # the typed twin reads the same bytes
+    assert list(typed.token_ids) == want.token_ids.tolist()
+
+    streamed = httpx.post(f"{stack.http_url}/generate", json={**body, "stream": True}, headers=accept, timeout=120)
+    messages = _delimited(streamed.content)
+    assert len(messages) == 10 and messages[-1].finish_reason == arrays_pb2.FINISH_REASON_LENGTH
+    assert all(m.finish_reason == arrays_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert b"".join(m.token_ids for m in messages) == whole.token_ids
+    assert b"".join(m.output.topk_values for m in messages) == whole.output.topk_values
+    assert "".join(m.text for m in messages) == whole.text
+
+    batch = httpx.post(f"{stack.http_url}/generate", json={**body, "text": [PROMPT, PROMPT]}, headers=accept)
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == "text"

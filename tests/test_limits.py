@@ -18,10 +18,10 @@ from contextlib import contextmanager
 import grpc
 import httpx
 import pytest
+from flatwire_client import FlatwireClient
 
 from services.common.pb import generate_pb2, scheduler_pb2
 from services.common.rpc import message_options
-from services.gateway.client import FlatwireClient
 from services.gateway.config import GatewayConfig
 from tests.conftest import Stack
 from tests.procs import free_port

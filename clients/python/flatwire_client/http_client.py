@@ -1,0 +1,142 @@
+"""flatwire's /generate over HTTP as packed protobuf (Accept: application/x-protobuf): the gRPC API's
+messages, raw arrays and no JSON, for clients that cannot use gRPC. A stream is length-delimited messages."""
+
+import asyncio
+import http.client
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+from urllib.parse import urlsplit
+
+from flatwire_client.pb import generate_pb2
+from flatwire_client.requests import Options
+from flatwire_client.results import Assembled, Generation, generation
+
+MEDIA_TYPE = "application/x-protobuf"
+
+
+class HttpError(Exception):
+    """A response other than 200: `status`, and the error's message from the body."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _read_varint(read) -> int | None:
+    """A base-128 varint from `read(1)`; None at the end of the stream."""
+    value = shift = 0
+    while byte := read(1):
+        value |= (byte[0] & 0x7F) << shift
+        if byte[0] < 0x80:
+            return value
+        shift += 7
+    if shift:
+        raise http.client.IncompleteRead(b"", None)
+    return None
+
+
+class HttpGenerationStream:
+    """The chunks of a streamed request (see grpc_client.GenerationStream). A stream that ends without a
+    message carrying a finish_reason was cut (a server-side fault): reading it raises IncompleteRead."""
+
+    def __init__(self, response: http.client.HTTPResponse, input_ids: list[int] | None):
+        self._response = response
+        self._input_ids = input_ids
+        self._assembled = Assembled()
+
+    def __iter__(self) -> Iterator[Generation]:
+        read = self._response.read
+        while (size := _read_varint(read)) is not None:
+            data = read(size)
+            if len(data) < size:
+                raise http.client.IncompleteRead(data, size - len(data))
+            chunk = generation(generate_pb2.GenerateResponsePacked.FromString(data), self._input_ids)
+            self._assembled.chunks.append(chunk)
+            yield chunk
+        if not self._assembled.chunks or self._assembled.chunks[-1].finish_reason is None:
+            raise http.client.IncompleteRead(b"", None)
+
+    @property
+    def result(self) -> Generation:
+        return self._assembled.result()
+
+
+class HttpClient:
+    """Blocking client of one gateway's HTTP port; the same options as FlatwireClient."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0):
+        url = urlsplit(base_url)
+        self._connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=timeout)
+        self._headers = {"content-type": "application/json", "accept": MEDIA_TYPE}
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+
+    def __enter__(self) -> "HttpClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def _post(self, text: str | None, input_ids: list[int] | None, stream: bool,
+              options: dict) -> http.client.HTTPResponse:
+        body = json.dumps(Options(**options).generate_body(text, input_ids, stream))
+        self._connection.request("POST", "/generate", body=body, headers=self._headers)
+        response = self._connection.getresponse()
+        if response.status != 200:
+            raw = response.read()
+            try:
+                message = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = raw.decode(errors="replace")
+            raise HttpError(response.status, message)
+        return response
+
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
+        response = self._post(text, input_ids, False, options)
+        return generation(generate_pb2.GenerateResponsePacked.FromString(response.read()), input_ids)
+
+    def stream(self, text: str | None = None, input_ids: list[int] | None = None,
+               **options) -> HttpGenerationStream:
+        return HttpGenerationStream(self._post(text, input_ids, True, options), input_ids)
+
+
+class AsyncHttpClient:
+    """asyncio twin of HttpClient: each call runs a blocking HttpClient of its own in a worker thread, so
+    concurrent calls do not share a connection."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0):
+        self._args = (base_url, api_key, timeout)
+
+    async def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
+        def call() -> Generation:
+            with HttpClient(*self._args) as client:
+                return client.generate(text, input_ids, **options)
+        return await asyncio.to_thread(call)
+
+    async def stream(self, text: str | None = None, input_ids: list[int] | None = None,
+                     **options) -> AsyncIterator[Generation]:
+        """Yields each chunk as it arrives (read by a worker thread)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Generation | Exception | object] = asyncio.Queue()
+        done = object()
+
+        def pump() -> None:
+            try:
+                with HttpClient(*self._args) as client:
+                    for chunk in client.stream(text, input_ids, **options):
+                        loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            except Exception as exc:  # handed to the reader, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        threading.Thread(target=pump, daemon=True).start()
+        while (item := await queue.get()) is not done:
+            if isinstance(item, Exception):
+                raise item
+            assert isinstance(item, Generation)
+            yield item

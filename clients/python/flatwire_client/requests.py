@@ -1,0 +1,54 @@
+"""The request options every client takes, as the public gRPC request and as /generate's JSON."""
+
+from dataclasses import dataclass, field
+
+from flatwire_client.pb import generate_pb2, scheduler_pb2
+
+
+@dataclass(frozen=True)
+class Options:
+    """Sampling, logprob and stop options: the fields of GenerateRequest (protos/flatwire/v1/generate.proto)."""
+
+    max_new_tokens: int = 128
+    temperature: float | None = None  # None: 1.0; 0: greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logprob: bool = False  # implied by top_logprobs_num or token_ids_logprob
+    top_logprobs_num: int = 0
+    logprob_start_len: int | None = None  # None: no prompt logprobs
+    token_ids_logprob: tuple[int, ...] = ()
+    stop: tuple[str, ...] = field(default=())
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool = False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.return_logprob or self.top_logprobs_num > 0 or bool(self.token_ids_logprob)
+
+    def grpc_request(self, text: str | None, input_ids: list[int] | None, stream: bool) -> generate_pb2.GenerateRequest:
+        sampling = scheduler_pb2.SamplingParams(
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        return generate_pb2.GenerateRequest(
+            text=text or "", input_ids=input_ids or [], sampling=sampling, return_logprob=self.wants_logprobs,
+            top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
+            token_ids_logprob=self.token_ids_logprob, stop=self.stop, skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim, stream=stream)
+
+    def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
+        """/generate's JSON (SGLang's field names)."""
+        sampling = {"max_new_tokens": self.max_new_tokens, "stop_token_ids": list(self.stop_token_ids),
+                    "ignore_eos": self.ignore_eos, "stop": list(self.stop), "no_stop_trim": self.no_stop_trim}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "skip_special_tokens"):
+            if (value := getattr(self, name)) is not None:
+                sampling[name] = value
+        body = {"sampling_params": sampling, "return_logprob": self.wants_logprobs,
+                "top_logprobs_num": self.top_logprobs_num, "token_ids_logprob": list(self.token_ids_logprob),
+                "stream": stream, "text" if text is not None else "input_ids": text if text is not None else input_ids}
+        if self.logprob_start_len is not None:
+            body["logprob_start_len"] = self.logprob_start_len
+        return body
