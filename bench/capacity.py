@@ -19,8 +19,8 @@ format x mode):
 
 Formats: flat_b64 (`return_flat_raw_output_top_logprobs` + `_b64`: base64 <f4/<i4
 arrays) and nested ([logprob, id, text] rows); k=0 is `return_logprob: false`, one
-row per mode whatever the formats. flat_b64 with stream=true is refused by the
-gateway today: those cells read n/a. Non-streaming rows are run at each
+row per mode whatever the formats (flat_b64 streams each event's rows only).
+Non-streaming rows are run at each
 --output-intervals value (50, the default, and 1: a message per token, everything
 else equal), so the same run shows what coalescing saves. The gateway runs one
 process (it has no worker option), so there is no scale-out axis.
@@ -63,10 +63,6 @@ class Config:
     format: str  # flat_b64, nested, or "-" (k=0)
     mode: str  # nonstream or stream
     interval: int = 50  # the scheduler's --output-interval: tokens per entry of a request that does not stream
-
-    @property
-    def supported(self) -> bool:
-        return not (self.format == "flat_b64" and self.mode == "stream")
 
     def body(self, tokens: int) -> bytes:
         body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
@@ -206,7 +202,7 @@ async def measure(pipeline: Pipeline, pids: dict[str, int], config: Config, args
     offered = config.concurrency * 1e3 / args.step_ms if args.step_ms else float("inf")
     latencies = [r.end - r.start for r in ok]
     return {
-        **config.__dict__, "supported": True, "offered_tok_s": offered, "delivered_tok_s": delivered,
+        **config.__dict__, "offered_tok_s": offered, "delivered_tok_s": delivered,
         "fraction": delivered / offered, "requests": len(ok), "errors": len(done) - len(ok),
         "check": check(first[0], config, args.tokens) if first else "no complete reply",
         "cpu_s": {name: cpu1[name] - cpu0[name] for name in pids}, "wall_s": wall,
@@ -235,9 +231,6 @@ def table(rows: list[dict], args) -> Table:
     for r in rows:
         interval = r.get("interval", 50) if r["mode"] == "nonstream" else 1
         head = [r["concurrency"], r["k"], r["format"], r["mode"], interval]
-        if not r["supported"]:
-            out.add(*head, *["n/a"] * (len(columns) - len(head)))
-            continue
         us = r["us_per_token"]
         out.add(*head, f"{r['offered_tok_s']:,.0f}", f"{r['delivered_tok_s']:,.0f}", f"{r['fraction']:.0%}",
                 *(f"{us[s]:.1f}" for s in (*SERVICES, "client")), f"{r['step_ms_measured']:.1f}",
@@ -256,17 +249,16 @@ def plot(rows: list[dict]) -> Path | None:
         return None
     lines: dict[str, list[dict]] = {}
     for r in rows:
-        if r["supported"]:
-            interval = [f"every {r.get('interval', 50)}"] if r["mode"] == "nonstream" else []
-            name = " ".join([f"k={r['k']}", *([r["format"]] if r["k"] else []), r["mode"], *interval])
-            lines.setdefault(name, []).append(r)
+        interval = [f"every {r.get('interval', 50)}"] if r["mode"] == "nonstream" else []
+        name = " ".join([f"k={r['k']}", *([r["format"]] if r["k"] else []), r["mode"], *interval])
+        lines.setdefault(name, []).append(r)
     fig, (rate, cost) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, points in lines.items():
         points.sort(key=lambda p: p["offered_tok_s"])
         xs = [p["offered_tok_s"] for p in points]
         rate.plot(xs, [p["delivered_tok_s"] for p in points], marker="o", label=name)
         cost.plot(xs, [p["us_per_token"]["gateway"] for p in points], marker="o", label=name)
-    offers = [r["offered_tok_s"] for r in rows if r["supported"]]
+    offers = [r["offered_tok_s"] for r in rows]
     rate.plot([min(offers), max(offers)], [min(offers), max(offers)], "k--", label="delivered = offered")
     rate.set(title="delivered vs offered", xlabel="offered tokens/s (C x 1000 / step ms)", ylabel="tokens/s",
              xscale="log", yscale="log")
@@ -325,10 +317,6 @@ def main(argv: list[str] | None = None) -> None:
             pipeline.wait_ready()
             pids = {name: pipeline.procs[name].proc.pid for name in SERVICES} | {"client": os.getpid()}
             for config in (c for c in todo if (c.interval, c.concurrency) == (interval, concurrency)):
-                if not config.supported:
-                    rows.append({**config.__dict__, "supported": False})
-                    progress.step(f"{config}: n/a (the gateway refuses flat arrays with stream=true)")
-                    continue
                 rows.append(asyncio.run(measure(pipeline, pids, config, args)))
                 wait_idle(pipeline)
                 r = rows[-1]

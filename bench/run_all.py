@@ -21,7 +21,7 @@ from bench import plots
 from bench.common import OUT_DIR, Progress, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste"]
+BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
 
@@ -116,7 +116,9 @@ ANALYSIS = """\
   with `--output-interval 1` (a message per token, everything else equal) shows what coalescing saves.
   Streaming delivery is per token and costs the gateway more (an SSE event per token, SGLang's cumulative
   `text` and `output_ids` in each); nested rows while streaming are re-sent whole in every event (SGLang's
-  format), which is quadratic in the length: the streaming rows at k=128 nested show it.
+  format), which is quadratic in the length: the streaming rows at k=128 nested show it. Flat formats
+  stream each event's own rows (bench.stream: bytes and gateway CPU of a streamed response against the
+  same response whole).
 - **Flat base64 build + serialize vs the floor** includes `output_token_logprobs`, the per-token
   `[logprob, id, null]` rows every SGLang response carries whatever k is. The top-k fields' own share
   (the response minus the same response at k=0) is within 3x of the floor (replay targets).
@@ -167,7 +169,7 @@ def headlines() -> str:
     capacity = _results("capacity")
     if capacity:
         rows = {(r["concurrency"], r["k"], r["format"], r["mode"], r.get("interval", 50)): r
-                for r in capacity["rows"] if r["supported"]}
+                for r in capacity["rows"] if r.get("supported", True)}
         for interval in (50, 1):
             row = rows.get((512, 128, "flat_b64", "nonstream", interval))
             if row:
@@ -175,6 +177,15 @@ def headlines() -> str:
                 lines.append(f"- Capacity, C=512 k=128 flat base64, a message per {interval} tokens: "
                              f"{row['delivered_tok_s']:,.0f} of {row['offered_tok_s']:,.0f} tokens/s offered; CPU per "
                              f"token: detokenizer {us['detokenizer']:.1f} us, gateway {us['gateway']:.1f} us.")
+    stream = _results("stream")
+    if stream:
+        rows = {(r["format"], r["stream"]): r for r in stream["rows"]}
+        for fmt in ("flat base64", "nested"):
+            whole, streamed = rows.get((fmt, False)), rows.get((fmt, True))
+            if whole and streamed:
+                lines.append(f"- Streamed {fmt} (a token per event) against the same response whole: bytes "
+                             f"{streamed['bytes'] / whole['bytes']:.2f}x, gateway CPU "
+                             f"{streamed['gateway_cpu_s'] / whole['gateway_cpu_s']:.1f}x.")
     stop_waste = _results("stop_waste")
     if stop_waste:
         for row in stop_waste["rows"]:
