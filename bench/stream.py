@@ -2,17 +2,18 @@
 
 A synthetic scheduler (--engine synthetic, a step every --step-ms) and the real detokenizer
 and gateway; one /generate request at a time, 1000 tokens x k=128, greedy and identical
-each time, in each format (flat base64, flat JSON, nested) streamed and not. Per response:
-the bytes the client received (SSE framing included), the gateway's CPU time (utime + stime
-from /proc around the request), and the client's time to turn the body into [tokens, k]
-arrays (streamed: decoding each event's delta rows and concatenating them).
+each time, in each format (flat base64, flat JSON, nested): whole, streamed with SGLang's
+cumulative fields (text, output_ids and the output lists so far in every event), and
+streamed with --incremental-streaming-output (a second gateway: each event only what is
+new). Per response: the bytes the client received (SSE framing included), the gateway's
+CPU time (utime + stime from /proc over the repeats, divided), and the client's time to
+turn the body into [tokens, k] arrays (streamed: each event's rows, concatenated).
 
     python -m bench.stream                   # writes bench/out/stream.{md,json}
 """
 
 import argparse
 import base64
-import statistics
 import time
 
 import httpx
@@ -47,21 +48,29 @@ def arrays(meta: dict, fmt: str) -> np.ndarray:
     return values.reshape(meta["output_top_logprobs_shape"])
 
 
-def assemble(raw: bytes, fmt: str, stream: bool) -> np.ndarray:
-    if not stream:
+def assemble(raw: bytes, fmt: str, mode: str) -> np.ndarray:
+    if mode == "whole":
         return arrays(orjson.loads(raw)["meta_info"], fmt)
     events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
-    if fmt == "nested":  # SGLang's nested stream is cumulative: the last event has every row
+    if fmt == "nested" and mode == "stream":  # SGLang's nested stream is cumulative: the last event has every row
         return arrays(events[-1]["meta_info"], fmt)
-    deltas = [arrays(e["meta_info"], fmt) for e in events if "output_top_logprobs_shape" in e["meta_info"]]
+    key = "output_top_logprobs" if fmt == "nested" else "output_top_logprobs_shape"
+    deltas = [arrays(e["meta_info"], fmt) for e in events if e["meta_info"].get(key)]
     return np.concatenate(deltas)
 
 
-def one(http: httpx.Client, gateway_pid: int, fmt: str, stream: bool, tokens: int, k: int) -> tuple[bytes, float]:
+def measure(http: httpx.Client, gateway_pid: int, fmt: str, mode: str, args) -> dict:
+    """`repeats` identical requests (one for SGLang's nested cumulative stream: gigabytes each)."""
+    repeats = 1 if (fmt, mode) == ("nested", "stream") else args.repeats
     before = cpu_seconds(gateway_pid)
-    with http.stream("POST", "/generate", json=body(fmt, tokens, k, stream)) as reply:
-        raw = reply.read()
-    return raw, cpu_seconds(gateway_pid) - before
+    for _ in range(repeats):
+        with http.stream("POST", "/generate", json=body(fmt, args.tokens, args.k, mode != "whole")) as reply:
+            raw = reply.read()
+    cpu = (cpu_seconds(gateway_pid) - before) / repeats
+    started = time.process_time()
+    values = assemble(raw, fmt, mode)
+    return {"format": fmt, "mode": mode, "bytes": len(raw), "gateway_cpu_s": cpu,
+            "client_s": time.process_time() - started, "values": values}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,36 +83,34 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = OUT_DIR / "stream-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    with running(resolve_model(None), log_dir, scheduler_args=("--engine", "synthetic", "--step-ms",
-                                                               str(args.step_ms))) as pipeline:
-        pipeline.wait_ready()
-        pid = pipeline.procs["gateway"].proc.pid
-        with httpx.Client(base_url=pipeline.http_url, timeout=300) as http:
-            for fmt in FORMATS:
-                whole = None
-                for stream in (False, True):
-                    runs = [one(http, pid, fmt, stream, args.tokens, args.k) for _ in range(args.repeats)]
-                    raw = runs[0][0]
-                    started = time.process_time()
-                    values = assemble(raw, fmt, stream)
-                    client = time.process_time() - started
-                    if whole is None:
-                        whole = values
-                    rows.append({"format": fmt, "stream": stream, "bytes": len(raw),
-                                 "gateway_cpu_s": statistics.median(cpu for _, cpu in runs), "client_s": client,
-                                 "same_arrays": values.tobytes() == whole.tobytes()})
+    scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms))
+    for modes, gateway_args in ((("whole", "stream"), ()), (("incremental",), ("--incremental-streaming-output",))):
+        with running(resolve_model(None), log_dir, scheduler_args=scheduler_args,
+                     gateway_args=gateway_args) as pipeline:
+            pipeline.wait_ready()
+            pid = pipeline.procs["gateway"].proc.pid
+            with httpx.Client(base_url=pipeline.http_url, timeout=600) as http:
+                for fmt in FORMATS:  # untimed: the gateway warms its renderers in the background at start
+                    http.post("/generate", json=body(fmt, 50, args.k, False)).raise_for_status()
+                time.sleep(2)
+                rows += [measure(http, pid, fmt, mode, args) for fmt in FORMATS for mode in modes]
+    for row in rows:
+        whole = next(r for r in rows if r["format"] == row["format"] and r["mode"] == "whole")
+        row["same_arrays"] = row["values"].tobytes() == whole["values"].tobytes()
+    for row in rows:
+        del row["values"]
     table = Table(f"A {args.tokens} x {args.k} response, streamed and whole",
                   ["format", "mode", "bytes", "vs whole", "gateway CPU", "vs whole", "client assemble", "same arrays"],
-                  "Streamed: one SSE event per token. Flat formats stream each event's rows only (with their offset); "
-                  "SGLang's nested format re-sends every row so far in every event. gateway CPU: median of "
-                  f"{args.repeats} requests; client: turning the body into a [tokens, k] array once.")
+                  "One SSE event per token. stream: SGLang's cumulative text, output_ids and output lists in every "
+                  "event (flat arrays: each event's rows only, with their offset; nested rows: every row so far); "
+                  "incremental: --incremental-streaming-output, each event only what is new. gateway CPU: per "
+                  f"request, over {args.repeats} (1 for nested stream); client: the body into a [tokens, k] array.")
     for fmt in FORMATS:
-        whole, streamed = (next(r for r in rows if r["format"] == fmt and r["stream"] is s) for s in (False, True))
-        for r in (whole, streamed):
-            table.add(fmt, "stream" if r["stream"] else "whole", fmt_bytes(r["bytes"]),
-                      fmt_ratio(r["bytes"] / whole["bytes"]), fmt_time(r["gateway_cpu_s"]),
-                      fmt_ratio(r["gateway_cpu_s"] / whole["gateway_cpu_s"]), fmt_time(r["client_s"]),
-                      "yes" if r["same_arrays"] else "NO")
+        whole = next(r for r in rows if r["format"] == fmt and r["mode"] == "whole")
+        for r in (r for r in rows if r["format"] == fmt):
+            table.add(fmt, r["mode"], fmt_bytes(r["bytes"]), fmt_ratio(r["bytes"] / whole["bytes"]),
+                      fmt_time(r["gateway_cpu_s"]), fmt_ratio(r["gateway_cpu_s"] / whole["gateway_cpu_s"]),
+                      fmt_time(r["client_s"]), "yes" if r["same_arrays"] else "NO")
     print(write_results("stream", "python -m bench.stream", [table], {"rows": rows},
                         f"Synthetic scheduler at {args.step_ms:g} ms per step; greedy, ignore_eos."))
 

@@ -6,7 +6,7 @@ import grpc
 
 from flatwire_client.pb import generate_pb2, scheduler_pb2
 from flatwire_client.requests import Options
-from flatwire_client.results import Assembled, Generation, generation
+from flatwire_client.results import ChunkStream, Generation, generation
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 GENERATE, MODEL_INFO = f"/{SERVICE}/Generate", f"/{SERVICE}/GetModelInfo"
@@ -22,24 +22,16 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
-class GenerationStream:
-    """The chunks of a streamed request, as Generations of their new tokens and rows; `result` is all of them
-    joined (the Generation the request returns without streaming), once the stream is read to its end."""
+class GenerationStream(ChunkStream):
+    """`for chunk in stream`, then `stream.result` (see ChunkStream)."""
 
     def __init__(self, responses, input_ids: list[int] | None):
+        super().__init__(input_ids)
         self._responses = responses
-        self._input_ids = input_ids
-        self._assembled = Assembled()
 
     def __iter__(self) -> Iterator[Generation]:
         for response in self._responses:
-            chunk = generation(response, self._input_ids)
-            self._assembled.chunks.append(chunk)
-            yield chunk
-
-    @property
-    def result(self) -> Generation:
-        return self._assembled.result()
+            yield self._take(response)
 
 
 class FlatwireClient:
@@ -79,23 +71,16 @@ class FlatwireClient:
         return GenerationStream(self._generate(request, timeout=timeout, metadata=self._metadata), input_ids)
 
 
-class AsyncGenerationStream:
+class AsyncGenerationStream(ChunkStream):
     """GenerationStream's asyncio twin: `async for chunk in stream`, then `stream.result`."""
 
     def __init__(self, responses, input_ids: list[int] | None):
+        super().__init__(input_ids)
         self._responses = responses
-        self._input_ids = input_ids
-        self._assembled = Assembled()
 
     async def __aiter__(self) -> AsyncIterator[Generation]:
         async for response in self._responses:
-            chunk = generation(response, self._input_ids)
-            self._assembled.chunks.append(chunk)
-            yield chunk
-
-    @property
-    def result(self) -> Generation:
-        return self._assembled.result()
+            yield self._take(response)
 
 
 class AsyncFlatwireClient:

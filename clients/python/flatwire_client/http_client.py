@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from flatwire_client.pb import generate_pb2
 from flatwire_client.requests import Options
-from flatwire_client.results import Assembled, Generation, generation
+from flatwire_client.results import ChunkStream, Generation, generation
 
 MEDIA_TYPE = "application/x-protobuf"
 
@@ -37,14 +37,13 @@ def _read_varint(read) -> int | None:
     return None
 
 
-class HttpGenerationStream:
-    """The chunks of a streamed request (see grpc_client.GenerationStream). A stream that ends without a
-    message carrying a finish_reason was cut (a server-side fault): reading it raises IncompleteRead."""
+class HttpGenerationStream(ChunkStream):
+    """`for chunk in stream`, then `stream.result` (see ChunkStream). A stream that ends without a message
+    carrying a finish_reason was cut (a server-side fault): reading it raises IncompleteRead."""
 
     def __init__(self, response: http.client.HTTPResponse, input_ids: list[int] | None):
+        super().__init__(input_ids)
         self._response = response
-        self._input_ids = input_ids
-        self._assembled = Assembled()
 
     def __iter__(self) -> Iterator[Generation]:
         read = self._response.read
@@ -52,15 +51,9 @@ class HttpGenerationStream:
             data = read(size)
             if len(data) < size:
                 raise http.client.IncompleteRead(data, size - len(data))
-            chunk = generation(generate_pb2.GenerateResponsePacked.FromString(data), self._input_ids)
-            self._assembled.chunks.append(chunk)
-            yield chunk
-        if not self._assembled.chunks or self._assembled.chunks[-1].finish_reason is None:
+            yield self._take(generate_pb2.GenerateResponsePacked.FromString(data))
+        if not self.chunks or self.chunks[-1].finish_reason is None:
             raise http.client.IncompleteRead(b"", None)
-
-    @property
-    def result(self) -> Generation:
-        return self._assembled.result()
 
 
 class HttpClient:

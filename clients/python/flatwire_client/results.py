@@ -1,6 +1,6 @@
 """What the client returns: a Generation, its logprob rows as numpy arrays (-inf kept)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -79,12 +79,20 @@ def generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[in
                       response.completion_tokens)
 
 
-@dataclass
-class Assembled:
-    """A stream's chunks joined: the Generation that the same request without streaming returns."""
+class ChunkStream:
+    """A stream's chunks, each a Generation of its new tokens and rows, kept as they are read; `result` is
+    them all joined (the Generation the same request returns without streaming) once the stream has ended."""
 
-    chunks: list[Generation] = field(default_factory=list)
+    def __init__(self, input_ids: list[int] | None):
+        self._input_ids = input_ids
+        self.chunks: list[Generation] = []
 
+    def _take(self, response: generate_pb2.GenerateResponsePacked) -> Generation:
+        chunk = generation(response, self._input_ids)
+        self.chunks.append(chunk)
+        return chunk
+
+    @property
     def result(self) -> Generation:
         last = self.chunks[-1]
         output = Logprobs.concatenate([c.output for c in self.chunks if c.output is not None])
