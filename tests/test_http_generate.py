@@ -207,3 +207,21 @@ def test_concurrent_requests_are_independent(http):
         futures = [pool.submit(generate, http, text=PROMPT, sampling_params=GREEDY) for _ in range(4)]
         together = [f.result() for f in futures]
     assert all(body["output_ids"] == alone["output_ids"] for body in together)
+
+
+def test_the_client_rid_names_the_request(http):
+    """SGLang's rid: meta_info.id is the client's id (one per prompt of a batch); refused with 400 naming rid
+    when it does not match the prompts, repeats within a batch, or names a request still running."""
+    body = {"sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert generate(http, text=PROMPT, rid="my-request-1", **body)["meta_info"]["id"] == "my-request-1"
+    batch = generate(http, text=[PROMPT, "Another"], rid=["a-1", "a-2"], **body)
+    assert [item["meta_info"]["id"] for item in batch] == ["a-1", "a-2"]
+    for rid, text in ((["a", "a"], [PROMPT, PROMPT]), ("one", [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT)):
+        refused = http.post("/generate", json={"text": text, "rid": rid, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", (rid, refused.text)
+    with http.stream("POST", "/generate", json={"text": PROMPT, "rid": "busy", "stream": True,
+                                                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as s:
+        next(s.iter_lines())  # running
+        again = http.post("/generate", json={"text": PROMPT, "rid": "busy", **body})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "rid"
+        assert http.post("/abort_request", json={"rid": "busy"}).status_code == 200

@@ -70,6 +70,7 @@ class GenerateInput:
     logprob: scheduler_pb2.LogprobParams
     detokenize: scheduler_pb2.DetokenizeParams
     stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
+    rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -198,7 +199,9 @@ class PipelineClient:
             self._reserved -= 1
         else:
             self._check_room(1)
-        rid = uuid.uuid4().hex
+        rid = inp.rid or uuid.uuid4().hex
+        if rid in self._requests:
+            raise RequestError("invalid_argument", "rid", f"rid: {rid!r} is already running")
         state = GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
                              outputs=Accumulator(inp.logprob, inp.sampling.max_new_tokens))
         self._requests[rid] = state

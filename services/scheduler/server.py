@@ -105,7 +105,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except QueueFull as exc:  # the gateway answers 429 (or tries another replica)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if not accepted:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running",
+                                trailing_metadata=((FIELD_METADATA, "rid"),))
         return scheduler_pb2.SubmitReply()
 
     async def Abort(self, request, context):

@@ -84,7 +84,8 @@ def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: 
                             f"{req.sampling_field(i)}.max_new_tokens")
     req.check_logprob_start_len(len(prompt_ids))
     return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new), logprob=req.logprob(),
-                         detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i))
+                         detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),
+                         rid=req.rid_for(i))
 
 
 def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:

@@ -8,6 +8,8 @@ from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k, is_id_lists
 from services.gateway.protocol.sampling import SamplingOptions, unsupported
 
+MAX_RID_LENGTH = 256
+
 
 class GenerateRequest(BaseModel):
     text: str | list[str] | None = None
@@ -24,6 +26,8 @@ class GenerateRequest(BaseModel):
     return_flat_raw_output_top_logprobs: bool = False  # output side likewise
     return_flat_raw_top_logprobs_b64: bool = False  # the flat arrays as base64 of <f4 / <i4 bytes
     stream: bool = False
+    # The request's id (meta_info.id, /abort_request's rid): one per prompt of a batch; default: a fresh uuid.
+    rid: str | list[str] | None = None
     n: Annotated[int | None, unsupported(None, 1)] = None  # SGLang's top-level n: one sample per prompt here
 
     @field_validator("top_logprobs_num")
@@ -55,11 +59,29 @@ class GenerateRequest(BaseModel):
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != self.batch_size:
             raise InvalidRequest("sampling_params", f"{len(self.sampling_params)} sampling_params for "
                                                    f"{self.batch_size} prompts")
+        self._check_rids()
         if self.return_flat_raw_top_logprobs_b64 and not (
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
             raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
                                  "return_flat_raw_top_logprobs or return_flat_raw_output_top_logprobs")
         return self
+
+    def _check_rids(self) -> None:
+        if self.rid is None:
+            return
+        rids = self.rid if isinstance(self.rid, list) else [self.rid]
+        if isinstance(self.rid, list) != self.is_batch or len(rids) != self.batch_size:
+            raise InvalidRequest("rid", f"rid: one id per prompt ({self.batch_size}"
+                                        f"{', as a list' if self.is_batch else ', as a string'})")
+        if not all(0 < len(rid) <= MAX_RID_LENGTH for rid in rids):
+            raise InvalidRequest("rid", f"rid: each id must have 1 to {MAX_RID_LENGTH} characters")
+        if len(set(rids)) != len(rids):
+            raise InvalidRequest("rid", "rid: the ids of a batch must differ")
+
+    def rid_for(self, i: int) -> str | None:
+        if self.rid is None:
+            return None
+        return self.rid[i] if isinstance(self.rid, list) else self.rid
 
     @property
     def prompt_field(self) -> str:
