@@ -213,7 +213,9 @@ def test_the_client_rid_names_the_request(http):
     """SGLang's rid: meta_info.id is the client's id (one per prompt of a batch); refused with 400 naming rid
     when it does not match the prompts, repeats within a batch, or names a request still running."""
     body = {"sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    assert generate(http, text=PROMPT, rid="my-request-1", **body)["meta_info"]["id"] == "my-request-1"
+    meta = generate(http, text=PROMPT, rid="my-request-1", **body)["meta_info"]
+    assert meta["id"] == "my-request-1"
+    assert meta["cached_tokens"] == 0  # SGLang sends it always; there is no prefix cache here
     batch = generate(http, text=[PROMPT, "Another"], rid=["a-1", "a-2"], **body)
     assert [item["meta_info"]["id"] for item in batch] == ["a-1", "a-2"]
     for rid, text in ((["a", "a"], [PROMPT, PROMPT]), ("one", [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT)):

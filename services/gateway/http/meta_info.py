@@ -22,5 +22,6 @@ def base_meta_info(result: RequestResult) -> dict:
         "finish_reason": finish_reason(result),
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
+        "cached_tokens": 0,  # SGLang's prefix-cache hits; flatwire has no prefix cache
         "e2e_latency": result.e2e_latency,
     }
