@@ -97,10 +97,11 @@ class Router:
         finished: dict[str, list] = defaultdict(list)
         for owner, finish in owned.finished:
             finished[owner].append(finish)
+        entries = _Entries(owned.step)
         for owner in rows.keys() | prompt_rows.keys() | started.keys() | finished.keys():
             if (outbox := self._outbox(owner)) is not None:
-                outbox.put_nowait(_slice(owned, rows.get(owner, []), prompt_rows.get(owner, []), started[owner],
-                                         finished[owner]))
+                outbox.put_nowait(_slice(owned, entries, rows.get(owner, []), prompt_rows.get(owner, []),
+                                         started[owner], finished[owner]))
 
 
 def _indices_by_owner(owners: list[str | None]) -> dict[str, list[int]]:
@@ -111,24 +112,30 @@ def _indices_by_owner(owners: list[str | None]) -> dict[str, list[int]]:
     return indices
 
 
-def _kept_tokens(step: scheduler_pb2.StepOutput, keep: list[int]) -> list[int]:
-    tokens = list(step.token_ids)
-    if len(keep) == len(step.rids):  # every entry (kept in order: _indices_by_owner)
-        return tokens
-    starts, counts = token_offsets(step.counts), step.counts
-    return [token for i in keep for token in tokens[starts[i]:starts[i] + counts[i]]]
+class _Entries:
+    """A step's tokens and where each entry starts, read once for all its owners."""
+
+    def __init__(self, step: scheduler_pb2.StepOutput):
+        self.tokens = list(step.token_ids)
+        self.counts = list(step.counts)
+        self.starts = token_offsets(self.counts)
+
+    def tokens_of(self, keep: list[int]) -> list[int]:
+        if len(keep) == len(self.counts):  # every entry (kept in order: _indices_by_owner)
+            return self.tokens
+        return [token for i in keep for token in self.tokens[self.starts[i]:self.starts[i] + self.counts[i]]]
 
 
-def _slice(owned: OwnedStep, keep: list[int], keep_prompt: list[int], started: list,
+def _slice(owned: OwnedStep, entries: _Entries, keep: list[int], keep_prompt: list[int], started: list,
            finished: list) -> scheduler_pb2.StepOutput:
     step = owned.step
     message = scheduler_pb2.StepOutput(
         step=step.step,
         started=started,
         rids=[step.rids[i] for i in keep],
-        token_ids=_kept_tokens(step, keep) if keep else [],
+        token_ids=entries.tokens_of(keep) if keep else [],
         positions=[step.positions[i] for i in keep],
-        counts=[step.counts[i] for i in keep],
+        counts=[entries.counts[i] for i in keep],
         texts=[owned.texts[i] for i in keep],
         prompt_rids=[step.prompt_rids[i] for i in keep_prompt],
         finished=finished,

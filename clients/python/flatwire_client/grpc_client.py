@@ -22,6 +22,14 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
+def _methods(channel):
+    """The Generate and GetModelInfo callables of a channel (blocking or grpc.aio: the same calls)."""
+    return (channel.unary_stream(GENERATE, request_serializer=generate_pb2.GenerateRequest.SerializeToString,
+                                 response_deserializer=generate_pb2.GenerateResponsePacked.FromString),
+            channel.unary_unary(MODEL_INFO, request_serializer=scheduler_pb2.ModelInfoRequest.SerializeToString,
+                                response_deserializer=scheduler_pb2.ModelInfo.FromString))
+
+
 class GenerationStream(ChunkStream):
     """`for chunk in stream`, then `stream.result` (see ChunkStream)."""
 
@@ -40,12 +48,7 @@ class FlatwireClient:
     def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None):
         self._metadata = _metadata(api_key)
         self._channel = grpc.insecure_channel(address, options=_channel_options(max_message_mb))
-        self._generate = self._channel.unary_stream(
-            GENERATE, request_serializer=generate_pb2.GenerateRequest.SerializeToString,
-            response_deserializer=generate_pb2.GenerateResponsePacked.FromString)
-        self._model_info = self._channel.unary_unary(
-            MODEL_INFO, request_serializer=scheduler_pb2.ModelInfoRequest.SerializeToString,
-            response_deserializer=scheduler_pb2.ModelInfo.FromString)
+        self._generate, self._model_info = _methods(self._channel)
 
     def __enter__(self) -> "FlatwireClient":
         return self
@@ -89,12 +92,7 @@ class AsyncFlatwireClient:
     def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None):
         self._metadata = _metadata(api_key)
         self._channel = grpc.aio.insecure_channel(address, options=_channel_options(max_message_mb))
-        self._generate = self._channel.unary_stream(
-            GENERATE, request_serializer=generate_pb2.GenerateRequest.SerializeToString,
-            response_deserializer=generate_pb2.GenerateResponsePacked.FromString)
-        self._model_info = self._channel.unary_unary(
-            MODEL_INFO, request_serializer=scheduler_pb2.ModelInfoRequest.SerializeToString,
-            response_deserializer=scheduler_pb2.ModelInfo.FromString)
+        self._generate, self._model_info = _methods(self._channel)
 
     async def __aenter__(self) -> "AsyncFlatwireClient":
         return self

@@ -132,7 +132,7 @@ class _StreamState:
         self.output_ids += chunk.token_ids
         final = chunk.result
         progress = RequestResult(
-            rid=chunk.rid, prompt_tokens=self.prompt_tokens, output_ids=list(self.output_ids), text=self.text,
+            rid=chunk.rid, prompt_tokens=self.prompt_tokens, output_ids=self.output_ids, text=self.text,
             finish_reason=final.finish_reason if final else None, matched_stop=final.matched_stop if final else None,
             output=chunk.output, prompt=chunk.prompt, token_ids_logprob=self.token_ids_logprob,
             e2e_latency=final.e2e_latency if final else time.perf_counter() - started,
@@ -155,6 +155,7 @@ class _StreamState:
             meta["output_top_logprobs_offset"] = self.rows_sent
             self.rows_sent += len(chunk.output.token_logprobs)
         meta |= self.prompt_fields
+        # output_ids is this state's own list, not a copy: the event is serialized before the next chunk grows it.
         return {"text": self.text, "output_ids": progress.output_ids, "meta_info": meta}
 
 
