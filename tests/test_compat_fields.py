@@ -3,6 +3,7 @@ with a 400 naming the field, unless its value asks for nothing (the neutral valu
 
 import openai
 import pytest
+from flatwire_client import FlatwireClient
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, "temperature": 0}
 COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -10,9 +11,6 @@ GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperatu
 
 # OpenAI's fields flatwire cannot honour yet: (field, a value it refuses, the neutral values it accepts).
 OPENAI_FIELDS = [
-    ("logit_bias", {"7872": -100}, [None, {}]),
-    ("presence_penalty", 0.5, [None, 0, 0.0]),
-    ("frequency_penalty", -1.0, [None, 0]),
     ("response_format", {"type": "json_object"}, [None, {"type": "text"}]),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], [None, []]),
     ("tool_choice", "auto", [None, "none"]),
@@ -20,10 +18,6 @@ OPENAI_FIELDS = [
 ]
 # SGLang's sampling_params fields likewise.
 SAMPLING_FIELDS = [
-    ("frequency_penalty", 0.5, [None, 0.0]),
-    ("presence_penalty", 1.0, [None, 0]),
-    ("repetition_penalty", 1.2, [None, 1.0, 1]),
-    ("min_new_tokens", 1, [None, 0]),
     ("json_schema", '{"type": "object"}', [None]),
     ("regex", "[a-z]+", [None]),
     ("ebnf", 'root ::= "a"', [None]),
@@ -86,9 +80,6 @@ def test_generate_top_level_n(http):
 
 def test_openai_client_sees_a_typed_error(client, model):
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=model, prompt="Hello", max_tokens=2, logit_bias={"7872": -100})
-    assert refused.value.body["param"] == "logit_bias"
-    with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2,
                                        response_format={"type": "json_object"})
     assert refused.value.body["param"] == "response_format"
@@ -131,3 +122,99 @@ def test_seed_wraps_into_uint64(client, model):
                                          temperature=1)
     wrapped = client.completions.create(model=model, prompt="Hello", max_tokens=4, seed=0, temperature=1)
     assert response.choices[1].text == wrapped.choices[0].text
+
+
+# Logit adjustments: what each field does, through every API (tests/test_logit_adjust.py holds the exact
+# comparison with transformers' logits processors).
+
+def generate_ids(http, input_ids: list[int], max_new_tokens: int, **params) -> list[int]:
+    response = http.post("/generate", json={"input_ids": input_ids, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **params}})
+    assert response.status_code == 200, response.text
+    return response.json()["output_ids"]
+
+
+PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_logit_bias_forces_and_bans_tokens(http, client, model, endpoint):
+    forced = 1000
+    forced_text = http.post("/detokenize", json={"tokens": [forced] * 3}).json()["text"]
+
+    def text(**fields) -> str:
+        if endpoint == "chat":
+            return client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=3,
+                                                  **fields).choices[0].message.content
+        return client.completions.create(model=model, prompt="Hello", max_tokens=3, **fields).choices[0].text
+
+    assert text(temperature=1, seed=3, logit_bias={str(forced): 100}) == forced_text
+    # OpenAI's documented use: -100 bans a token; here every token greedy would pick is banned.
+    greedy = generate_ids(http, PROMPT_IDS, 8)
+    banned = generate_ids(http, PROMPT_IDS, 8, logit_bias={str(token): -100 for token in greedy})
+    assert not set(banned) & set(greedy)
+
+
+@pytest.mark.parametrize(("bias", "message"), [({"abc": 5}, "keys must be token ids"),
+                                               ({"-1": 5}, "keys must be token ids"),
+                                               ({"99999999": 1}, "token ids must be in")])
+def test_bad_logit_bias_is_refused_naming_it(http, model, bias, message):
+    response = http.post("/v1/completions", json={**COMPLETION, "model": model, "logit_bias": bias})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
+    assert message in response.json()["error"]["message"]
+    response = http.post("/generate", json={**GENERATE, "sampling_params": {"logit_bias": bias}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.logit_bias"
+
+
+@pytest.mark.parametrize("field", ["frequency_penalty", "presence_penalty", "repetition_penalty"])
+def test_penalties_reduce_repetition(http, field):
+    plain = generate_ids(http, PROMPT_IDS, 48)
+    penalised = generate_ids(http, PROMPT_IDS, 48, **{field: 2.0})
+    assert len(set(penalised)) > len(set(plain)), (plain, penalised)
+
+
+def test_openai_penalties_change_the_choice_reproducibly(client, model):
+    def text(**fields) -> str:
+        return client.completions.create(model=model, prompt="Hello", max_tokens=24, temperature=0,
+                                         **fields).choices[0].text
+
+    penalised = text(frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalised != text() and penalised == text(frequency_penalty=2.0, presence_penalty=1.0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("frequency_penalty", 2.5), ("presence_penalty", -3),
+                                              ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+                                              ("min_new_tokens", -1)])
+def test_out_of_range_adjustments_are_refused(http, model, field, value):
+    response = http.post("/generate", json={**GENERATE, "sampling_params": {field: value}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == f"sampling_params.{field}"
+    if field in ("frequency_penalty", "presence_penalty"):
+        response = http.post("/v1/completions", json={**COMPLETION, "model": model, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_min_new_tokens_holds_off_stop_tokens_and_strings(http):
+    greedy = generate_ids(http, PROMPT_IDS, 12)
+    stop = next(i for i, token in enumerate(greedy) if i and token not in greedy[:i])  # first new token past 0
+    assert generate_ids(http, PROMPT_IDS, 12, stop_token_ids=[greedy[stop]]) == greedy[:stop + 1]
+    held = generate_ids(http, PROMPT_IDS, stop + 8, stop_token_ids=[greedy[stop]], min_new_tokens=stop + 4)
+    assert len(held) >= stop + 4 and greedy[stop] not in held[:stop + 3]
+    # A stop string matches only once the output has min_new_tokens tokens.
+    text = http.post("/detokenize", json={"tokens": greedy[stop:stop + 1]}).json()["text"]
+    response = http.post("/generate", json={"input_ids": PROMPT_IDS, "sampling_params": {
+        "max_new_tokens": stop + 8, "temperature": 0, "ignore_eos": True, "stop": [text],
+        "min_new_tokens": stop + 2}})
+    assert len(response.json()["output_ids"]) >= stop + 2, response.text
+    response = http.post("/generate", json={**GENERATE, "sampling_params": {"max_new_tokens": 2,
+                                                                              "min_new_tokens": 3}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.min_new_tokens"
+
+
+def test_grpc_api_takes_the_adjustments(stack, http):
+    with FlatwireClient(stack.grpc_address) as grpc_client:
+        forced = grpc_client.generate(input_ids=PROMPT_IDS, max_new_tokens=3, temperature=1.0,
+                                      logit_bias={1000: 100.0})
+        assert forced.token_ids.tolist() == [1000] * 3
+        penalised = grpc_client.generate(input_ids=PROMPT_IDS, max_new_tokens=48, temperature=0, ignore_eos=True,
+                                         repetition_penalty=2.0)
+        assert penalised.token_ids.tolist() == generate_ids(http, PROMPT_IDS, 48, repetition_penalty=2.0)

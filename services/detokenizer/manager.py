@@ -35,6 +35,7 @@ class DecodingRequest:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     stops: StopStrings
+    min_new_tokens: int  # stop strings match only once the output is this long (SGLang's min_new_tokens)
     status: DecodeStatus = field(default_factory=DecodeStatus)
     next_position: int = 0  # of the next output token to decode
 
@@ -42,7 +43,7 @@ class DecodingRequest:
     def of(cls, start: scheduler_pb2.RequestStart, scheduler: str) -> "DecodingRequest":
         params = start.detokenize
         return cls(start.owner, scheduler, params.skip_special_tokens, params.spaces_between_special_tokens,
-                   StopStrings.of(params.stop, params.no_stop_trim))
+                   StopStrings.of(params.stop, params.no_stop_trim), params.min_new_tokens)
 
 
 @dataclass
@@ -106,7 +107,8 @@ class DetokenizerManager:
 
         for entry, (searched, text, printable_end) in zip(entries, self._decode(entries)):
             state, finish = entry.state, entry.finish
-            match = state.stops.find(text, searched) if state.stops.strings else None
+            matching = state.stops.strings and state.next_position >= state.min_new_tokens
+            match = state.stops.find(text, searched) if matching else None
             if match:
                 end = state.stops.text_end(text, match)
                 if finish is None:  # still generating: tell the scheduler to stop it

@@ -48,6 +48,13 @@ def generate_fields(request: generate_pb2.GenerateRequest) -> dict:
             options[name] = getattr(sampling, name)
     if sampling.HasField("top_k") and sampling.top_k > 0:  # unset or <= 0: no limit
         options["top_k"] = sampling.top_k
+    for name in ("frequency_penalty", "presence_penalty", "min_new_tokens"):
+        if getattr(sampling, name):  # 0: off
+            options[name] = getattr(sampling, name)
+    if sampling.HasField("repetition_penalty"):
+        options["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.logit_bias:
+        options["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
     if request.HasField("skip_special_tokens"):
         options["skip_special_tokens"] = request.skip_special_tokens
     fields = {"sampling_params": options, "return_logprob": request.return_logprob,

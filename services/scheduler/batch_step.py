@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from services.scheduler.host_copy import copy_to_host
+from services.scheduler.logit_adjust import AdjustedRow, SlotTokenCounts, adjust_logits
 from services.scheduler.request import Request
 from services.scheduler.sampler import SamplingBatch, chunked_logprob_rows, logprob_rows, sample
 
@@ -63,7 +64,7 @@ def run_step(runner: "ModelRunner", decode: list[Request], prefill: list[Request
             rows=[i for i, _ in sampled], temperature=[r.temperature for _, r in sampled],
             top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
             min_p=[r.min_p for _, r in sampled], generators=[r.generator(runner.device) for _, r in sampled])
-        next_ids = sample(logits, params)
+        next_ids = _sample_adjusted(logits, rows, prefill, params, runner.token_counts)
         out = {"next_ids": next_ids}
         if any(r.return_logprob for r in rows):
             lp = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in rows), _padded_ids(rows, runner.device))
@@ -71,6 +72,24 @@ def run_step(runner: "ModelRunner", decode: list[Request], prefill: list[Request
                        ids_logprobs=lp.ids_logprobs)
         out.update(_prompt_logprobs(runner, hidden, prefill, prompt_ends, chunk_rows))
         return copy_to_host(out)
+
+
+def _sample_adjusted(logits: torch.Tensor, rows: list[Request], prefill: list[Request], params: SamplingBatch,
+                     counts: SlotTokenCounts) -> torch.Tensor:
+    """Next tokens sampled from the logits as each request adjusts them (logit_adjust.py); logprobs are taken
+    from the unadjusted `logits`."""
+    for request in prefill:
+        if request.adjustment is not None and request.adjustment.counts_tokens:
+            counts.start(request.slot, request.input_ids)
+    adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(rows)
+                if r.adjustment is not None]
+    next_ids = sample(adjust_logits(logits, adjusted, counts), params)
+    counted = [a for a in adjusted if a.adjustment.counts_tokens]
+    if counted:
+        device = logits.device
+        counts.add(torch.tensor([a.slot for a in counted], device=device),
+                   next_ids[torch.tensor([a.row for a in counted], device=device)])
+    return next_ids
 
 
 def _prompt_logprobs(runner: "ModelRunner", hidden: torch.Tensor, prefill: list[Request], prompt_ends: np.ndarray,

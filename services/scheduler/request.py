@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from services.common.pb import scheduler_pb2
+from services.scheduler.logit_adjust import LogitAdjustment
 from services.scheduler.pending import PendingOutput
 
 # A temperature below this samples greedily (SGLang's _SAMPLING_EPS): logits / 1e-45 are inf or nan,
@@ -51,6 +52,7 @@ class Request:
     logprob_start_len: int  # -1 unless return_logprob
     token_ids_logprob: list[int]  # empty unless return_logprob
     seed: int | None
+    adjustment: LogitAdjustment | None  # penalties, logit_bias, min_new_tokens; None: sample the raw logits
     pending: PendingOutput  # output not shipped yet
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
@@ -112,6 +114,14 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
     min_p = sampling.min_p if sampling.HasField("min_p") else 0.0
     _check(0 <= min_p <= 1, "sampling.min_p", "must be in [0, 1]")
     _check_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits.vocab_size)
+    for name in ("frequency_penalty", "presence_penalty"):
+        _check(math.isfinite(getattr(sampling, name)), f"sampling.{name}", "must be a finite number")
+    repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+    _check(0 < repetition_penalty < math.inf, "sampling.repetition_penalty", "must be a finite number > 0")
+    _check(sampling.min_new_tokens <= sampling.max_new_tokens, "sampling.min_new_tokens",
+           "must not exceed max_new_tokens")
+    _check_ids(list(sampling.logit_bias), "sampling.logit_bias", limits.vocab_size)
+    _check(all(map(math.isfinite, sampling.logit_bias.values())), "sampling.logit_bias", "biases must be finite")
 
     wants = logprob.return_logprob
     _check(logprob.top_logprobs_num <= limits.max_top_logprobs, "logprob.top_logprobs_num",
@@ -121,6 +131,7 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
     _check_ids(logprob.token_ids_logprob, "logprob.token_ids_logprob", limits.vocab_size)
 
     eos = () if sampling.ignore_eos else limits.eos_token_ids
+    stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
     top_k = logprob.top_logprobs_num if wants else 0
@@ -135,11 +146,13 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
         top_p=top_p,
         top_k=max(sampling.top_k, 0) if sampling.HasField("top_k") else 0,
         min_p=min_p,
-        stop_ids=frozenset(sampling.stop_token_ids) | frozenset(eos),
+        stop_ids=stop_ids,
         return_logprob=wants,
         top_logprobs_num=top_k,
         logprob_start_len=logprob.logprob_start_len if wants else -1,
         token_ids_logprob=ids,
         seed=sampling.seed if sampling.HasField("seed") else None,
+        adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
+                                      sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
         pending=PendingOutput(min(interval, sampling.max_new_tokens), top_k, len(ids), wants),
     )

@@ -17,6 +17,12 @@ class Options:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Change what is sampled, not the logprobs returned (the model's raw distribution).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None: 1.0 (off)
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     return_logprob: bool = False  # implied by top_logprobs_num or token_ids_logprob
     top_logprobs_num: int = 0
     logprob_start_len: int | None = None  # None: no prompt logprobs
@@ -32,7 +38,9 @@ class Options:
     def grpc_request(self, text: str | None, input_ids: list[int] | None, stream: bool) -> generate_pb2.GenerateRequest:
         sampling = scheduler_pb2.SamplingParams(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+            min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens, logit_bias=self.logit_bias)
         return generate_pb2.GenerateRequest(
             text=text or "", input_ids=input_ids or [], sampling=sampling, return_logprob=self.wants_logprobs,
             top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
@@ -42,8 +50,11 @@ class Options:
     def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
         """/generate's JSON (SGLang's field names)."""
         sampling = {"max_new_tokens": self.max_new_tokens, "stop_token_ids": list(self.stop_token_ids),
-                    "ignore_eos": self.ignore_eos, "stop": list(self.stop), "no_stop_trim": self.no_stop_trim}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "skip_special_tokens"):
+                    "ignore_eos": self.ignore_eos, "stop": list(self.stop), "no_stop_trim": self.no_stop_trim,
+                    "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                    "min_new_tokens": self.min_new_tokens,
+                    "logit_bias": {str(token): bias for token, bias in self.logit_bias.items()}}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "skip_special_tokens", "repetition_penalty"):
             if (value := getattr(self, name)) is not None:
                 sampling[name] = value
         body = {"sampling_params": sampling, "return_logprob": self.wants_logprobs,

@@ -37,9 +37,7 @@ class OpenAIRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI's fields flatwire cannot honour yet: refused unless neutral (frequency_penalty and presence_penalty
-    # are SamplingFields').
-    logit_bias: Annotated[dict | None, unsupported(None, {})] = None
+    # OpenAI's fields flatwire cannot honour yet: refused unless neutral.
     response_format: Annotated[dict | None, unsupported(None, {"type": "text"})] = None
     tools: Annotated[list | None, unsupported(None, [])] = None
     tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None

@@ -2,7 +2,7 @@
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, Field, ValidationInfo
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo
 
 from services.common.pb import scheduler_pb2
 from services.gateway.protocol.limits import check_stop
@@ -27,10 +27,31 @@ def _check_stop_token_ids(value: list[int] | None, info: ValidationInfo) -> list
     return check_token_ids(value, info) if value else value
 
 
+def _logit_bias_ids(value):
+    """OpenAI's {"<token id>": bias} keyed by ids, as the scheduler takes it."""
+    if not isinstance(value, dict):
+        return value  # pydantic names the expected type
+    for key in value:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"keys must be token ids, not {key!r}")
+    return {int(key): bias for key, bias in value.items()}
+
+
+def _check_logit_bias(value: dict[int, float] | None, info: ValidationInfo) -> dict[int, float] | None:
+    if value:
+        check_token_ids(list(value), info)
+        for bias in value.values():
+            _check_float32(abs(bias))
+    return value
+
+
 TopK = Annotated[int, AfterValidator(_check_top_k)]
 Float32 = Annotated[float, AfterValidator(_check_float32)]
 StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)]
 Stop = Annotated[StopValue, AfterValidator(check_stop)]  # at most max_stop_strings of max_stop_length
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's and SGLang's range
+LogitBias = Annotated[dict[int, Annotated[float, Field(allow_inf_nan=False)]] | None,
+                      BeforeValidator(_logit_bias_ids), AfterValidator(_check_logit_bias)]
 
 
 def _neutral_text(value) -> str:
@@ -76,11 +97,13 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    # SGLang's (and OpenAI's) fields flatwire cannot honour yet: refused unless neutral (see unsupported).
-    frequency_penalty: Annotated[float | None, unsupported(None, 0.0)] = None
-    presence_penalty: Annotated[float | None, unsupported(None, 0.0)] = None
-    repetition_penalty: Annotated[float | None, unsupported(None, 1.0)] = None
-    min_new_tokens: Annotated[int | None, unsupported(None, 0)] = None
+    # Logit adjustments (what is sampled, not the logprobs returned): scheduler.proto's SamplingParams.
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, allow_inf_nan=False)  # SGLang's range
+    min_new_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    logit_bias: LogitBias = None
+    # SGLang's fields flatwire cannot honour yet: refused unless neutral (see unsupported).
     json_schema: Annotated[str | dict | None, unsupported(None)] = None
     regex: Annotated[str | None, unsupported(None)] = None
     ebnf: Annotated[str | None, unsupported(None)] = None
@@ -93,13 +116,16 @@ class SamplingFields(BaseModel):
             # the most likely token alone.
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=max(self.top_p, FLOAT32_TINY),
             top_k=max(self.top_k, 0), min_p=self.min_p, seed=choice_seed(self.seed, choice),
-            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens,
+            logit_bias=self.logit_bias or {})
 
     def detokenize(self) -> scheduler_pb2.DetokenizeParams:
         return scheduler_pb2.DetokenizeParams(
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim)
+            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim, min_new_tokens=self.min_new_tokens)
 
 
 class SamplingOptions(SamplingFields):

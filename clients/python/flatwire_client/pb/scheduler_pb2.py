@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 from . import arrays_pb2 as flatwire_dot_v1_dot_arrays__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66latwire/v1/scheduler.proto\x12\x0b\x66latwire.v1\x1a\x18\x66latwire/v1/arrays.proto\"\xf4\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"w\n\rLogprobParams\x12\x16\n\x0ereturn_logprob\x18\x01 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x02 \x01(\r\x12\x19\n\x11logprob_start_len\x18\x03 \x01(\x05\x12\x19\n\x11token_ids_logprob\x18\x04 \x03(\x05\"z\n\x10\x44\x65tokenizeParams\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12%\n\x1dspaces_between_special_tokens\x18\x02 \x01(\x08\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x14\n\x0cno_stop_trim\x18\x04 \x01(\x08\"\xe9\x01\n\x10TokenizedRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.flatwire.v1.SamplingParams\x12+\n\x07logprob\x18\x05 \x01(\x0b\x32\x1a.flatwire.v1.LogprobParams\x12\x31\n\ndetokenize\x18\x06 \x01(\x0b\x32\x1d.flatwire.v1.DetokenizeParams\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\"\r\n\x0bSubmitReply\"\\\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\"\x0c\n\nAbortReply\"\x14\n\x12StreamStepsRequest\"M\n\rRequestResume\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x19.flatwire.v1.RequestStart\x12\x12\n\noutput_ids\x18\x02 \x03(\x0f\"t\n\x0cRequestStart\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x31\n\ndetokenize\x18\x03 \x01(\x0b\x32\x1d.flatwire.v1.DetokenizeParams\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\x95\x01\n\x06\x46inish\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x15\n\rmatched_token\x18\x03 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x15\n\routput_tokens\x18\x06 \x01(\r\"\xd8\x02\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\x07started\x18\x02 \x03(\x0b\x32\x19.flatwire.v1.RequestStart\x12\x0c\n\x04rids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x0f\x12)\n\x06output\x18\x05 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12\x13\n\x0bprompt_rids\x18\x06 \x03(\t\x12)\n\x06prompt\x18\x07 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12%\n\x08\x66inished\x18\x08 \x03(\x0b\x32\x13.flatwire.v1.Finish\x12\r\n\x05texts\x18\t \x03(\t\x12\x11\n\tpositions\x18\n \x03(\r\x12+\n\x07resumed\x18\x0b \x03(\x0b\x32\x1a.flatwire.v1.RequestResume\x12\x0e\n\x06\x63ounts\x18\x0c \x03(\r\"\x12\n\x10ModelInfoRequest\"\xc6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10max_top_logprobs\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1c\n\x14max_running_requests\x18\x08 \x01(\r\x12\x13\n\x0binstance_id\x18\t \x01(\t\"\x0e\n\x0cStatsRequest\"\xab\x01\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rkv_slots_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_slots_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x10\n\x08\x66inished\x18\x07 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x08 \x01(\x04\x32\xe1\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1d.flatwire.v1.TokenizedRequest\x1a\x18.flatwire.v1.SubmitReply\x12;\n\x05\x41\x62ort\x12\x19.flatwire.v1.AbortRequest\x1a\x17.flatwire.v1.AbortReply\x12I\n\x0bStreamSteps\x12\x1f.flatwire.v1.StreamStepsRequest\x1a\x17.flatwire.v1.StepOutput0\x01\x12\x45\n\x0cGetModelInfo\x12\x1d.flatwire.v1.ModelInfoRequest\x1a\x16.flatwire.v1.ModelInfo\x12\x42\n\x08GetStats\x12\x19.flatwire.v1.StatsRequest\x1a\x1b.flatwire.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66latwire/v1/scheduler.proto\x12\x0b\x66latwire.v1\x1a\x18\x66latwire/v1/arrays.proto\"\xeb\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x0c \x01(\r\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.flatwire.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"w\n\rLogprobParams\x12\x16\n\x0ereturn_logprob\x18\x01 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x02 \x01(\r\x12\x19\n\x11logprob_start_len\x18\x03 \x01(\x05\x12\x19\n\x11token_ids_logprob\x18\x04 \x03(\x05\"\x92\x01\n\x10\x44\x65tokenizeParams\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12%\n\x1dspaces_between_special_tokens\x18\x02 \x01(\x08\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x14\n\x0cno_stop_trim\x18\x04 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x05 \x01(\r\"\xe9\x01\n\x10TokenizedRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.flatwire.v1.SamplingParams\x12+\n\x07logprob\x18\x05 \x01(\x0b\x32\x1a.flatwire.v1.LogprobParams\x12\x31\n\ndetokenize\x18\x06 \x01(\x0b\x32\x1d.flatwire.v1.DetokenizeParams\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\"\r\n\x0bSubmitReply\"\\\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\"\x0c\n\nAbortReply\"\x14\n\x12StreamStepsRequest\"M\n\rRequestResume\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x19.flatwire.v1.RequestStart\x12\x12\n\noutput_ids\x18\x02 \x03(\x0f\"t\n\x0cRequestStart\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x31\n\ndetokenize\x18\x03 \x01(\x0b\x32\x1d.flatwire.v1.DetokenizeParams\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\x95\x01\n\x06\x46inish\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x15\n\rmatched_token\x18\x03 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x15\n\routput_tokens\x18\x06 \x01(\r\"\xd8\x02\n\nStepOutput\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\x07started\x18\x02 \x03(\x0b\x32\x19.flatwire.v1.RequestStart\x12\x0c\n\x04rids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x0f\x12)\n\x06output\x18\x05 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12\x13\n\x0bprompt_rids\x18\x06 \x03(\t\x12)\n\x06prompt\x18\x07 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12%\n\x08\x66inished\x18\x08 \x03(\x0b\x32\x13.flatwire.v1.Finish\x12\r\n\x05texts\x18\t \x03(\t\x12\x11\n\tpositions\x18\n \x03(\r\x12+\n\x07resumed\x18\x0b \x03(\x0b\x32\x1a.flatwire.v1.RequestResume\x12\x0e\n\x06\x63ounts\x18\x0c \x03(\r\"\x12\n\x10ModelInfoRequest\"\xc6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x18\n\x10max_top_logprobs\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1c\n\x14max_running_requests\x18\x08 \x01(\r\x12\x13\n\x0binstance_id\x18\t \x01(\t\"\x0e\n\x0cStatsRequest\"\xab\x01\n\x0eSchedulerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rkv_slots_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_slots_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x10\n\x08\x66inished\x18\x07 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x08 \x01(\x04\x32\xe1\x02\n\tScheduler\x12\x41\n\x06Submit\x12\x1d.flatwire.v1.TokenizedRequest\x1a\x18.flatwire.v1.SubmitReply\x12;\n\x05\x41\x62ort\x12\x19.flatwire.v1.AbortRequest\x1a\x17.flatwire.v1.AbortReply\x12I\n\x0bStreamSteps\x12\x1f.flatwire.v1.StreamStepsRequest\x1a\x17.flatwire.v1.StepOutput0\x01\x12\x45\n\x0cGetModelInfo\x12\x1d.flatwire.v1.ModelInfoRequest\x1a\x16.flatwire.v1.ModelInfo\x12\x42\n\x08GetStats\x12\x19.flatwire.v1.StatsRequest\x1a\x1b.flatwire.v1.SchedulerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flatwire.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=71
-  _globals['_SAMPLINGPARAMS']._serialized_end=315
-  _globals['_LOGPROBPARAMS']._serialized_start=317
-  _globals['_LOGPROBPARAMS']._serialized_end=436
-  _globals['_DETOKENIZEPARAMS']._serialized_start=438
-  _globals['_DETOKENIZEPARAMS']._serialized_end=560
-  _globals['_TOKENIZEDREQUEST']._serialized_start=563
-  _globals['_TOKENIZEDREQUEST']._serialized_end=796
-  _globals['_SUBMITREPLY']._serialized_start=798
-  _globals['_SUBMITREPLY']._serialized_end=811
-  _globals['_ABORTREQUEST']._serialized_start=813
-  _globals['_ABORTREQUEST']._serialized_end=905
-  _globals['_ABORTREPLY']._serialized_start=907
-  _globals['_ABORTREPLY']._serialized_end=919
-  _globals['_STREAMSTEPSREQUEST']._serialized_start=921
-  _globals['_STREAMSTEPSREQUEST']._serialized_end=941
-  _globals['_REQUESTRESUME']._serialized_start=943
-  _globals['_REQUESTRESUME']._serialized_end=1020
-  _globals['_REQUESTSTART']._serialized_start=1022
-  _globals['_REQUESTSTART']._serialized_end=1138
-  _globals['_FINISH']._serialized_start=1141
-  _globals['_FINISH']._serialized_end=1290
-  _globals['_STEPOUTPUT']._serialized_start=1293
-  _globals['_STEPOUTPUT']._serialized_end=1637
-  _globals['_MODELINFOREQUEST']._serialized_start=1639
-  _globals['_MODELINFOREQUEST']._serialized_end=1657
-  _globals['_MODELINFO']._serialized_start=1660
-  _globals['_MODELINFO']._serialized_end=1858
-  _globals['_STATSREQUEST']._serialized_start=1860
-  _globals['_STATSREQUEST']._serialized_end=1874
-  _globals['_SCHEDULERSTATS']._serialized_start=1877
-  _globals['_SCHEDULERSTATS']._serialized_end=2048
-  _globals['_SCHEDULER']._serialized_start=2051
-  _globals['_SCHEDULER']._serialized_end=2404
+  _globals['_SAMPLINGPARAMS']._serialized_end=562
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=436
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=484
+  _globals['_LOGPROBPARAMS']._serialized_start=564
+  _globals['_LOGPROBPARAMS']._serialized_end=683
+  _globals['_DETOKENIZEPARAMS']._serialized_start=686
+  _globals['_DETOKENIZEPARAMS']._serialized_end=832
+  _globals['_TOKENIZEDREQUEST']._serialized_start=835
+  _globals['_TOKENIZEDREQUEST']._serialized_end=1068
+  _globals['_SUBMITREPLY']._serialized_start=1070
+  _globals['_SUBMITREPLY']._serialized_end=1083
+  _globals['_ABORTREQUEST']._serialized_start=1085
+  _globals['_ABORTREQUEST']._serialized_end=1177
+  _globals['_ABORTREPLY']._serialized_start=1179
+  _globals['_ABORTREPLY']._serialized_end=1191
+  _globals['_STREAMSTEPSREQUEST']._serialized_start=1193
+  _globals['_STREAMSTEPSREQUEST']._serialized_end=1213
+  _globals['_REQUESTRESUME']._serialized_start=1215
+  _globals['_REQUESTRESUME']._serialized_end=1292
+  _globals['_REQUESTSTART']._serialized_start=1294
+  _globals['_REQUESTSTART']._serialized_end=1410
+  _globals['_FINISH']._serialized_start=1413
+  _globals['_FINISH']._serialized_end=1562
+  _globals['_STEPOUTPUT']._serialized_start=1565
+  _globals['_STEPOUTPUT']._serialized_end=1909
+  _globals['_MODELINFOREQUEST']._serialized_start=1911
+  _globals['_MODELINFOREQUEST']._serialized_end=1929
+  _globals['_MODELINFO']._serialized_start=1932
+  _globals['_MODELINFO']._serialized_end=2130
+  _globals['_STATSREQUEST']._serialized_start=2132
+  _globals['_STATSREQUEST']._serialized_end=2146
+  _globals['_SCHEDULERSTATS']._serialized_start=2149
+  _globals['_SCHEDULERSTATS']._serialized_end=2320
+  _globals['_SCHEDULER']._serialized_start=2323
+  _globals['_SCHEDULER']._serialized_end=2676
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,120 @@
+"""What a request changes in the logits its next token is chosen from: logit_bias, min_new_tokens, and
+the repetition, frequency and presence penalties (SGLang's and OpenAI's fields, applied as vLLM orders
+them: bias and min_new_tokens, then repetition, then frequency and presence).
+
+Everything runs on the model's device over the step's adjusted rows at once. The penalties need each
+request's token counts: they live per KV slot in one [slots, vocab] tensor, zeroed when a request takes the
+slot and incremented with one scatter per step for the tokens just sampled, so no step reads a request's
+output on the host. The logprobs a request gets back are not adjusted: they stay the model's raw
+distribution (sampler.py).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LogitAdjustment:
+    """One request's adjustments; a request without any has none (Request.adjustment is None)."""
+
+    frequency_penalty: float  # 0: off
+    presence_penalty: float  # 0: off
+    repetition_penalty: float  # 1: off
+    min_new_tokens: int  # 0: off
+    blocked_early: np.ndarray  # int64 token ids not sampled before min_new_tokens (eos, stop_token_ids)
+    bias_ids: np.ndarray  # int64
+    bias_values: np.ndarray  # float32, added to the logits of bias_ids
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a penalty depends on the tokens seen so far."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @classmethod
+    def of(cls, frequency_penalty: float, presence_penalty: float, repetition_penalty: float, min_new_tokens: int,
+           stop_ids: frozenset[int], logit_bias: dict[int, float]) -> "LogitAdjustment | None":
+        """The adjustment, or None when every field asks for nothing."""
+        adjustment = cls(frequency_penalty, presence_penalty, repetition_penalty, min_new_tokens,
+                         blocked_early=np.array(sorted(stop_ids), dtype=np.int64),
+                         bias_ids=np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias)),
+                         bias_values=np.fromiter(logit_bias.values(), dtype=np.float32, count=len(logit_bias)))
+        if adjustment.counts_tokens or min_new_tokens > 0 or logit_bias:
+            return adjustment
+        return None
+
+
+class SlotTokenCounts:
+    """Per KV slot: how often each token occurs in the output so far, and which tokens the prompt holds.
+    Allocated on first use ([slots, vocab] float32 and bool): servers that never see a penalty pay nothing."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
+        self.shape = (num_slots, vocab_size)
+        self.device = device
+        self.output: torch.Tensor | None = None
+        self.in_prompt: torch.Tensor | None = None
+
+    def start(self, slot: int, prompt: np.ndarray) -> None:
+        """A request with a penalty takes `slot`: forget the slot's previous owner, remember the prompt."""
+        if self.output is None or self.in_prompt is None:
+            self.output = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+            self.in_prompt = torch.zeros(self.shape, dtype=torch.bool, device=self.device)
+        self.output[slot].zero_()
+        self.in_prompt[slot].zero_()
+        self.in_prompt[slot, torch.from_numpy(prompt).to(self.device)] = True
+
+    def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each slot's newly sampled token."""
+        assert self.output is not None, "start() comes first"
+        self.output.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+
+
+@dataclass
+class AdjustedRow:
+    row: int  # in the step's logits
+    slot: int
+    output_len: int  # tokens generated before this step's
+    adjustment: LogitAdjustment
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[AdjustedRow], counts: SlotTokenCounts) -> torch.Tensor:
+    """A copy of float32 logits [B, V] with each row's adjustment applied (`logits` itself when none)."""
+    if not rows:
+        return logits
+    device = logits.device
+    adjusted = logits.clone()
+    _add_sparse(adjusted, [(r.row, r.adjustment.bias_ids, r.adjustment.bias_values) for r in rows])
+    early = [r for r in rows if r.output_len < r.adjustment.min_new_tokens]
+    _add_sparse(adjusted, [(r.row, r.adjustment.blocked_early, np.full(len(r.adjustment.blocked_early), -np.inf,
+                                                                       dtype=np.float32)) for r in early])
+    penalised = [r for r in rows if r.adjustment.counts_tokens]
+    if penalised:
+        assert counts.output is not None and counts.in_prompt is not None, "the slots were started"
+        index = torch.tensor([r.row for r in penalised], device=device)
+        slots = torch.tensor([r.slot for r in penalised], device=device)
+        seen_counts = counts.output[slots]
+        values = adjusted[index]
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(r.adjustment, name) for r in penalised], device=device).unsqueeze(1)
+
+        seen = (seen_counts > 0) | counts.in_prompt[slots]
+        repetition = column("repetition_penalty")
+        values = torch.where(seen, torch.where(values > 0, values / repetition, values * repetition), values)
+        values -= column("frequency_penalty") * seen_counts + column("presence_penalty") * (seen_counts > 0)
+        adjusted[index] = values
+    return adjusted
+
+
+def _add_sparse(logits: torch.Tensor, entries: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+    """logits[row, ids] += values for each (row, ids, values), in one scatter."""
+    entries = [entry for entry in entries if len(entry[1])]
+    if not entries:
+        return
+    rows = np.concatenate([np.full(len(ids), row, dtype=np.int64) for row, ids, _ in entries])
+    ids = np.concatenate([ids for _, ids, _ in entries])
+    values = np.concatenate([values for _, _, values in entries])
+    device = logits.device
+    logits.index_put_((torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device)),
+                      torch.from_numpy(values).to(device), accumulate=True)
