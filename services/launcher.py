@@ -1,6 +1,7 @@
 """`flatwire up`: scheduler, detokenizer and gateway as processes on loopback.
 
-Builds (or finds) the model first, starts the three services, waits until the
+Builds, finds or downloads the model first, starts the three services (scheduler and detokenizer on free
+loopback ports unless given, so that several launchers run side by side), waits until the
 gateway's /health is 200, prints where to connect, then supervises them: a service
 that exits is restarted with the same command after an exponential backoff
 (--restart-delay-s doubling up to --restart-max-delay-s, back to the first delay once
@@ -12,14 +13,16 @@ that a restart would not fix. Ctrl-C or SIGTERM stops all three.
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from services.common.config import option, parse_config
-from services.common.model_store import resolve_model
+from services.common.model_store import model_name, resolve_model
 from services.common.rpc import check_health
 
 
@@ -27,13 +30,16 @@ from services.common.rpc import check_health
 class UpConfig:
     """flatwire up: run the whole pipeline on this machine."""
 
-    model: str | None = option(None, "local Hugging Face checkpoint; default: the embedded default model")
+    model: str | None = option(None, "local Hugging Face checkpoint directory, or a Hugging Face Hub model id "
+                               "(Org/Name) from the Hugging Face cache or downloaded into it; default: the "
+                               "embedded default model")
     cache_dir: str | None = option(None, "where the default model is built (default ~/.cache/flatwire)")
     host: str = option("127.0.0.1", "address the gateway listens on")
     port: int = option(30000, "gateway HTTP port")
     grpc_port: int = option(30001, "gateway public gRPC port")
-    scheduler_port: int = option(30010, "scheduler port (loopback)")
-    detokenizer_port: int = option(30020, "detokenizer port (loopback)")
+    scheduler_port: int | None = option(None, "scheduler port (loopback); default: a free port, picked at start")
+    detokenizer_port: int | None = option(None, "detokenizer port (loopback); default: a free port, picked at "
+                                          "start")
     device: str = option("auto", "scheduler device: auto, cpu or cuda")
     api_key: str | None = option(None, "the gateway's API key (HTTP `Authorization: Bearer`, gRPC `authorization` "
                                  "metadata); default: none")
@@ -78,6 +84,21 @@ class Supervised:
             self.backoff_s = min(self.backoff_s * 2, config.restart_max_delay_s)
 
 
+def internal_ports(config: UpConfig) -> tuple[int, int]:
+    """The scheduler's and detokenizer's ports: as configured, else free loopback ports the kernel picks
+    (both held until both are picked, so they differ)."""
+    with ExitStack() as held:
+        scheduler, detokenizer = (port if port is not None else _hold_free_port(held)
+                                  for port in (config.scheduler_port, config.detokenizer_port))
+    return scheduler, detokenizer
+
+
+def _hold_free_port(held: ExitStack) -> int:
+    sock = held.enter_context(socket.socket())
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
 def _wait(check, what: str, procs: list[subprocess.Popen], deadline: float) -> None:
     while not check():
         if any(p.poll() is not None for p in procs):
@@ -105,19 +126,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # us in the background leaves SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    model = str(resolve_model(config.model, config.cache_dir))
+    model_dir = resolve_model(config.model, config.cache_dir)
+    # The services get --model as given, so that a Hub model keeps its id as its name, and resolve it offline:
+    # from the cache it was just fetched into, the revision fetched here, never waiting on the Hub (restarts too).
+    os.environ["HF_HUB_OFFLINE"] = "1"
     # Passed in the environment (not in the command lines, which ps shows). The internal hops use a secret
     # of this run unless one is configured, so that no other local process can call the internal ports.
     if config.api_key:
         os.environ["FLATWIRE_API_KEY"] = config.api_key
     if not (os.environ.get("FLATWIRE_INTERNAL_SECRET") or os.environ.get("FLATWIRE_INTERNAL_SECRET_FILE")):
         os.environ["FLATWIRE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
-    scheduler = f"127.0.0.1:{config.scheduler_port}"
-    detokenizer = f"127.0.0.1:{config.detokenizer_port}"
-    common = ["--model", model]
+    scheduler_port, detokenizer_port = internal_ports(config)
+    scheduler = f"127.0.0.1:{scheduler_port}"
+    detokenizer = f"127.0.0.1:{detokenizer_port}"
+    common = ["--model", config.model or str(model_dir)]
     commands = {
-        "scheduler": ["--port", str(config.scheduler_port), "--device", config.device, *common],
-        "detokenizer": ["--port", str(config.detokenizer_port), "--schedulers", scheduler, *common],
+        "scheduler": ["--port", str(scheduler_port), "--device", config.device, *common],
+        "detokenizer": ["--port", str(detokenizer_port), "--schedulers", scheduler, *common],
         "gateway": ["--host", config.host, "--port", str(config.port), "--grpc-port", str(config.grpc_port),
                     "--schedulers", scheduler, "--detokenizers", detokenizer, *common],
     }
@@ -130,7 +155,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         _wait(lambda: check_health(scheduler), "the scheduler", procs, deadline)
         _wait(lambda: check_health(detokenizer), "the detokenizer", procs, deadline)
         _wait(lambda: _http_ok(f"{http}/health"), "the gateway", procs, deadline)
-        print(f"\nflatwire is up (model {model})\n"
+        print(f"\nflatwire is up (model {model_name(config.model, model_dir)} from {model_dir})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"
               f"  Ctrl-C stops all three; a service that crashes is restarted.\n", flush=True)

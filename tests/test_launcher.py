@@ -1,7 +1,9 @@
-"""`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C."""
+"""`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C; two run
+side by side on their own internal ports."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,25 +13,41 @@ import httpx
 import pytest
 
 from services.common.rpc import check_health
-from services.launcher import Supervised, UpConfig
+from services.launcher import Supervised, UpConfig, internal_ports
+from tests.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
 from tests.procs import ROOT, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 
-def _start_up(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
-    """`flatwire up` on free ports, once it has printed that it is up."""
-    ports = {name: free_port() for name in ("port", "grpc-port", "scheduler-port", "detokenizer-port")}
+def _launch(model: str, log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`flatwire up` on free public ports, its internal ports left to it."""
+    ports = {name: free_port() for name in ("port", "grpc-port")}
     args = [f"--{name}={port}" for name, port in ports.items()]
-    log = open(log_path, "w+")
-    up = subprocess.Popen([sys.executable, "-m", "services", "up", "--model", str(model_dir), *args],
-                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with open(log_path, "w") as log:
+        up = subprocess.Popen([sys.executable, "-m", "services", "up", "--model", model, *args],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    return up, ports
+
+
+def _wait_up(up: subprocess.Popen, ports: dict[str, int], log_path: Path) -> None:
+    """Until `up` has printed that it is up; adds the internal ports its services listen on to `ports`."""
     deadline = time.monotonic() + 240
     while "flatwire is up" not in log_path.read_text():
         if up.poll() is not None or time.monotonic() > deadline:
             up.kill()
             raise AssertionError(f"flatwire up did not come up:\n{log_path.read_text()}")
         time.sleep(0.5)
+    for service in ("scheduler", "detokenizer"):
+        argv = _child_argv(up.pid, service)
+        assert argv is not None, f"no {service} child found"
+        ports[f"{service}-port"] = int(argv[argv.index("--port") + 1])
+
+
+def _start_up(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`flatwire up` on free ports, once it has printed that it is up."""
+    up, ports = _launch(str(model_dir), log_path)
+    _wait_up(up, ports, log_path)
     return up, ports
 
 
@@ -58,6 +76,12 @@ def _child_pid(parent: int, service: str) -> int | None:
         if argv[2:4] == [b"services", service.encode()]:
             return int(entry.name)
     return None
+
+
+def _child_argv(parent: int, service: str) -> list[str] | None:
+    """The command line of `parent`'s child running `python -m services <service>`."""
+    pid = _child_pid(parent, service)
+    return None if pid is None else (Path("/proc") / str(pid) / "cmdline").read_text().split("\0")
 
 
 def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
@@ -121,3 +145,42 @@ def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
     service.supervise(config)
     assert service.proc is not crashed and service.restart_at is None
     service.proc.wait(timeout=30)
+
+
+def test_internal_ports_are_free_and_distinct_unless_given():
+    picked = [internal_ports(UpConfig()) for _ in range(2)]
+    ports = [port for pair in picked for port in pair]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free
+    assert internal_ports(UpConfig(scheduler_port=30010, detokenizer_port=30020)) == (30010, 30020)
+    scheduler, detokenizer = internal_ports(UpConfig(scheduler_port=30010))
+    assert scheduler == 30010 and detokenizer != 30010
+
+
+def test_two_launchers_side_by_side(model_dir, tmp_path):
+    """Two `flatwire up` on their own public ports, without internal ones, at once; the second serves a Hub model
+    id from the Hugging Face cache (offline), resolved alike by all three of its services."""
+    hub_cache = tmp_path / "hub"
+    populate_hub_cache(hub_cache, HUB_MODEL_ID, model_dir)
+    launched = [(*_launch(str(model_dir), tmp_path / "local.log"), tmp_path / "local.log"),
+                (*_launch(HUB_MODEL_ID, tmp_path / "hub.log", offline_env(HF_HUB_CACHE=str(hub_cache))),
+                 tmp_path / "hub.log")]
+    try:
+        for up, ports, log_path in launched:
+            _wait_up(up, ports, log_path)
+        (_, local_ports, _), (_, hub_ports, _) = launched
+        assert not set(local_ports.values()) & set(hub_ports.values())
+        for _, ports, _ in launched:
+            reply = _generate(ports["port"])
+            assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
+        models = httpx.get(f"http://127.0.0.1:{hub_ports['port']}/v1/models", timeout=10).json()
+        assert [model["id"] for model in models["data"]] == [HUB_MODEL_ID]
+    finally:
+        for up, ports, log_path in launched:
+            if "scheduler-port" in ports:
+                _stop_up(up, ports, log_path)
+            elif up.poll() is None:  # the other one did not come up
+                up.send_signal(signal.SIGINT)
+                up.wait(timeout=30)

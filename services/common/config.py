@@ -89,7 +89,8 @@ class ServiceConfig:
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "gRPC (or HTTP, for the gateway) port")
-    model: str | None = option(None, "local Hugging Face checkpoint; default: the embedded default model")
+    model: str | None = option(None, "local Hugging Face checkpoint directory, or a Hub model id (Org/Name) from "
+                               "the Hugging Face cache; default: the embedded default model")
     cache_dir: str | None = option(None, "where the default model is built (default ~/.cache/flatwire)")
     max_message_mb: int = option(1024, "gRPC message limit in MiB of what servers send and channels send and "
                                  "receive: step streams carry up to --max-running-requests requests' logprob rows "

