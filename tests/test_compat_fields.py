@@ -1,6 +1,8 @@
 """Issue 11's rule for request fields: what the server accepts it honours; what it cannot honour yet is refused
 with a 400 naming the field, unless its value asks for nothing (the neutral value real clients send)."""
 
+import json
+
 import openai
 import pytest
 from flatwire_client import FlatwireClient
@@ -21,7 +23,6 @@ SAMPLING_FIELDS = [
     ("json_schema", '{"type": "object"}', [None]),
     ("regex", "[a-z]+", [None]),
     ("ebnf", 'root ::= "a"', [None]),
-    ("n", 2, [None, 1]),
 ]
 
 
@@ -55,7 +56,7 @@ def test_openai_field_refused_unless_neutral(http, model, endpoint, field, value
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize(("field", "value", "neutral"), SAMPLING_FIELDS[:-1], ids=[f[0] for f in SAMPLING_FIELDS[:-1]])
+@pytest.mark.parametrize(("field", "value", "neutral"), SAMPLING_FIELDS, ids=[f[0] for f in SAMPLING_FIELDS])
 def test_sglang_extension_refused_on_openai_routes_unless_neutral(http, model, endpoint, field, value, neutral):
     base = {**(CHAT if "chat" in endpoint else COMPLETION), "model": model}
     assert_refused(http.post(endpoint, json={**base, field: value}), field)
@@ -218,3 +219,43 @@ def test_grpc_api_takes_the_adjustments(stack, http):
         penalised = grpc_client.generate(input_ids=PROMPT_IDS, max_new_tokens=48, temperature=0, ignore_eos=True,
                                          repetition_penalty=2.0)
         assert penalised.token_ids.tolist() == generate_ids(http, PROMPT_IDS, 48, repetition_penalty=2.0)
+
+
+def test_generate_n_samples_each_prompt_distinctly_and_reproducibly(http):
+    def texts(prompt, **params) -> list[str]:
+        response = http.post("/generate", json={"text": prompt, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 1, "seed": 5, **params}})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return [r["text"] for r in body] if isinstance(body, list) else [body["text"]]
+
+    samples = texts("Hello", n=3)
+    assert len(samples) == 3 and len(set(samples)) == 3
+    assert texts("Hello", n=3) == samples
+    assert texts("Hello", seed=6) == samples[1:2]  # sample j is seeded seed + j
+    batch = texts(["Hello", "The weather"], n=2)  # prompt-major, as SGLang orders them
+    assert batch[:2] == samples[:2] and batch[2:] == texts("The weather", n=2)
+
+
+def test_generate_n_streams_each_sample_with_its_index(http):
+    body = {"text": "Hello", "stream": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1, "seed": 5, "n": 2}}
+    final = {}
+    with http.stream("POST", "/generate", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: "):])
+                final[event["index"]] = event["text"]
+    whole = http.post("/generate", json={**body, "stream": False}).json()
+    assert [final[0], final[1]] == [r["text"] for r in whole]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"text": "Hello", "rid": "mine", "sampling_params": {"n": 2}}, "rid"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params"),
+    ({"text": "Hello", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"text": "Hello", "sampling_params": {"n": 100000}}, "sampling_params.n"),
+])
+def test_generate_n_refusals(http, body, param):
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

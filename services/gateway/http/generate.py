@@ -37,9 +37,10 @@ async def generate(request: Request) -> Response:
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
     packed = packed_format.MEDIA_TYPE in request.headers.get("accept", "")
-    if packed and req.is_batch:
-        raise InvalidRequest(req.prompt_field, f"a batch cannot be answered as {packed_format.MEDIA_TYPE}: send "
-                                               "one prompt per request")
+    if packed and req.returns_list:
+        raise InvalidRequest(req.prompt_field if req.is_batch else "sampling_params.n",
+                             f"a batch cannot be answered as {packed_format.MEDIA_TYPE}: send one prompt and n=1 "
+                             "per request")
     inputs = await _inputs(gateway, req)
     gens = await unless_disconnected(
         request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
@@ -61,7 +62,7 @@ async def generate(request: Request) -> Response:
         message = packed_format.packed_response(whole, result.prompt_tokens, result.completion_tokens)
         return Response(message.SerializeToString(), media_type=packed_format.MEDIA_TYPE)
     bodies = [_body(gateway, req, result) for result in results]
-    body = orjson.dumps(bodies if req.is_batch else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
+    body = orjson.dumps(bodies if req.returns_list else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
     gateway.metrics.bytes_sent.labels(logprob_format(req)).inc(len(body))
     return Response(body, media_type="application/json")
 
@@ -72,18 +73,21 @@ async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]
         ids = prompts
     else:
         ids = await encode_texts(gateway.pipeline.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
-    inputs = [generate_input(req, i, prompt_ids, gateway.limits) for i, prompt_ids in enumerate(ids)]
+    inputs = [generate_input(req, i, prompt_ids, gateway.limits, sample)
+              for i, prompt_ids in enumerate(ids) for sample in range(req.samples_per_prompt)]
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     return inputs
 
 
-def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: ModelLimits) -> GenerateInput:
-    """Prompt i's GenerateInput, after the checks that need its tokens (the public gRPC API's too)."""
+def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: ModelLimits,
+                   sample: int = 0) -> GenerateInput:
+    """Prompt i's GenerateInput for its `sample`-th sample (of n: seeded apart, as the OpenAI routes' choices),
+    after the checks that need its tokens (the public gRPC API's too)."""
     options = req.sampling_for(i)
     max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.max_new_tokens,
                             f"{req.sampling_field(i)}.max_new_tokens")
     req.check_logprob_start_len(len(prompt_ids))
-    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new), logprob=req.logprob(),
+    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(),
                          detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),
                          rid=req.rid_for(i))
 
@@ -164,7 +168,7 @@ async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, sta
               for inp in gens.inputs]
     async for i, chunk in gens.merged():
         payload = states[i].payload(gateway, req, chunk, started)
-        if req.is_batch:
+        if req.returns_list:
             payload["index"] = i
         yield event(payload)
     yield DONE

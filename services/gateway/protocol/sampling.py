@@ -132,4 +132,4 @@ class SamplingOptions(SamplingFields):
     """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
 
     max_new_tokens: int = Field(default=128, ge=1)
-    n: Annotated[int | None, unsupported(None, 1)] = None  # one sample per prompt (no n on /generate yet)
+    n: int = Field(default=1, ge=1)  # samples per prompt (GenerateRequest.samples_per_prompt)

@@ -54,11 +54,18 @@ class GenerateRequest(BaseModel):
             raise InvalidRequest("text", "exactly one of text and input_ids must be given")
         if self.is_batch and self.batch_size == 0:
             raise InvalidRequest(self.prompt_field, "a batch must not be empty")
-        # One sub-request per prompt (sampling_params has no n here).
-        check_batch_size(self.prompt_field, self.batch_size, f"{self.batch_size} prompts", info)
-        if isinstance(self.sampling_params, list) and len(self.sampling_params) != self.batch_size:
-            raise InvalidRequest("sampling_params", f"{len(self.sampling_params)} sampling_params for "
-                                                   f"{self.batch_size} prompts")
+        if isinstance(self.sampling_params, list):
+            if len(self.sampling_params) != self.batch_size:
+                raise InvalidRequest("sampling_params", f"{len(self.sampling_params)} sampling_params for "
+                                                       f"{self.batch_size} prompts")
+            if len({options.n for options in self.sampling_params}) > 1:
+                raise InvalidRequest("sampling_params", "sampling_params: every prompt's n must be the same")
+        n = self.samples_per_prompt
+        if n == 1:
+            check_batch_size(self.prompt_field, self.batch_size, f"{self.batch_size} prompts", info)
+        else:
+            check_batch_size(f"{self.sampling_field(0)}.n", self.batch_size * n,
+                             f"{self.batch_size} prompts x n={n}", info)
         self._check_rids()
         if self.return_flat_raw_top_logprobs_b64 and not (
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
@@ -69,6 +76,8 @@ class GenerateRequest(BaseModel):
     def _check_rids(self) -> None:
         if self.rid is None:
             return
+        if self.samples_per_prompt > 1:  # SGLang gives each sample an id of its own as well
+            raise InvalidRequest("rid", "rid: not with n > 1, where each sample gets an id of its own")
         rids = self.rid if isinstance(self.rid, list) else [self.rid]
         if isinstance(self.rid, list) != self.is_batch or len(rids) != self.batch_size:
             raise InvalidRequest("rid", f"rid: one id per prompt ({self.batch_size}"
@@ -96,6 +105,16 @@ class GenerateRequest(BaseModel):
     @property
     def batch_size(self) -> int:
         return len(self.prompts())
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """sampling_params.n (the same for every prompt)."""
+        return self.sampling_for(0).n
+
+    @property
+    def returns_list(self) -> bool:
+        """Whether the response is a list: one result per prompt and sample, prompt-major (SGLang's order)."""
+        return self.is_batch or self.samples_per_prompt > 1
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list (one entry when not a batch)."""
