@@ -102,8 +102,8 @@ def test_a_slot_taken_again_forgets_its_previous_request():
     counts.start(1, np.array([4, 5]))
     counts.add(torch.tensor([1, 1]), torch.tensor([6, 6]))
     counts.start(1, np.array([7]))
-    assert counts.output is not None and counts.in_prompt is not None
-    assert counts.output.sum() == 0 and counts.in_prompt[1].nonzero().flatten().tolist() == [7]
+    assert counts.output is not None and counts.seen is not None
+    assert counts.output.sum() == 0 and counts.seen[1].nonzero().flatten().tolist() == [7]
 
 
 # Through the scheduler: batched greedy requests, each adjusted its own way, against transformers' generate.

@@ -1,10 +1,10 @@
 """What a request changes in the logits its next token is chosen from: logit_bias, min_new_tokens, and
-the repetition, frequency and presence penalties (SGLang's and OpenAI's fields, applied as vLLM orders
-them: bias and min_new_tokens, then repetition, then frequency and presence).
+the repetition, frequency and presence penalties (SGLang's and OpenAI's fields, with vLLM's result: bias,
+then repetition, then frequency and presence; min_new_tokens' -inf goes last, which no penalty changes).
 
 Everything runs on the model's device over the step's adjusted rows at once. The penalties need each
-request's token counts: they live per KV slot in one [slots, vocab] tensor, zeroed when a request takes the
-slot and incremented with one scatter per step for the tokens just sampled, so no step reads a request's
+request's token counts: they live per KV slot in [slots, vocab] tensors, zeroed when a request takes the
+slot and updated with one scatter per step for the tokens just sampled, so no step reads a request's
 output on the host. The logprobs a request gets back are not adjusted: they stay the model's raw
 distribution (sampler.py).
 """
@@ -46,28 +46,31 @@ class LogitAdjustment:
 
 
 class SlotTokenCounts:
-    """Per KV slot: how often each token occurs in the output so far, and which tokens the prompt holds.
-    Allocated on first use ([slots, vocab] float32 and bool): servers that never see a penalty pay nothing."""
+    """Per KV slot: how often each token occurs in the output so far, and whether it occurs in the prompt or the
+    output (1.0 or 0.0: float arithmetic is an order of magnitude faster than bool masks on CPU). Allocated on
+    first use ([slots, vocab] float32 twice): servers that never see a penalty pay nothing."""
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.shape = (num_slots, vocab_size)
         self.device = device
         self.output: torch.Tensor | None = None
-        self.in_prompt: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
 
     def start(self, slot: int, prompt: np.ndarray) -> None:
         """A request with a penalty takes `slot`: forget the slot's previous owner, remember the prompt."""
-        if self.output is None or self.in_prompt is None:
+        if self.output is None or self.seen is None:
             self.output = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-            self.in_prompt = torch.zeros(self.shape, dtype=torch.bool, device=self.device)
+            self.seen = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
         self.output[slot].zero_()
-        self.in_prompt[slot].zero_()
-        self.in_prompt[slot, torch.from_numpy(prompt).to(self.device)] = True
+        self.seen[slot].zero_()
+        self.seen[slot, torch.from_numpy(prompt).to(self.device)] = 1.0
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count each slot's newly sampled token."""
-        assert self.output is not None, "start() comes first"
-        self.output.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        assert self.output is not None and self.seen is not None, "start() comes first"
+        ones = torch.ones_like(tokens, dtype=torch.float32)
+        self.output.index_put_((slots, tokens), ones, accumulate=True)
+        self.seen.index_put_((slots, tokens), ones)
 
 
 @dataclass
@@ -82,29 +85,42 @@ def adjust_logits(logits: torch.Tensor, rows: list[AdjustedRow], counts: SlotTok
     """A copy of float32 logits [B, V] with each row's adjustment applied (`logits` itself when none)."""
     if not rows:
         return logits
-    device = logits.device
     adjusted = logits.clone()
     _add_sparse(adjusted, [(r.row, r.adjustment.bias_ids, r.adjustment.bias_values) for r in rows])
+    penalised = [r for r in rows if r.adjustment.counts_tokens]
+    if penalised:
+        adjusted.index_copy_(0, _tensor([r.row for r in penalised], logits.device, torch.long),
+                             _penalise(adjusted, penalised, counts))
+    # Last, so that every penalty above works on finite logits; a penalty keeps -inf anyway.
     early = [r for r in rows if r.output_len < r.adjustment.min_new_tokens]
     _add_sparse(adjusted, [(r.row, r.adjustment.blocked_early, np.full(len(r.adjustment.blocked_early), -np.inf,
                                                                        dtype=np.float32)) for r in early])
-    penalised = [r for r in rows if r.adjustment.counts_tokens]
-    if penalised:
-        assert counts.output is not None and counts.in_prompt is not None, "the slots were started"
-        index = torch.tensor([r.row for r in penalised], device=device)
-        slots = torch.tensor([r.slot for r in penalised], device=device)
-        seen_counts = counts.output[slots]
-        values = adjusted[index]
-
-        def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(r.adjustment, name) for r in penalised], device=device).unsqueeze(1)
-
-        seen = (seen_counts > 0) | counts.in_prompt[slots]
-        repetition = column("repetition_penalty")
-        values = torch.where(seen, torch.where(values > 0, values / repetition, values * repetition), values)
-        values -= column("frequency_penalty") * seen_counts + column("presence_penalty") * (seen_counts > 0)
-        adjusted[index] = values
     return adjusted
+
+
+def _tensor(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _penalise(logits: torch.Tensor, rows: list[AdjustedRow], counts: SlotTokenCounts) -> torch.Tensor:
+    """The penalised logits of `rows` [R, V]: repetition (on prompt and output tokens), then frequency and
+    presence (on output tokens)."""
+    assert counts.output is not None and counts.seen is not None, "the slots were started"
+    device = logits.device
+    slots = _tensor([r.slot for r in rows], device, torch.long)
+    values = logits.index_select(0, _tensor([r.row for r in rows], device, torch.long))
+    adjustments = [r.adjustment for r in rows]
+    if any(a.repetition_penalty != 1 for a in adjustments):
+        repetition = _tensor([a.repetition_penalty for a in adjustments], device).unsqueeze(1)
+        # logit / p where positive, logit * p otherwise, on seen tokens only, in float arithmetic.
+        repeated = values.clamp(min=0) / repetition + values.clamp(max=0) * repetition
+        values = values + counts.seen.index_select(0, slots) * (repeated - values)
+    if any(a.frequency_penalty or a.presence_penalty for a in adjustments):
+        occurrences = counts.output.index_select(0, slots)
+        frequency = _tensor([a.frequency_penalty for a in adjustments], device).unsqueeze(1)
+        presence = _tensor([a.presence_penalty for a in adjustments], device).unsqueeze(1)
+        values = values - frequency * occurrences - presence * occurrences.clamp(max=1)
+    return values
 
 
 def _add_sparse(logits: torch.Tensor, entries: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
