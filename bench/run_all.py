@@ -21,7 +21,7 @@ from bench import plots
 from bench.common import OUT_DIR, Progress, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream"]
+BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream", "weights", "sampling_costs"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
 
@@ -202,6 +202,13 @@ def headlines() -> str:
         for row in stop_waste["rows"]:
             lines.append(f"- Stop strings at {row['step_ms']:g} ms steps: {row['wasted_mean']:.1f} tokens generated "
                          f"past the match on average (max {row['wasted_max']}).")
+    weights = _results("weights")
+    if weights:
+        rows = {row["operation"]: row for row in weights["rows"]}
+        disk, paused = rows["update_weights_from_disk"], rows["pause(in_place) + update_weights_from_disk + continue"]
+        lines.append(f"- Weight update of the default model ({weights['model_bytes'] / 1e6:.0f} MB) from disk: "
+                     f"{disk['seconds']:.2f} s; paused in place around it, streaming requests stop for "
+                     f"{paused['max_gap']:.2f} s at most.")
     hop = _results("hop")
     if hop:
         target = next(h for h in hop["hops"] if h["shape"] == {"requests": 32, "k": 128, "rows": 1, "prompt": False})

@@ -23,17 +23,20 @@ from services.common.pb import scheduler_pb2
 from services.scheduler.batch_step import run_step
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.output import step_output
-from services.scheduler.request import Request
+from services.scheduler.request import Limits, Request, parse_request
 
 VOCAB = 248077
 
 
 def make_request(i: int, prompt_len: int, k: int, temperature: float = 0.0, seed: int | None = None) -> Request:
+    """A request as the scheduler's Submit validates it; it ships every token (as a streaming one)."""
     rng = np.random.default_rng(i)
-    return Request(rid=f"req-{i:04d}", owner="bench", input_ids=rng.integers(0, 240_000, prompt_len),
-                   detokenize=scheduler_pb2.DetokenizeParams(), max_new_tokens=1 << 30, temperature=temperature,
-                   top_p=0.9 if temperature else 1.0, top_k=0, min_p=0.0, stop_ids=frozenset(),
-                   return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=-1, token_ids_logprob=[], seed=seed)
+    sampling = scheduler_pb2.SamplingParams(max_new_tokens=1 << 30, temperature=temperature,
+                                            top_p=0.9 if temperature else 1.0, seed=seed)
+    message = scheduler_pb2.TokenizedRequest(
+        rid=f"req-{i:04d}", owner="bench", input_ids=rng.integers(0, 240_000, prompt_len).tolist(), sampling=sampling,
+        logprob=scheduler_pb2.LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=-1))
+    return parse_request(message, Limits(VOCAB, 1 << 20, max(k, 1), (), output_interval=1))
 
 
 def codec(batch: int, k: int) -> dict:
@@ -48,7 +51,7 @@ def codec(batch: int, k: int) -> dict:
     }
 
     def encode() -> bytes:
-        return step_output(7, [], requests, host, [], []).SerializeToString()
+        return step_output(7, [], requests, host, [], [], "default").SerializeToString()
 
     wire = encode()
 

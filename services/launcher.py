@@ -43,6 +43,8 @@ class UpConfig:
     device: str = option("auto", "scheduler device: auto, cpu or cuda")
     api_key: str | None = option(None, "the gateway's API key (HTTP `Authorization: Bearer`, gRPC `authorization` "
                                  "metadata); default: none")
+    admin_api_key: str | None = option(None, "the gateway's admin key: the only key that opens rollout control "
+                                       "(weight updates, pause, abort_all); default: none (the API key opens it)")
     startup_timeout_s: float = option(600.0, "give up if the pipeline is not healthy by then")
     restart_delay_s: float = option(1.0, "wait before restarting a crashed service; doubles on each crash")
     restart_max_delay_s: float = option(30.0, "cap on the restart delay")
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # of this run unless one is configured, so that no other local process can call the internal ports.
     if config.api_key:
         os.environ["FLATWIRE_API_KEY"] = config.api_key
+    if config.admin_api_key:
+        os.environ["FLATWIRE_ADMIN_API_KEY"] = config.admin_api_key
     if not (os.environ.get("FLATWIRE_INTERNAL_SECRET") or os.environ.get("FLATWIRE_INTERNAL_SECRET_FILE")):
         os.environ["FLATWIRE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
     scheduler_port, detokenizer_port = internal_ports(config)

@@ -34,12 +34,12 @@ CASES = [
                    "logprob_start_len": 3}, "logprob_start_len"),
     ("/generate", {"text": "Hi", "sampling_params": {"temperature": 1e39}}, "sampling_params.temperature"),
     # The scheduler refused these with its own names (sampling.max_new_tokens): now the gateway does.
-    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ("/generate", {"text": ["Hi", "Ho"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 10**7}]},
      "sampling_params[1].max_new_tokens"),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
 ]
 
 

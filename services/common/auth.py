@@ -8,6 +8,7 @@ refuse any call without it with UNAUTHENTICATED (a server interceptor on create_
 missing: services that share a volume agree on one secret with no configuration.
 
 The gateway's public gRPC API, with `--api-key`: `authorization: Bearer KEY` metadata, as for HTTP.
+Its admin operations (rollout control) follow `--admin-api-key` when it is set (AccessKeys).
 
 The standard health service (grpc.health.v1.Health) stays open everywhere: container
 healthchecks and Kubernetes' gRPC probes cannot send metadata, and it tells nothing about
@@ -19,6 +20,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -44,6 +46,25 @@ def bearer_token(authorization: str | bytes | None) -> str | bytes | None:
     stripped = authorization.strip()
     scheme, _, token = stripped.partition(b" ") if isinstance(stripped, bytes) else stripped.partition(" ")
     return token.strip() if scheme.lower() in ("bearer", b"bearer") else None
+
+
+@dataclass(frozen=True)
+class AccessKeys:
+    """The gateway's keys, with SGLang's semantics (its api_key and admin_api_key): the API key, when set, opens
+    every operation but the admin ones; the admin key, when set, is the only key that opens the admin ones
+    (without it they need the API key, like the rest; with neither, everything is open)."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.api_key or self.admin_api_key)
+
+    def allows(self, token: str | bytes | None, admin: bool) -> bool:
+        """Whether a Bearer `token` opens an admin (or an ordinary) operation."""
+        expected = (self.admin_api_key if admin else None) or self.api_key
+        return not expected or secret_matches(token, expected)
 
 
 def load_internal_secret(secret: str | None, secret_file: str | None) -> str | None:
@@ -127,17 +148,33 @@ def internal_secret_interceptor(secret: str) -> MetadataAuth:
                         "needs the same FLATWIRE_INTERNAL_SECRET")
 
 
-def api_key_interceptor(api_key: str) -> MetadataAuth:
-    return MetadataAuth(AUTHORIZATION_METADATA, lambda given: secret_matches(bearer_token(given), api_key),
-                        "missing or wrong API key: send `authorization: Bearer <key>` metadata")
+class PublicApiAuth(grpc.aio.ServerInterceptor):
+    """The public API's keys (AccessKeys): `admin_methods` (full names, /package.Service/Method) are admin."""
+
+    def __init__(self, keys: AccessKeys, admin_methods: frozenset[str]):
+        self._keys = keys
+        self._admin_methods = admin_methods
+        self._refusals = {False: _refusal("missing or wrong API key: send `authorization: Bearer <key>` metadata"),
+                          True: _refusal("missing or wrong admin API key: send `authorization: Bearer <admin key>` "
+                                         "metadata (the gateway's --admin-api-key)")}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        admin = method in self._admin_methods
+        if method.lstrip("/").rpartition("/")[0] in OPEN_SERVICES or self._keys.allows(
+                bearer_token(_metadata_value(handler_call_details.invocation_metadata, AUTHORIZATION_METADATA)),
+                admin):
+            return await continuation(handler_call_details)
+        return self._refusals[admin]
 
 
-def server_interceptors(internal_secret: str | None = None, api_key: str | None = None) -> list[MetadataAuth]:
-    interceptors = []
+def server_interceptors(internal_secret: str | None = None, access: AccessKeys | None = None,
+                        admin_methods: frozenset[str] = frozenset()) -> list[grpc.aio.ServerInterceptor]:
+    interceptors: list[grpc.aio.ServerInterceptor] = []
     if internal_secret:
         interceptors.append(internal_secret_interceptor(internal_secret))
-    if api_key:
-        interceptors.append(api_key_interceptor(api_key))
+    if access is not None and access.any:
+        interceptors.append(PublicApiAuth(access, admin_methods))
     return interceptors
 
 

@@ -14,8 +14,8 @@ twice that often. A server that permitted less would answer GOAWAY too_many_ping
 after a few pings and cut the long-lived streams.
 
 Authentication (services/common/auth.py): `internal_secret` makes a server refuse calls without
-the shared secret and a channel send it; `api_key` (the gateway's public server) requires
-`authorization: Bearer KEY`. Health stays open; reflection is on the public server only.
+the shared secret and a channel send it; `access` (the gateway's public server: its API and admin
+keys) requires `authorization: Bearer KEY`. Health stays open; reflection is on the public server only.
 """
 
 import grpc
@@ -54,11 +54,13 @@ def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_
 
 
 def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
-                  internal_secret: str | None = None, api_key: str | None = None,
-                  max_receive_mb: int | None = None) -> grpc.aio.Server:
-    """With `internal_secret` or `api_key`, every call but health's must carry it (see auth.py).
-    `max_receive_mb`: the largest request message taken (default: max_message_mb)."""
-    interceptors = auth.server_interceptors(internal_secret=internal_secret, api_key=api_key)
+                  internal_secret: str | None = None, access: auth.AccessKeys | None = None,
+                  admin_methods: frozenset[str] = frozenset(), max_receive_mb: int | None = None) -> grpc.aio.Server:
+    """With `internal_secret` or the keys of `access`, every call but health's must carry one (see auth.py;
+    `admin_methods` need the admin key when there is one). `max_receive_mb`: the largest request message
+    taken (default: max_message_mb)."""
+    interceptors = auth.server_interceptors(internal_secret=internal_secret, access=access,
+                                            admin_methods=admin_methods)
     interceptors.append(RefuseUndecodable())  # innermost: undecodable payloads -> INVALID_ARGUMENT
     return grpc.aio.server(interceptors=interceptors or None, options=[
         *message_options(max_message_mb, keepalive_s, max_receive_mb),

@@ -131,6 +131,7 @@ def _slice(owned: OwnedStep, entries: _Entries, keep: list[int], keep_prompt: li
     step = owned.step
     message = scheduler_pb2.StepOutput(
         step=step.step,
+        weight_version=step.weight_version,
         started=started,
         rids=[step.rids[i] for i in keep],
         token_ids=entries.tokens_of(keep) if keep else [],

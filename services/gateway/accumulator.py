@@ -19,7 +19,7 @@ import numpy as np
 
 from services.common.arrays import I32, BlockOffsets, LogprobArrays, block_offsets, decode_block, request_slice
 from services.common.pb import arrays_pb2, scheduler_pb2
-from services.gateway.result import LogprobTrack
+from services.gateway.result import LogprobTrack, VersionSpan, version_spans
 
 
 @dataclass
@@ -50,9 +50,12 @@ class Accumulator:
                       if logprob.return_logprob else None)
         self._read = 0  # tokens already handed out
         self._texts_read = 0
+        self.weight_versions: list[VersionSpan] = []  # which weights made the tokens held
 
-    def add(self, position: int, token_ids: list[int], text: str, rows: MessageRows | None, i: int) -> bool:
-        """Take entry i of a message: `token_ids` from `position` on; False when it is held already."""
+    def add(self, position: int, token_ids: list[int], text: str, rows: MessageRows | None, i: int,
+            weight_version: str) -> bool:
+        """Take entry i of a message, made by the weights labelled `weight_version`: `token_ids` from `position`
+        on; False when it is held already."""
         have, count = len(self.token_ids), len(token_ids)
         if position < have:
             if position + count > have:
@@ -70,6 +73,7 @@ class Accumulator:
             self._rows.put(position, entry)
         self.token_ids.extend(token_ids)
         self._texts.append(text)
+        version_spans(self.weight_versions, weight_version, position, count)
         return True
 
     @property

@@ -13,11 +13,16 @@ class GatewayConfig(ServiceConfig):
     grpc_port: int = option(30001, "public gRPC port")
     schedulers: list[str] = option(["127.0.0.1:30010"], "scheduler addresses host:port; a DNS name that resolves "
                                    "to several addresses counts as one replica each")
-    detokenizers: list[str] = option(["127.0.0.1:30020"], "detokenizer addresses host:port")
+    detokenizers: list[str] = option(["127.0.0.1:30020"], "detokenizer addresses host:port; a DNS name that "
+                                     "resolves to several addresses counts as one detokenizer each (a Kubernetes "
+                                     "headless Service of pods that each run a scheduler and its detokenizer)")
     served_model_name: str | None = option(None, "model name in the OpenAI API (default: the model dir's name)")
     api_key: str | None = option(None, "require `Authorization: Bearer KEY` on every HTTP route but /health, and "
                                  "`authorization: Bearer KEY` metadata on the public gRPC API (health open); "
                                  "default: none (open); prefer the environment variable to the flag (visible in ps)")
+    admin_api_key: str | None = option(None, "the only key that opens the admin operations (weight updates, pause and "
+                                       "continue, abort_all, update_weight_version; HTTP and public gRPC), as "
+                                       "SGLang's --admin-api-key; unset: they need --api-key like the rest")
     owner_id: str | None = option(None, "this gateway's routing id (default: random)")
     health_interval_s: float = option(1.0, "seconds between checks of each scheduler's path (scheduler, detokenizer)")
     health_timeout_s: float = option(2.0, "how long one such check waits for an answer")
@@ -46,12 +51,18 @@ class GatewayConfig(ServiceConfig):
                                           "connection, or after the previous response); then the connection closes")
     http_body_timeout_s: float = option(30.0, "seconds a client has to send a request's whole body once its "
                                         "headers arrived; then 408 and the connection closes")
+    drain_timeout_s: float = option(25.0, "on SIGTERM or SIGINT, seconds to finish the requests in flight while "
+                                    "refusing new ones (503, /health included) before exiting; what still runs then "
+                                    "fails (503) as at a second signal; keep it below the pod's "
+                                    "terminationGracePeriodSeconds")
 
     def __post_init__(self):
         super().__post_init__()
         require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
                                 "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s"))
+        if not self.drain_timeout_s >= 0:  # also refuses nan
+            raise ValueError("--drain-timeout-s: must not be negative")
         if self.max_outstanding_requests < 0:
             raise ValueError("--max-outstanding-requests: must be 0 (automatic) or positive")
         if 0 < self.max_outstanding_requests < self.max_batch_size:

@@ -4,6 +4,9 @@ Responses are written through GenerateResponsePacked, the bytes twin of the
 published GenerateResponse: the top-k arrays go out as the raw little-endian
 buffers the scheduler produced, while clients in other languages read them as
 packed `repeated float` / `repeated sfixed32`.
+
+The rollout-control methods go to every scheduler replica and answer per replica
+(rollout.py); ADMIN_METHODS need the admin key when the gateway has one.
 """
 
 import asyncio
@@ -20,9 +23,12 @@ from services.gateway.protocol.limits import LogprobFields, check_logprob_elemen
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.packed import packed_response
+from services.gateway.rollout import control_response
 
 SERVICE_NAME = "flatwire.v1.Generation"
-DEFAULT_MAX_NEW_TOKENS = 128
+ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in (
+    "UpdateWeightsFromDisk", "PushWeights", "PauseGeneration", "ContinueGeneration", "AbortAll",
+    "UpdateWeightVersion"))
 ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -40,10 +46,9 @@ GRPC_FIELDS = {"sampling_params": "sampling", "sampling_params.stop": "stop",
 def generate_fields(request: generate_pb2.GenerateRequest) -> dict:
     """The public GenerateRequest as /generate's JSON fields, defaults as the proto documents them."""
     sampling = request.sampling
-    options = {"max_new_tokens": sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-               "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
+    options = {"stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
                "stop": list(request.stop), "no_stop_trim": request.no_stop_trim}
-    for name in ("temperature", "top_p", "min_p", "seed"):
+    for name in ("max_new_tokens", "temperature", "top_p", "min_p", "seed"):  # unset: /generate's default
         if sampling.HasField(name):
             options[name] = getattr(sampling, name)
     if sampling.HasField("top_k") and sampling.top_k > 0:  # unset or <= 0: no limit
@@ -55,6 +60,8 @@ def generate_fields(request: generate_pb2.GenerateRequest) -> dict:
         options["repetition_penalty"] = sampling.repetition_penalty
     if sampling.logit_bias:
         options["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
+    if constraint := sampling.WhichOneof("constraint"):  # json_schema, regex or ebnf
+        options[constraint] = getattr(sampling, constraint)
     if request.HasField("skip_special_tokens"):
         options["skip_special_tokens"] = request.skip_special_tokens
     fields = {"sampling_params": options, "return_logprob": request.return_logprob,
@@ -145,11 +152,44 @@ class GenerationService:
         info = scheduler_pb2.ModelInfo()
         info.CopyFrom(self.pipeline.model_info)
         info.model = self.pipeline.model_name
+        info.weight_version = self.pipeline.schedulers.weight_version()
         return info
+
+    async def abort(self, request: generate_pb2.AbortGenerationRequest, context) -> generate_pb2.ControlResponse:
+        stopped = self.pipeline.abort(request.rid)
+        return generate_pb2.ControlResponse(success=True, message="aborted" if stopped else
+                                            f"no running request {request.rid!r} on this gateway")
+
+    async def _everywhere(self, call) -> generate_pb2.ControlResponse:
+        return control_response(await self.pipeline.schedulers.control(call))
+
+    async def update_weights_from_disk(self, request, context) -> generate_pb2.ControlResponse:
+        return await self._everywhere(lambda stub: stub.UpdateWeightsFromDisk(request))
+
+    async def push_weights(self, request_iterator, context) -> generate_pb2.ControlResponse:
+        return control_response(await self.pipeline.schedulers.push_weights(request_iterator))
+
+    async def pause_generation(self, request, context) -> generate_pb2.ControlResponse:
+        return await self._everywhere(lambda stub: stub.PauseGeneration(request))
+
+    async def continue_generation(self, request, context) -> generate_pb2.ControlResponse:
+        return await self._everywhere(lambda stub: stub.ContinueGeneration(request))
+
+    async def abort_all(self, request, context) -> generate_pb2.ControlResponse:
+        return await self._everywhere(lambda stub: stub.AbortAll(request))
+
+    async def update_weight_version(self, request, context) -> generate_pb2.ControlResponse:
+        return await self._everywhere(lambda stub: stub.UpdateWeightVersion(request))
 
 
 def add_generation_service(server: grpc.aio.Server, pipeline: PipelineClient) -> None:
     service = GenerationService(pipeline)
+    respond = generate_pb2.ControlResponse.SerializeToString
+
+    def control(method, request_type) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request_type.FromString,
+                                                   response_serializer=respond)
+
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.generate,
@@ -159,5 +199,14 @@ def add_generation_service(server: grpc.aio.Server, pipeline: PipelineClient) ->
             service.get_model_info,
             request_deserializer=scheduler_pb2.ModelInfoRequest.FromString,
             response_serializer=scheduler_pb2.ModelInfo.SerializeToString),
+        "Abort": control(service.abort, generate_pb2.AbortGenerationRequest),
+        "UpdateWeightsFromDisk": control(service.update_weights_from_disk, scheduler_pb2.UpdateWeightsFromDiskRequest),
+        "PushWeights": grpc.stream_unary_rpc_method_handler(
+            service.push_weights, request_deserializer=scheduler_pb2.WeightsChunk.FromString,
+            response_serializer=respond),
+        "PauseGeneration": control(service.pause_generation, scheduler_pb2.PauseGenerationRequest),
+        "ContinueGeneration": control(service.continue_generation, scheduler_pb2.ContinueGenerationRequest),
+        "AbortAll": control(service.abort_all, scheduler_pb2.AbortAllRequest),
+        "UpdateWeightVersion": control(service.update_weight_version, scheduler_pb2.UpdateWeightVersionRequest),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

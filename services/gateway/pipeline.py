@@ -35,7 +35,7 @@ from services.common.steps import token_offsets
 from services.gateway.accumulator import Accumulator, MessageRows, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.protocol.parse import rename_field
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.result import LogprobTrack, RequestResult, VersionSpan
 from services.gateway.schedulers import SchedulerPool
 
 log = logging.getLogger("flatwire.gateway")
@@ -86,6 +86,7 @@ class Chunk:
     output: LogprobTrack | None = None  # rows of token_ids, when return_logprob
     prompt: LogprobTrack | None = None  # in the first chunk, when prompt logprobs were asked
     result: RequestResult | None = None  # the whole request, on the last chunk
+    weight_versions: list[VersionSpan] = field(default_factory=list)  # of the request's tokens so far
 
 
 @dataclass
@@ -121,7 +122,8 @@ class PipelineClient:
         self.tokenizer = tokenizer
         self.owner = config.owner_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.schedulers = SchedulerPool(config, on_replica_lost=self._fail_requests_on,
-                                        delivering=lambda address: address in self._connected_detokenizers)
+                                        delivering=lambda address: address in self._connected_detokenizers,
+                                        follow_detokenizer=self._follow_detokenizer)
         self.model_info: scheduler_pb2.ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, GenerationState] = {}
@@ -130,20 +132,27 @@ class PipelineClient:
         self.rejected = {"gateway": 0, "scheduler": 0}
         self._connected_detokenizers: set[str] = set()
         self._detokenizer_instances: dict[str, str | None] = {}  # address -> the process last followed
-        self._tasks: list[asyncio.Task] = []
+        self._listeners: dict[str, asyncio.Task] = {}  # detokenizer address -> its output stream's consumer
 
     async def start(self) -> None:
         await self.schedulers.start()
         self.model_info = await self.schedulers.model_info()
         self.model_name = self.model_name or self.model_info.model
-        for address in self.config.detokenizers:
-            self._tasks.append(asyncio.create_task(self._listen(address)))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        await self.schedulers.stop()  # first: its health rounds start listeners
+        listeners = list(self._listeners.values())
+        for task in listeners:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.schedulers.stop()
+        await asyncio.gather(*listeners, return_exceptions=True)
+
+    def _follow_detokenizer(self, address: str, follow: bool) -> None:
+        """The scheduler pool found a detokenizer (or found it gone): take this gateway's outputs from it."""
+        if follow:
+            self._listeners[address] = asyncio.create_task(self._listen(address))
+        else:
+            self._listeners.pop(address).cancel()
+            self._detokenizer_instances.pop(address, None)
 
     def healthy(self) -> bool:
         """Some scheduler is in rotation: its whole path to this gateway works."""
@@ -152,7 +161,7 @@ class PipelineClient:
     def health_report(self) -> dict:
         return {"healthy": self.healthy(), "schedulers": self.schedulers.report(),
                 "detokenizers": {address: address in self._connected_detokenizers
-                                 for address in self.config.detokenizers}}
+                                 for address in self.schedulers.detokenizers()}}
 
     # -- admission control -------------------------------------------------------------------------------
 
@@ -229,20 +238,17 @@ class PipelineClient:
                 if state.result is None:  # a client that left, or a failure: the scheduler must stop it
                     self.schedulers.abort(state.scheduler, rid)
 
-    def abort(self, rid: str | None = None) -> int:
-        """SGLang's /abort_request: stop request `rid` (its meta_info.id), or every request of this gateway
-        when rid is None. Each ends like a finished one, with finish_reason "abort" and the tokens generated
-        until then. Returns how many requests were told to stop."""
-        states = list(self._requests.values()) if rid is None else [self._requests.get(rid)]
-        stopped = 0
-        for state in states:
-            if state is None or state.ended or state.abort_requested:
-                continue
-            state.abort_requested = True
-            if state.scheduler:
-                self.schedulers.abort(state.scheduler, state.rid)
-            stopped += 1
-        return stopped
+    def abort(self, rid: str) -> bool:
+        """SGLang's /abort_request with a rid: stop this gateway's request `rid` (its meta_info.id). It ends like
+        a finished one, with finish_reason "abort" and the tokens generated until then. False when no such
+        request runs here. (abort_all goes to every scheduler: SchedulerPool.control.)"""
+        state = self._requests.get(rid)
+        if state is None or state.ended or state.abort_requested:
+            return False
+        state.abort_requested = True
+        if state.scheduler:
+            self.schedulers.abort(state.scheduler, state.rid)
+        return True
 
     async def _submit(self, request: scheduler_pb2.TokenizedRequest, fields: dict[str, str]) -> str:
         try:
@@ -261,10 +267,13 @@ class PipelineClient:
         result = state.result
         if result is not None and not state.outputs.read_any:  # one chunk: the whole output
             chunk = Chunk(token_ids=result.output_ids, text=result.text, rid=state.rid, output=result.output,
-                          result=result)
+                          result=result, weight_versions=result.weight_versions)
         else:
             token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
-            chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=result)
+            versions = result.weight_versions if result is not None else [
+                VersionSpan(span.version, span.start, span.end) for span in state.outputs.weight_versions]
+            chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=result,
+                          weight_versions=versions)
         if state.prompt is not None and not state.prompt_sent:
             chunk.prompt, state.prompt_sent = state.prompt, True
         return chunk
@@ -321,7 +330,8 @@ class PipelineClient:
                 if state is None or state.ended:
                     continue
                 try:
-                    if state.outputs.add(position, tokens[first:first + count], text, rows, i) and state.inp.stream:
+                    if (state.outputs.add(position, tokens[first:first + count], text, rows, i, step.weight_version)
+                            and state.inp.stream):
                         woken.add(rid)
                 except OutputLost as exc:
                     self._fail(state, str(exc))
@@ -336,12 +346,13 @@ class PipelineClient:
         for finish in step.finished:
             state = self._requests.get(finish.rid)
             if state is not None and not state.ended:
-                self._finish(state, finish)
+                self._finish(state, finish, step.weight_version)
                 woken.add(finish.rid)
         for rid in woken:
             self._requests[rid].wakeup.set()
 
-    def _finish(self, state: GenerationState, finish: scheduler_pb2.Finish) -> None:
+    def _finish(self, state: GenerationState, finish: scheduler_pb2.Finish, weight_version: str) -> None:
+        """`weight_version`: of the message that brought the finish, the version in force when the request ended."""
         if finish.reason == FinishReason.FINISH_REASON_ERROR:
             return self._fail(state, finish.message)
         held = len(state.outputs.token_ids)
@@ -362,6 +373,9 @@ class PipelineClient:
             token_ids_logprob=list(state.inp.logprob.token_ids_logprob) or None,
             prompt=state.prompt,
             output=output,
+            # A request that ended without a token (aborted while waiting) was served, if at all, by the version
+            # in force when it ended.
+            weight_versions=state.outputs.weight_versions or [VersionSpan(weight_version, 0, 0)],
         )
         if finish.reason == FinishReason.FINISH_REASON_STOP_TOKEN:
             result.matched_stop = finish.matched_token
@@ -377,6 +391,12 @@ class PipelineClient:
             log.warning("request %s failed: %s", state.rid, why)
             state.failure = why
             state.wakeup.set()
+
+    def fail_all(self, why: str) -> None:
+        """Fail every request in flight (HTTP 503, gRPC UNAVAILABLE; each aborted in its scheduler): a gateway
+        that stops before they end (its drain ran out of time) answers them rather than cutting them off."""
+        for state in list(self._requests.values()):
+            self._fail(state, why)
 
     def _fail_requests_via(self, detokenizer: str, why: str) -> None:
         """A detokenizer's output stream lost messages: fail the requests whose outputs come through it."""

@@ -89,6 +89,23 @@ class LogprobTrack:
 
 
 @dataclass
+class VersionSpan:
+    """Output positions [start, end) of a request were produced by the weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+def version_spans(spans: list[VersionSpan], version: str, start: int, count: int) -> None:
+    """Record that `count` tokens from position `start` on were made by `version` (runs of one version merge)."""
+    if spans and spans[-1].version == version and spans[-1].end == start:
+        spans[-1].end = start + count
+    else:
+        spans.append(VersionSpan(version, start, start + count))
+
+
+@dataclass
 class RequestResult:
     """A finished (or, for streaming, partial) request, ready to render."""
 
@@ -103,6 +120,13 @@ class RequestResult:
     token_ids_logprob: list[int] | None = None  # the ids of ids_logprobs columns
     e2e_latency: float = 0.0
     error: str | None = None  # why, with finish_reason ABORT
+    # Which weights produced which output positions (no token yet: one empty span, the version then in force).
+    weight_versions: list[VersionSpan] = field(default_factory=list)
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version of the weights that produced the last output token (SGLang's meta_info.weight_version)."""
+        return self.weight_versions[-1].version if self.weight_versions else None
 
     @property
     def finish_name(self) -> str | None:

@@ -3,6 +3,8 @@
 Each configured address may be a DNS name that resolves to several replicas (as
 compose `--scale` and Kubernetes headless services publish them); names are
 re-resolved on every health round, so replicas that come and go are followed.
+Detokenizer names too: the pool tells the pipeline which detokenizers to take
+outputs from (in Kubernetes, one beside each scheduler, under the same name).
 
 A replica is in rotation only while its whole path works: it answers, and some
 detokenizer that this gateway is connected to follows its step stream (outputs of
@@ -13,12 +15,16 @@ broken for --hop-timeout-s (within that, a restarted detokenizer replays what th
 missed), or at once when the replica answers with a new instance id (it restarted,
 and their state is gone). Requests the gateway gives up on are aborted in their
 scheduler, retried until it confirms.
+
+Rollout control (weight updates, pause, abort_all) goes to every replica, in rotation or not
+(each holds weights), and is answered per replica.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +40,7 @@ EXPIRE_INTERVAL_S = 0.25
 ABORT_TIMEOUT_S = 2.0
 ABORT_RETRY_MAX_S = 2.0
 ABORT_GIVE_UP_S = 600.0
+PUSH_QUEUE_CHUNKS = 4  # PushWeights chunks waiting for a replica that reads slower than the client sends
 
 
 @dataclass
@@ -48,17 +55,20 @@ class Replica:
     max_running_requests: int = 0  # its running slots (ModelInfo), for admission control
     outstanding: set[str] = field(default_factory=set)
     followers: set[str] = field(default_factory=set)  # detokenizers last seen following its step stream
+    weight_version: str = ""  # of its weights, from its last ModelInfo or control reply ("": not known yet)
 
 
 class SchedulerPool:
     def __init__(self, config: GatewayConfig, on_replica_lost: Callable[[str, str], None],
-                 delivering: Callable[[str], bool]):
+                 delivering: Callable[[str], bool], follow_detokenizer: Callable[[str, bool], None]):
         """on_replica_lost(address, why): fail the requests on it. delivering(detokenizer): whether this
-        gateway's output stream from that detokenizer is connected."""
+        gateway's output stream from that detokenizer is connected. follow_detokenizer(address, follow): start
+        (True) or stop (False) taking this gateway's outputs from a detokenizer the names resolve to."""
         self.config = config
         self.replicas: dict[str, Replica] = {}
         self._on_replica_lost = on_replica_lost
         self._delivering = delivering
+        self._follow_detokenizer = follow_detokenizer
         # Submit and Abort RPCs in flight at once, over all replicas: a burst of thousands (a big batch)
         # would overflow a scheduler's backlog of calls no handler has taken yet, and gRPC cancels the
         # calls beyond it. A call's deadline starts once it is sent.
@@ -66,10 +76,9 @@ class SchedulerPool:
         self._tasks: list[asyncio.Task] = []
         self._recheck = asyncio.Event()
         self._aborts: set[asyncio.Task] = set()
-        self._detokenizer_channels = {a: create_channel(a, config.max_message_mb, config.keepalive_s,
-                                                        internal_secret=config.internal_secret)
-                                      for a in config.detokenizers}
-        self._detokenizers = {a: health_pb2_grpc.HealthStub(c) for a, c in self._detokenizer_channels.items()}
+        self._resolved_detokenizers: dict[str, list[str]] = {}  # configured entry -> its addresses
+        self._detokenizer_channels: dict[str, grpc.aio.Channel] = {}
+        self._detokenizers: dict[str, health_pb2_grpc.HealthStub] = {}
 
     async def start(self) -> None:
         await self._refresh()
@@ -90,12 +99,22 @@ class SchedulerPool:
         replica = self.replicas.get(address)
         return (replica.followers if replica else set()) or set(self._detokenizers)
 
+    def detokenizers(self) -> list[str]:
+        """The detokenizers the configured names resolve to."""
+        return list(self._detokenizers)
+
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
 
     def capacity(self) -> int:
         """Running slots of the replicas in rotation (what admission control scales with)."""
         return sum(r.max_running_requests for r in self.replicas.values() if r.healthy)
+
+    def weight_version(self) -> str:
+        """The served weights' version: what the replicas report (the most of them, while an update is under way
+        or after one failed on some)."""
+        versions = Counter(r.weight_version for r in self.replicas.values() if r.weight_version)
+        return versions.most_common(1)[0][0] if versions else ""
 
     def report(self) -> dict[str, dict]:
         return {a: {"in_rotation": r.healthy, "problem": r.problem, "outstanding": len(r.outstanding)}
@@ -169,9 +188,67 @@ class SchedulerPool:
             backoff = min(backoff * 2, ABORT_RETRY_MAX_S)
         log.warning("gave up aborting %s on scheduler %s", rid, address)
 
+    # -- rollout control --------------------------------------------------------------------------------
+
+    async def control(self, call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
+                      ) -> dict[str, scheduler_pb2.ControlReply]:
+        """`call` on every replica at once; per address, its reply (a failed one when it did not answer)."""
+        replicas = list(self.replicas.values())
+        replies = await asyncio.gather(*(self._control(replica, call) for replica in replicas))
+        return {replica.address: reply for replica, reply in zip(replicas, replies)}
+
+    async def push_weights(self, chunks: AsyncIterator[scheduler_pb2.WeightsChunk]
+                           ) -> dict[str, scheduler_pb2.ControlReply]:
+        """One PushWeights stream to every replica, each chunk forwarded to all as it arrives: a few chunks in
+        memory, the pace of the slowest replica. A replica that answers early (it refused) stops taking chunks;
+        a client that goes away cancels every replica's call, which then applies nothing."""
+        replicas = list(self.replicas.values())
+        queues: list[asyncio.Queue] = [asyncio.Queue(PUSH_QUEUE_CHUNKS) for _ in replicas]
+
+        async def chunks_of(queue: asyncio.Queue) -> AsyncIterator[scheduler_pb2.WeightsChunk]:
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+
+        def push(queue: asyncio.Queue) -> Callable[[scheduler_pb2_grpc.SchedulerStub],
+                                                   Awaitable[scheduler_pb2.ControlReply]]:
+            return lambda stub: stub.PushWeights(chunks_of(queue))
+
+        calls = [asyncio.ensure_future(self._control(replica, push(queue))) for replica, queue in zip(replicas, queues)]
+
+        async def forward(item: scheduler_pb2.WeightsChunk | None) -> None:
+            async def one(queue: asyncio.Queue, call: asyncio.Future) -> None:
+                put = asyncio.ensure_future(queue.put(item))
+                await asyncio.wait({put, call}, return_when=asyncio.FIRST_COMPLETED)
+                put.cancel()  # the call ended first: nobody reads this queue any more
+            await asyncio.gather(*(one(queue, call) for queue, call in zip(queues, calls)))
+
+        try:
+            async for chunk in chunks:
+                await forward(chunk)
+            await forward(None)
+            replies = await asyncio.gather(*calls)
+        finally:
+            for call in calls:
+                call.cancel()
+        return {replica.address: reply for replica, reply in zip(replicas, replies)}
+
+    async def _control(self, replica: Replica,
+                       call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
+                       ) -> scheduler_pb2.ControlReply:
+        # No deadline: an update waits for the running requests to finish; a scheduler that dies ends the call.
+        try:
+            reply = await call(replica.stub)
+        except grpc.aio.AioRpcError as exc:
+            return scheduler_pb2.ControlReply(success=False, weight_version=replica.weight_version,
+                                              message=f"scheduler {replica.address} did not answer: "
+                                                      f"{exc.code().name}: {exc.details()}")
+        replica.weight_version = reply.weight_version
+        return reply
+
     # -- membership and health --------------------------------------------------------------------------
 
     async def _refresh(self) -> None:
+        await self._refresh_detokenizers()
         seen: set[str] = set()
         for entry in self.config.schedulers:
             for address in await resolve(entry):
@@ -186,6 +263,25 @@ class SchedulerPool:
             await replica.channel.close()
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
 
+    async def _refresh_detokenizers(self) -> None:
+        """Follow the detokenizers the configured names resolve to. A name that resolves to nothing keeps the
+        addresses it had: a DNS hiccup must not cut output streams (what is in transit on them would be lost)."""
+        for entry in self.config.detokenizers:
+            self._resolved_detokenizers[entry] = await resolve(entry) or self._resolved_detokenizers.get(entry, [])
+        current = {address for addresses in self._resolved_detokenizers.values() for address in addresses}
+        for address in current - self._detokenizers.keys():
+            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
+                                     internal_secret=self.config.internal_secret)
+            self._detokenizer_channels[address] = channel
+            self._detokenizers[address] = health_pb2_grpc.HealthStub(channel)
+            self._follow_detokenizer(address, True)
+        gone = self._detokenizers.keys() - current
+        for address in gone:
+            log.info("detokenizer %s no longer resolves", address)
+            del self._detokenizers[address]
+            self._follow_detokenizer(address, False)
+        await asyncio.gather(*(self._detokenizer_channels.pop(address).close() for address in gone))
+
     async def _check(self, replica: Replica) -> None:
         timeout = self.config.health_timeout_s
         try:
@@ -193,13 +289,15 @@ class SchedulerPool:
         except grpc.aio.AioRpcError as exc:
             return self._take_out(replica, f"scheduler {replica.address} is not answering ({exc.code().name})")
         replica.max_running_requests = info.max_running_requests
+        replica.weight_version = info.weight_version
         if info.instance_id != replica.instance_id:
             if replica.instance_id:
                 self._lose(replica, f"scheduler {replica.address} restarted: the requests it was running are lost")
             replica.instance_id = info.instance_id
         name = subscription_health_name(replica.address)
-        follows = await asyncio.gather(*(_serving(stub, name, timeout) for stub in self._detokenizers.values()))
-        followed = [a for a, f in zip(self._detokenizers, follows) if f]
+        detokenizers = list(self._detokenizers.items())  # as of now: the names may be re-resolved meanwhile
+        follows = await asyncio.gather(*(_serving(stub, name, timeout) for _, stub in detokenizers))
+        followed = [address for (address, _), follows_it in zip(detokenizers, follows) if follows_it]
         replica.followers = set(followed) or replica.followers  # kept while none answers: still the likely ones
         if not any(self._delivering(a) for a in followed):
             unreachable = [a for a in self._detokenizers if not self._delivering(a)]
@@ -252,6 +350,6 @@ async def _serving(health: health_pb2_grpc.HealthStub, service: str, timeout: fl
     """SERVING -> True; NOT_SERVING, unknown service or no answer -> False."""
     try:
         reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    except grpc.aio.AioRpcError:
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: its name stopped resolving, channel closed
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -7,19 +7,22 @@ import uvicorn
 from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
-from services.common.auth import is_loopback, resolve_internal_secret
+from services.common.auth import AccessKeys, is_loopback, resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
 from services.common.rpc import add_health_and_reflection, create_server
 from services.gateway.config import GatewayConfig
-from services.gateway.grpc_api import SERVICE_NAME, add_generation_service
+from services.gateway.drain import Draining, HttpServer, serve_until_drained
+from services.gateway.grpc_api import ADMIN_METHODS, SERVICE_NAME, add_generation_service
 from services.gateway.http.app import create_app
 from services.gateway.http.limits import with_header_timeout
 from services.gateway.pipeline import PipelineClient
 
 log = logging.getLogger("flatwire.gateway")
+# After a drain, how long uvicorn may still take to close its connections before it cuts what is left on them.
+SHUTDOWN_AFTER_DRAIN_S = 1  # uvicorn takes whole seconds
 
 
 async def _report_health(pipeline: PipelineClient, servicer) -> None:
@@ -44,7 +47,8 @@ async def serve(config: GatewayConfig) -> None:
     pipeline = PipelineClient(config, tokenizer)
     await pipeline.start()
 
-    grpc_server = create_server(config.max_message_mb, config.keepalive_s, api_key=config.api_key,
+    grpc_server = create_server(config.max_message_mb, config.keepalive_s,
+                                access=AccessKeys(config.api_key, config.admin_api_key), admin_methods=ADMIN_METHODS,
                                 max_receive_mb=config.max_request_mb)
     add_generation_service(grpc_server, pipeline)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
@@ -52,16 +56,17 @@ async def serve(config: GatewayConfig) -> None:
     await grpc_server.start()
     health_task = asyncio.create_task(_report_health(pipeline, health))
 
-    http = uvicorn.Server(uvicorn.Config(create_app(pipeline, config), host=config.host, port=config.port,
-                                         log_level=config.log_level.lower(), access_log=False,
-                                         http=with_header_timeout(config.http_header_timeout_s)))
+    app = Draining(create_app(pipeline, config))
+    http = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                                     access_log=False, http=with_header_timeout(config.http_header_timeout_s),
+                                     timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S))
     log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", pipeline.owner, config.host, config.port, config.host,
              config.grpc_port)
     try:
-        await http.serve()  # returns on SIGINT/SIGTERM
+        await serve_until_drained(http, app, grpc_server, pipeline, config.drain_timeout_s)  # after SIGTERM/SIGINT
     finally:
         health_task.cancel()
-        await grpc_server.stop(grace=2)
+        await grpc_server.stop(grace=0)  # already stopped, unless uvicorn failed
         await pipeline.stop()
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from services.scheduler.grammar import ConstrainedRow, TokenMask, accept_tokens
 from services.scheduler.host_copy import copy_to_host
 from services.scheduler.logit_adjust import AdjustedRow, SlotTokenCounts, adjust_logits
 from services.scheduler.request import Request
@@ -64,26 +65,34 @@ def run_step(runner: "ModelRunner", decode: list[Request], prefill: list[Request
             rows=[i for i, _ in sampled], temperature=[r.temperature for _, r in sampled],
             top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
             min_p=[r.min_p for _, r in sampled], generators=[r.generator(runner.device) for _, r in sampled])
-        next_ids = _sample_adjusted(logits, rows, prefill, params, runner.token_counts)
+        constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+        next_ids = _sample_adjusted(logits, rows, prefill, params, runner.token_counts, runner.token_mask,
+                                    constrained)
         out = {"next_ids": next_ids}
         if any(r.return_logprob for r in rows):
             lp = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in rows), _padded_ids(rows, runner.device))
             out.update(token_logprobs=lp.token_logprobs, topk_values=lp.topk_values, topk_ids=lp.topk_ids,
                        ids_logprobs=lp.ids_logprobs)
         out.update(_prompt_logprobs(runner, hidden, prefill, prompt_ends, chunk_rows))
-        return copy_to_host(out)
+        host = copy_to_host(out)
+        accept_tokens(constrained, host["next_ids"])
+        return host
 
 
 def _sample_adjusted(logits: torch.Tensor, rows: list[Request], prefill: list[Request], params: SamplingBatch,
-                     counts: SlotTokenCounts) -> torch.Tensor:
-    """Next tokens sampled from the logits as each request adjusts them (logit_adjust.py); logprobs are taken
-    from the unadjusted `logits`."""
+                     counts: SlotTokenCounts, mask: TokenMask,
+                     constrained: list[ConstrainedRow]) -> torch.Tensor:
+    """Next tokens sampled from the logits as each request adjusts them (logit_adjust.py), then as the
+    `constrained` rows' grammars allow (grammar.py); logprobs are taken from the unadjusted `logits`."""
     for request in prefill:
         if request.adjustment is not None and request.adjustment.counts_tokens:
             counts.start(request.slot, request.input_ids)
     adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(rows)
                 if r.adjustment is not None]
-    next_ids = sample(adjust_logits(logits, adjusted, counts), params)
+    to_sample = adjust_logits(logits, adjusted, counts)
+    if constrained:  # masked in place: on a copy of `logits` unless the adjustments made one
+        to_sample = mask.apply(to_sample if adjusted else logits.clone(), constrained)
+    next_ids = sample(to_sample, params)
     counted = [a for a in adjusted if a.adjustment.counts_tokens]
     if counted:
         device = logits.device

@@ -10,9 +10,21 @@ when they end: pending.py) and what started and finished. Requests join and
 leave between steps; a new request never waits for running ones to finish, only
 for a free slot. The thread blocks while there is no work.
 
+Rollout control (RL trainers) goes through the same inbox, so that the engine thread alone
+decides when it takes effect, always between two steps:
+- pause: no step runs until continue; new requests wait. Mode abort first aborts every
+  request; in_place (and retract, taken as in_place) keeps the running ones with their KV.
+- a weight update waits until it is safe: while running requests finish on the old weights
+  nothing is admitted (abort_all_requests: they are aborted instead); while paused it applies
+  at once, and the requests kept in place continue on the new weights.
+- before weights or their version change, every running request's pending output ships,
+  labelled with the version that produced it (StepOutput.weight_version): no entry straddles
+  a change, so the gateway knows which weights made each token.
+
 Torch runs in this thread only; gRPC handlers talk to it through the inbox.
 """
 
+import concurrent.futures
 import logging
 import os
 import queue
@@ -20,6 +32,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -34,10 +47,62 @@ from services.scheduler.request import Request
 log = logging.getLogger(__name__)
 
 Reason = arrays_pb2.FinishReason
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for the weights the server started with
+ABORTING_PAUSES = (scheduler_pb2.PAUSE_MODE_UNSPECIFIED, scheduler_pb2.PAUSE_MODE_ABORT)
 
 
 class QueueFull(Exception):
     """Submit past the waiting list's bound (--max-waiting-requests): RESOURCE_EXHAUSTED."""
+
+
+@dataclass(kw_only=True)
+class Control:
+    """A rollout-control command for the engine thread; `done` gets its ControlReply."""
+
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(kw_only=True)
+class Pause(Control):
+    mode: scheduler_pb2.PauseMode
+
+
+@dataclass(kw_only=True)
+class Continue(Control):
+    pass
+
+
+@dataclass(kw_only=True)
+class AbortAll(Control):
+    pass
+
+
+@dataclass(kw_only=True)
+class UpdateWeights(Control):
+    install: Callable[[], None]  # swaps the staged weights in (weights.StagedWeights.install)
+    description: str
+    abort_all_requests: bool
+    weight_version: str | None  # None: the version stays
+    aborted_requests: int = 0
+
+
+@dataclass(kw_only=True)
+class SetWeightVersion(Control):
+    version: str
+    abort_all_requests: bool
+
+
+@dataclass
+class _Outgoing:
+    """What the engine's next StepOutput carries besides the step's own output."""
+
+    new: list[Request]  # to announce (started)
+    finished: list[scheduler_pb2.Finish] = field(default_factory=list)
+    ended: list[Request] = field(default_factory=list)  # their pending output ships with their Finish
+
+    def end(self, request: Request, finish: scheduler_pb2.Finish) -> None:
+        self.ended.append(request)
+        self.finished.append(finish)
 
 
 class StepRunner(Protocol):
@@ -77,6 +142,9 @@ class Engine:
         self._step = 0
         self._finished_total = 0
         self._aborted_total = 0
+        self.weight_version = DEFAULT_WEIGHT_VERSION  # written by the engine thread only
+        self._paused = False
+        self._held_updates: list[UpdateWeights] = []  # waiting for the running requests to finish
         self._stopping = False
         self.failure: BaseException | None = None  # what ended the engine thread, if not a stop
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -112,6 +180,11 @@ class Engine:
         self._inbox.put(scheduler_pb2.AbortRequest(rid=rid, reason=reason, matched_stop=matched_stop))
         return True
 
+    def control(self, command: Control) -> concurrent.futures.Future:
+        """Queue a rollout-control command; the future gets its ControlReply once the engine thread applied it."""
+        self._inbox.put(command)
+        return command.done
+
     # -- engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -124,49 +197,61 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
-            new, aborts = self._drain_inbox(block=not (self._waiting or self._running))
+            new, aborts, controls = self._drain_inbox(block=not self._has_work)
             if not self._stopping:
-                self._iterate(new, aborts)
-                if self._running:
+                self._iterate(new, aborts, controls)
+                if self._running and not self._paused:
                     self.wait_for_room()
 
-    def _iterate(self, new: list[Request], aborts: list[scheduler_pb2.AbortRequest]) -> None:
-        """Aborts, admission, one model step, finishes; then one StepOutput if anything happened."""
-        finished, ended = [], []
+    @property
+    def _has_work(self) -> bool:
+        """A step to run, or a held weight update that may apply now."""
+        if self._held_updates and (self._paused or not self._running):
+            return True
+        return not self._paused and bool(self._running or (self._waiting and not self._held_updates))
+
+    def _iterate(self, new: list[Request], aborts: list[scheduler_pb2.AbortRequest], controls: list[Control]) -> None:
+        """Aborts, control commands, admission, one model step, finishes; then one StepOutput if anything
+        happened."""
+        out = _Outgoing(new)
         for abort in aborts:
             if (request := self._request_of(abort)) is not None:  # None: it finished before the abort arrived
-                ended.append(request)
-                finished.append(self._finish(request, abort.reason or Reason.FINISH_REASON_ABORT,
-                                             matched_stop=abort.matched_stop,
-                                             message="aborted" if abort.reason in (0, Reason.FINISH_REASON_ABORT)
-                                             else ""))
-        decode = list(self._running)
-        prefill = self._admit()
+                out.end(request, self._finish(request, abort.reason or Reason.FINISH_REASON_ABORT,
+                                              matched_stop=abort.matched_stop,
+                                              message="aborted" if abort.reason in (0, Reason.FINISH_REASON_ABORT)
+                                              else ""))
+        for control in controls:
+            if (reply := self._control(control, out)) is not None:  # None: a weight update, answered once applied
+                control.done.set_result(reply)
+        self._apply_held_updates(out)
+        stepping = not self._paused
+        decode = list(self._running) if stepping else []
+        prefill = self._admit() if stepping and not self._held_updates else []  # an update waits: none admitted
         rows, host = decode + prefill, {}
         if rows:
             try:
                 host = self.runner.step(decode, prefill)
             except Exception as exc:  # keep serving: fail this step's requests, not the process
                 log.exception("step failed")
-                finished += [self._finish(r, Reason.FINISH_REASON_ERROR, message=f"scheduler step failed: {exc}")
-                             for r in rows]
+                out.finished += [self._finish(r, Reason.FINISH_REASON_ERROR,
+                                              message=f"scheduler step failed: {exc}") for r in rows]
                 rows, prefill = [], []
             else:
-                done = self._advance(rows, host)
-                finished += [finish for _, finish in done]
-                ended += [request for request, _ in done]
+                for request, finish in self._advance(rows, host):
+                    out.end(request, finish)
         # An ended request ships what it has left with its Finish (an aborted one too: the client gets
         # the tokens it had); the others when an entry's worth is pending.
-        shipping = [r for r in ended if r.pending.count] + [r for r in rows if r.slot >= 0 and r.pending.due]
+        shipping = [r for r in out.ended if r.pending.count] + [r for r in rows if r.slot >= 0 and r.pending.due]
         prompt_requests = [r for r in prefill if r.wants_prompt_logprobs]
         if rows:
             self._step += 1
         self._update_stats()  # before publishing: a subscriber never sees stats older than the step
-        if new or shipping or finished or prompt_requests:
-            self.publish(step_output(self._step, new, shipping, host, prompt_requests, finished))
+        if out.new or shipping or out.finished or prompt_requests:
+            self.publish(step_output(self._step, out.new, shipping, host, prompt_requests, out.finished,
+                                     self.weight_version))
 
-    def _drain_inbox(self, block: bool) -> tuple[list[Request], list[scheduler_pb2.AbortRequest]]:
-        new, aborts = [], []
+    def _drain_inbox(self, block: bool) -> tuple[list[Request], list[scheduler_pb2.AbortRequest], list[Control]]:
+        new, aborts, controls = [], [], []
         item = self._inbox.get() if block else None
         while True:
             if isinstance(item, Request):
@@ -174,10 +259,73 @@ class Engine:
                 self._waiting.append(item)
             elif isinstance(item, scheduler_pb2.AbortRequest):
                 aborts.append(item)
+            elif isinstance(item, Control):
+                controls.append(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return new, aborts
+                return new, aborts, controls
+
+    # -- rollout control (engine thread) --------------------------------------------------------------
+
+    def _control(self, control: Control, out: _Outgoing) -> scheduler_pb2.ControlReply | None:
+        match control:
+            case Pause(mode=mode):
+                aborted = self._abort_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
+                self._paused = True
+                return self._reply("Generation paused.", aborted_requests=aborted)
+            case Continue():
+                self._paused = False
+                return self._reply("Generation continued.")
+            case AbortAll():
+                return self._reply("Aborted every request.", aborted_requests=self._abort_all(out, "aborted: all"))
+            case UpdateWeights():
+                if control.abort_all_requests:
+                    control.aborted_requests = self._abort_all(out, "aborted: weight update")
+                self._held_updates.append(control)
+                return None
+            case SetWeightVersion():
+                aborted = self._abort_all(out, "aborted: weight version update") if control.abort_all_requests else 0
+                self._set_version(control.version, out)
+                return self._reply(f"Weight version updated to {control.version}.", aborted_requests=aborted)
+        raise TypeError(f"unknown control command {control!r}")
+
+    def _reply(self, message: str, **fields) -> scheduler_pb2.ControlReply:
+        return scheduler_pb2.ControlReply(success=True, message=message, weight_version=self.weight_version, **fields)
+
+    def _abort_all(self, out: _Outgoing, message: str) -> int:
+        """End every running and waiting request with ABORT (and the output it has); how many."""
+        requests = [*self._running, *self._waiting]
+        for request in requests:
+            out.end(request, self._finish(request, Reason.FINISH_REASON_ABORT, message=message))
+        return len(requests)
+
+    def _apply_held_updates(self, out: _Outgoing) -> None:
+        """Swap in the held weight updates once no request runs on the old weights, or while paused."""
+        if not self._held_updates or (self._running and not self._paused):
+            return
+        self._ship(out)
+        for update in self._held_updates:
+            update.install()
+            if update.weight_version is not None:
+                self.weight_version = update.weight_version
+            log.info("weights updated: %s; weight_version %s", update.description, self.weight_version)
+            update.done.set_result(self._reply(
+                "Succeeded to update model weights.", num_paused_requests=len(self._running),
+                aborted_requests=update.aborted_requests))
+        self._held_updates.clear()
+
+    def _set_version(self, version: str, out: _Outgoing) -> None:
+        if version != self.weight_version:
+            self._ship(out)
+            self.weight_version = version
+
+    def _ship(self, out: _Outgoing) -> None:
+        """Publish what `out` holds and every running request's pending output now, under the current version."""
+        shipping = [r for r in out.ended if r.pending.count] + [r for r in self._running if r.pending.count]
+        if out.new or shipping or out.finished:
+            self.publish(step_output(self._step, out.new, shipping, {}, [], out.finished, self.weight_version))
+        out.new, out.finished, out.ended = [], [], []
 
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
@@ -197,6 +345,9 @@ class Engine:
         """Append each row's new token (to its output and its pending entry); finish the requests that are done."""
         done = []
         for row, (request, token) in enumerate(zip(rows, host["next_ids"].tolist())):
+            if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
+                done.append((request, self._finish(request, Reason.FINISH_REASON_LENGTH)))
+                continue
             request.output_ids.append(token)
             request.pending.add(token, host, row)
             if token in request.stop_ids:

@@ -43,10 +43,13 @@ def prompt_block(requests: list[Request], host: dict[str, np.ndarray]) -> arrays
 
 
 def step_output(step: int, new: list[Request], shipping: list[Request], host: dict[str, np.ndarray],
-                prompt_requests: list[Request], finished: list[scheduler_pb2.Finish]) -> scheduler_pb2.StepOutput:
-    """The message of one step; `shipping` requests' pending output becomes its entries (and is marked shipped)."""
+                prompt_requests: list[Request], finished: list[scheduler_pb2.Finish],
+                weight_version: str) -> scheduler_pb2.StepOutput:
+    """The message of one step; `shipping` requests' pending output becomes its entries (and is marked shipped),
+    every token of them produced by the weights labelled `weight_version`."""
     message = scheduler_pb2.StepOutput(
         step=step,
+        weight_version=weight_version,
         started=[started(r) for r in new],
         rids=[r.rid for r in shipping],
         token_ids=[token for r in shipping for token in r.pending.token_ids],

@@ -5,8 +5,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xgrammar as xgr
 
 from services.common.pb import scheduler_pb2
+from services.scheduler.grammar import Grammars, InvalidGrammar
 from services.scheduler.logit_adjust import LogitAdjustment
 from services.scheduler.pending import PendingOutput
 
@@ -53,6 +55,7 @@ class Request:
     token_ids_logprob: list[int]  # empty unless return_logprob
     seed: int | None
     adjustment: LogitAdjustment | None  # penalties, logit_bias, min_new_tokens; None: sample the raw logits
+    grammar: xgr.GrammarMatcher | None  # structured output (grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
@@ -94,8 +97,9 @@ def _check_ids(ids, name: str, vocab_size: int) -> None:
     _check(bool((array >= 0).all() and (array < vocab_size).all()), name, f"token ids must be in [0, {vocab_size})")
 
 
-def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Request:
-    """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field."""
+def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits, grammars: Grammars | None = None) -> Request:
+    """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field. A constrained
+    request's grammar is compiled by `grammars` (blocking: see Grammars.compile); without them it is refused."""
     sampling, logprob = msg.sampling, msg.logprob
     _check(bool(msg.rid), "rid", "must not be empty")
     input_ids = np.array(msg.input_ids, dtype=np.int64)
@@ -103,7 +107,6 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
     _check_ids(input_ids, "input_ids", limits.vocab_size)
     _check(len(input_ids) < limits.max_context, "input_ids",
            f"{len(input_ids)} tokens leave no room to generate within max_context {limits.max_context}")
-    _check(sampling.max_new_tokens > 0, "sampling.max_new_tokens", "must be positive")
     _check(msg.stream_interval <= MAX_STREAM_INTERVAL, "stream_interval", f"must be at most {MAX_STREAM_INTERVAL}")
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
     _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be a finite number >= 0")
@@ -132,6 +135,7 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
 
     eos = () if sampling.ignore_eos else limits.eos_token_ids
     stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
+    grammar = _grammar(sampling, stop_ids, grammars)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
     top_k = logprob.top_logprobs_num if wants else 0
@@ -154,5 +158,26 @@ def parse_request(msg: scheduler_pb2.TokenizedRequest, limits: Limits) -> Reques
         seed=sampling.seed if sampling.HasField("seed") else None,
         adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
                                       sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
-        pending=PendingOutput(min(interval, sampling.max_new_tokens), top_k, len(ids), wants),
+        grammar=grammar,
+        pending=PendingOutput(max(1, min(interval, sampling.max_new_tokens)), top_k, len(ids), wants),
     )
+
+
+def _grammar(sampling: scheduler_pb2.SamplingParams, stop_ids: frozenset[int],
+             grammars: Grammars | None) -> xgr.GrammarMatcher | None:
+    """The request's grammar matcher, if it has a constraint (SamplingParams.constraint)."""
+    kind = sampling.WhichOneof("constraint")
+    if kind is None:
+        return None
+    # The grammar decides where the output ends: with a stop token, once it is complete.
+    why = f"cannot be combined with a {kind} constraint: the output ends with eos once it matches"
+    _check(not sampling.ignore_eos, "sampling.ignore_eos", why)
+    _check(sampling.min_new_tokens == 0, "sampling.min_new_tokens", why)
+    _check(bool(stop_ids), "sampling.stop_token_ids",
+           f"the model has no eos token: a {kind} constraint needs stop_token_ids to end the output with")
+    if grammars is None:
+        raise InvalidTokenizedRequest(f"sampling.{kind}", "this scheduler compiles no grammars")
+    try:
+        return grammars.matcher(kind, getattr(sampling, kind), stop_ids)
+    except InvalidGrammar as exc:
+        raise InvalidTokenizedRequest(f"sampling.{kind}", str(exc)) from None

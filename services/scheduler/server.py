@@ -1,10 +1,15 @@
-"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats.
+"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats, and rollout control.
 
 Handlers run on the asyncio loop; the model runs in the engine thread. Each step
 message is handed back to the loop with call_soon_threadsafe, recorded in the step
 journal and broadcast to every StreamSteps subscriber's queue. A new subscriber gets
 the journal's replay first, in the same loop callback that registers it, so no step
 falls between the two.
+
+Rollout control (engine.py has the semantics): a weight update is read and checked in a
+worker thread (weights.py), one at a time, then handed to the engine thread, which swaps it
+in between two steps; the other commands go to the engine thread directly. Each call returns
+once the engine applied it.
 """
 
 import asyncio
@@ -12,6 +17,7 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -23,11 +29,23 @@ from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine, QueueFull, StepRunner
+from services.scheduler.engine import (
+    AbortAll,
+    Continue,
+    Control,
+    Engine,
+    Pause,
+    QueueFull,
+    SetWeightVersion,
+    StepRunner,
+    UpdateWeights,
+)
+from services.scheduler.grammar import Grammars
 from services.scheduler.journal import StepJournal
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import InvalidTokenizedRequest, Limits, parse_request
 from services.scheduler.synthetic import SyntheticRunner
+from services.scheduler.weights import ServedWeights, StagedWeights, WeightsRefused
 
 log = logging.getLogger("flatwire.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -36,7 +54,10 @@ CUT = object()  # queued to a subscriber that fell too far behind: its stream en
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, model_name: str, runner: StepRunner):
+    def __init__(self, config: SchedulerConfig, model_name: str, runner: StepRunner,
+                 weights: ServedWeights | None = None, grammars: Grammars | None = None):
+        """`weights`: the model's, for updates in place (None: --engine synthetic has none); `grammars`: compiles
+        structured-output constraints (None: they are refused)."""
         self.limits = Limits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                              max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
                              output_interval=config.output_interval)
@@ -46,11 +67,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex)
         self.config = config
+        self.grammars = grammars
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
         self._loop = asyncio.get_running_loop()
         self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream, or CUT
         self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room)
+        self.weights = weights
+        self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
 
     def _wait_for_room(self) -> None:
         """Engine thread, between steps: while a subscriber has more than --max-subscriber-backlog messages
@@ -96,7 +120,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request, context):
         try:
-            parsed = parse_request(request, self.limits)
+            if request.sampling.WhichOneof("constraint"):  # compiling a grammar blocks: not on the event loop
+                parsed = await asyncio.to_thread(parse_request, request, self.limits, self.grammars)
+            else:
+                parsed = parse_request(request, self.limits)
         except InvalidTokenizedRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                                 trailing_metadata=((FIELD_METADATA, exc.field),))
@@ -134,10 +161,80 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._unsubscribe(queue)
 
     async def GetModelInfo(self, request, context):
-        return self.model_info
+        info = scheduler_pb2.ModelInfo()
+        info.CopyFrom(self.model_info)
+        info.weight_version = self.engine.weight_version
+        return info
 
     async def GetStats(self, request, context):
         return self.engine.stats
+
+    # -- rollout control --------------------------------------------------------------------------------
+
+    async def UpdateWeightsFromDisk(self, request, context):
+        def read(weights: ServedWeights) -> StagedWeights:
+            return weights.read_checkpoint(request.model_path, request.load_format)
+
+        version = request.weight_version if request.HasField("weight_version") else None
+        return await self._update_weights(read, request.abort_all_requests, version)
+
+    async def PushWeights(self, request_iterator, context):
+        first, parts, size = None, [], 0
+        limit = self.weights.max_push_bytes if self.weights is not None else 0
+        async for chunk in request_iterator:
+            if first is None:
+                first = chunk
+            size += len(chunk.safetensors)
+            if self.weights is not None and size > limit:
+                return self._refused(f"the pushed file passes {limit} bytes, the served model's size in float32 "
+                                     "plus a header: not a subset of its tensors")
+            parts.append(chunk.safetensors)
+        if first is None:
+            return self._refused("PushWeights got no chunk")
+        data = b"".join(parts)
+        parts.clear()
+        version = first.weight_version if first.HasField("weight_version") else None
+        return await self._update_weights(lambda weights: weights.read_safetensors(data), first.abort_all_requests,
+                                          version)
+
+    async def PauseGeneration(self, request, context):
+        if request.mode not in scheduler_pb2.PauseMode.values():
+            return self._refused(f"mode: unknown pause mode {request.mode}")
+        return await self._control(Pause(mode=request.mode))
+
+    async def ContinueGeneration(self, request, context):
+        return await self._control(Continue())
+
+    async def AbortAll(self, request, context):
+        return await self._control(AbortAll())
+
+    async def UpdateWeightVersion(self, request, context):
+        if not request.new_version:
+            return self._refused("new_version: must not be empty")
+        abort = request.abort_all_requests if request.HasField("abort_all_requests") else True  # SGLang's default
+        return await self._control(SetWeightVersion(version=request.new_version, abort_all_requests=abort))
+
+    async def _update_weights(self, read: Callable[[ServedWeights], StagedWeights], abort_all_requests: bool,
+                              version: str | None) -> scheduler_pb2.ControlReply:
+        """`read(weights)` (blocking: a worker thread) checks and stages the new weights; the engine swaps them in.
+        A call whose client leaves after that still applies (SGLang's too)."""
+        if self.weights is None:
+            return self._refused("this scheduler runs --engine synthetic: it has no weights to update")
+        async with self._updating:
+            try:
+                staged = await asyncio.to_thread(read, self.weights)
+            except WeightsRefused as exc:
+                log.warning("weight update refused: %s", exc)
+                return self._refused(str(exc))
+            return await self._control(UpdateWeights(install=staged.install, description=staged.description,
+                                                     abort_all_requests=abort_all_requests, weight_version=version))
+
+    async def _control(self, command: Control) -> scheduler_pb2.ControlReply:
+        return await asyncio.wrap_future(self.engine.control(command))
+
+    def _refused(self, message: str) -> scheduler_pb2.ControlReply:
+        """SGLang answers a refused control call with success false and the reason, not an error status."""
+        return scheduler_pb2.ControlReply(success=False, message=message, weight_version=self.engine.weight_version)
 
 
 async def serve(config: SchedulerConfig) -> None:
@@ -153,7 +250,9 @@ async def serve(config: SchedulerConfig) -> None:
             config.logits_chunk_rows)
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
     # --served-model-name wins).
-    service = SchedulerService(config, model_name(config.model, model_dir), runner)
+    weights = ServedWeights(runner.model, model_dir, runner.eos_token_ids) if isinstance(runner, ModelRunner) else None
+    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)  # reads the tokenizer when first used
+    service = SchedulerService(config, model_name(config.model, model_dir), runner, weights, grammars)
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)

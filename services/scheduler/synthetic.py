@@ -9,8 +9,10 @@ work does), or as soon as the previous one ends when that takes longer.
 
 A request's next token is a function of (its seed or 0, its position), drawn from an
 English paragraph encoded with the model's tokenizer, and is never an eos id:
-requests run to max_new_tokens. Logprobs are cheap constants: the chosen token is
-always the best of a fixed, descending top-k row.
+requests run to max_new_tokens. Nothing else in its sampling parameters changes that:
+temperature, top-p/k/min-p, penalties, logit_bias and a structured-output constraint
+(validated and compiled as for the model, then not applied) are ignored. Logprobs are
+cheap constants: the chosen token is always the best of a fixed, descending top-k row.
 """
 
 import json

@@ -1,15 +1,27 @@
-"""flatwire's public gRPC API (flatwire.v1.Generation), sync and asyncio: raw little-endian arrays into numpy."""
+"""flatwire's public gRPC API (flatwire.v1.Generation), sync and asyncio: raw little-endian arrays into numpy.
 
-from collections.abc import AsyncIterator, Iterator
+Rollout control (RL trainers) too: update weights from a checkpoint on the schedulers' disk or push them as
+safetensors (a dict of tensors needs the `safetensors` package; a .safetensors file is sent as it is), pause
+and continue, abort. Each returns the gateway's ControlResponse: success, message, and each scheduler
+replica's reply.
+"""
+
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+import numpy as np
 
 from flatwire_client.pb import generate_pb2, scheduler_pb2
 from flatwire_client.requests import Options
 from flatwire_client.results import ChunkStream, Generation, generation
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-GENERATE, MODEL_INFO = f"/{SERVICE}/Generate", f"/{SERVICE}/GetModelInfo"
+PAUSE_MODES = {"abort": scheduler_pb2.PAUSE_MODE_ABORT, "in_place": scheduler_pb2.PAUSE_MODE_IN_PLACE,
+               "retract": scheduler_pb2.PAUSE_MODE_RETRACT}
+PUSH_CHUNK_BYTES = 4 * 1024 * 1024  # within the gateway's --max-request-mb (32 by default)
 
 
 def _channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -18,16 +30,89 @@ def _channel_options(max_message_mb: int) -> list[tuple[str, int]]:
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The gateway's --api-key, as `authorization: Bearer` metadata."""
+    """The gateway's --api-key (or --admin-api-key), as `authorization: Bearer` metadata."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
-def _methods(channel):
-    """The Generate and GetModelInfo callables of a channel (blocking or grpc.aio: the same calls)."""
-    return (channel.unary_stream(GENERATE, request_serializer=generate_pb2.GenerateRequest.SerializeToString,
-                                 response_deserializer=generate_pb2.GenerateResponsePacked.FromString),
-            channel.unary_unary(MODEL_INFO, request_serializer=scheduler_pb2.ModelInfoRequest.SerializeToString,
-                                response_deserializer=scheduler_pb2.ModelInfo.FromString))
+@dataclass
+class _Methods:
+    """The public API's callables on a channel (blocking or grpc.aio: the same calls)."""
+
+    generate: Any
+    model_info: Any
+    abort: Any
+    update_weights_from_disk: Any
+    push_weights: Any
+    pause_generation: Any
+    continue_generation: Any
+    abort_all: Any
+    update_weight_version: Any
+
+
+def _methods(channel) -> _Methods:
+    def control(name: str, request_type) -> Any:
+        return channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=request_type.SerializeToString,
+                                   response_deserializer=generate_pb2.ControlResponse.FromString)
+    return _Methods(
+        generate=channel.unary_stream(f"/{SERVICE}/Generate",
+                                      request_serializer=generate_pb2.GenerateRequest.SerializeToString,
+                                      response_deserializer=generate_pb2.GenerateResponsePacked.FromString),
+        model_info=channel.unary_unary(f"/{SERVICE}/GetModelInfo",
+                                       request_serializer=scheduler_pb2.ModelInfoRequest.SerializeToString,
+                                       response_deserializer=scheduler_pb2.ModelInfo.FromString),
+        abort=control("Abort", generate_pb2.AbortGenerationRequest),
+        update_weights_from_disk=control("UpdateWeightsFromDisk", scheduler_pb2.UpdateWeightsFromDiskRequest),
+        push_weights=channel.stream_unary(f"/{SERVICE}/PushWeights",
+                                          request_serializer=scheduler_pb2.WeightsChunk.SerializeToString,
+                                          response_deserializer=generate_pb2.ControlResponse.FromString),
+        pause_generation=control("PauseGeneration", scheduler_pb2.PauseGenerationRequest),
+        continue_generation=control("ContinueGeneration", scheduler_pb2.ContinueGenerationRequest),
+        abort_all=control("AbortAll", scheduler_pb2.AbortAllRequest),
+        update_weight_version=control("UpdateWeightVersion", scheduler_pb2.UpdateWeightVersionRequest),
+    )
+
+
+def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
+    """A dict of torch tensors or numpy arrays as one safetensors file (needs the `safetensors` package)."""
+    try:
+        if any(hasattr(value, "detach") for value in tensors.values()):
+            from safetensors.torch import save
+            return save({name: value.detach().cpu().contiguous() for name, value in tensors.items()})
+        from safetensors.numpy import save as save_numpy
+        return save_numpy({name: np.ascontiguousarray(value) for name, value in tensors.items()})
+    except ImportError:
+        raise ImportError("push_weights with a dict of tensors needs the safetensors package (pip install "
+                          "safetensors); or pass the path of a .safetensors file") from None
+
+
+def _weight_chunks(weights: Mapping[str, Any] | str | os.PathLike, abort_all_requests: bool,
+                   weight_version: str | None, chunk_bytes: int) -> Iterator[scheduler_pb2.WeightsChunk]:
+    """A safetensors file (read as it is sent) or a dict of tensors, as PushWeights chunks; options in the first."""
+    if isinstance(weights, Mapping):
+        data = memoryview(_safetensors_bytes(weights))
+        parts: Iterator[bytes] = (bytes(data[at:at + chunk_bytes]) for at in range(0, len(data), chunk_bytes))
+    else:
+        def read(path: str | os.PathLike) -> Iterator[bytes]:
+            with open(path, "rb") as file:
+                while part := file.read(chunk_bytes):
+                    yield part
+        parts = read(weights)
+    first = True
+    for part in parts:
+        chunk = scheduler_pb2.WeightsChunk(safetensors=part)
+        if first:
+            chunk.abort_all_requests = abort_all_requests
+            if weight_version is not None:
+                chunk.weight_version = weight_version
+            first = False
+        yield chunk
+
+
+def _from_disk(model_path: str, load_format: str | None, abort_all_requests: bool,
+               weight_version: str | None) -> scheduler_pb2.UpdateWeightsFromDiskRequest:
+    return scheduler_pb2.UpdateWeightsFromDiskRequest(model_path=str(model_path), load_format=load_format or "",
+                                                      abort_all_requests=abort_all_requests,
+                                                      weight_version=weight_version)
 
 
 class GenerationStream(ChunkStream):
@@ -45,10 +130,13 @@ class GenerationStream(ChunkStream):
 class FlatwireClient:
     """Blocking client. Options of generate() and stream(): the fields of requests.Options."""
 
-    def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None):
+    def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None,
+                 admin_api_key: str | None = None):
+        """`admin_api_key`: what the rollout-control methods send (default: api_key)."""
         self._metadata = _metadata(api_key)
+        self._admin_metadata = _metadata(admin_api_key or api_key)
         self._channel = grpc.insecure_channel(address, options=_channel_options(max_message_mb))
-        self._generate, self._model_info = _methods(self._channel)
+        self._calls = _methods(self._channel)
 
     def __enter__(self) -> "FlatwireClient":
         return self
@@ -60,18 +148,57 @@ class FlatwireClient:
         self._channel.close()
 
     def model_info(self) -> scheduler_pb2.ModelInfo:
-        return self._model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
+        return self._calls.model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float | None = None,
                  **options) -> Generation:
         request = Options(**options).grpc_request(text, input_ids, stream=False)
-        *_, last = self._generate(request, timeout=timeout, metadata=self._metadata)
+        *_, last = self._calls.generate(request, timeout=timeout, metadata=self._metadata)
         return generation(last, input_ids)
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float | None = None,
                **options) -> GenerationStream:
         request = Options(**options).grpc_request(text, input_ids, stream=True)
-        return GenerationStream(self._generate(request, timeout=timeout, metadata=self._metadata), input_ids)
+        return GenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata), input_ids)
+
+    def abort(self, rid: str, timeout: float | None = None) -> generate_pb2.ControlResponse:
+        """Stop this gateway's request `rid` (a response's rid): it ends with finish_reason "abort"."""
+        return self._calls.abort(generate_pb2.AbortGenerationRequest(rid=rid), timeout=timeout,
+                                 metadata=self._metadata)
+
+    # -- rollout control (admin) --
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False, weight_version: str | None = None,
+                                 timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return self._calls.update_weights_from_disk(
+            _from_disk(model_path, load_format, abort_all_requests, weight_version), timeout=timeout,
+            metadata=self._admin_metadata)
+
+    def push_weights(self, weights: Mapping[str, Any] | str | os.PathLike, abort_all_requests: bool = False,
+                     weight_version: str | None = None, chunk_bytes: int = PUSH_CHUNK_BYTES,
+                     timeout: float | None = None) -> generate_pb2.ControlResponse:
+        """Named tensors (any subset of the model's; torch or numpy) or a .safetensors file, to every replica."""
+        return self._calls.push_weights(_weight_chunks(weights, abort_all_requests, weight_version, chunk_bytes),
+                                        timeout=timeout, metadata=self._admin_metadata)
+
+    def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> generate_pb2.ControlResponse:
+        """mode "abort" (SGLang's default), "in_place" or "retract" (as in_place)."""
+        return self._calls.pause_generation(scheduler_pb2.PauseGenerationRequest(mode=PAUSE_MODES[mode]),
+                                            timeout=timeout, metadata=self._admin_metadata)
+
+    def continue_generation(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return self._calls.continue_generation(scheduler_pb2.ContinueGenerationRequest(), timeout=timeout,
+                                               metadata=self._admin_metadata)
+
+    def abort_all(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return self._calls.abort_all(scheduler_pb2.AbortAllRequest(), timeout=timeout, metadata=self._admin_metadata)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True,
+                              timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return self._calls.update_weight_version(
+            scheduler_pb2.UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
+            timeout=timeout, metadata=self._admin_metadata)
 
 
 class AsyncGenerationStream(ChunkStream):
@@ -89,10 +216,12 @@ class AsyncGenerationStream(ChunkStream):
 class AsyncFlatwireClient:
     """asyncio client (grpc.aio); the same options as FlatwireClient."""
 
-    def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None):
+    def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None,
+                 admin_api_key: str | None = None):
         self._metadata = _metadata(api_key)
+        self._admin_metadata = _metadata(admin_api_key or api_key)
         self._channel = grpc.aio.insecure_channel(address, options=_channel_options(max_message_mb))
-        self._generate, self._model_info = _methods(self._channel)
+        self._calls = _methods(self._channel)
 
     async def __aenter__(self) -> "AsyncFlatwireClient":
         return self
@@ -104,16 +233,55 @@ class AsyncFlatwireClient:
         await self._channel.close()
 
     async def model_info(self) -> scheduler_pb2.ModelInfo:
-        return await self._model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
+        return await self._calls.model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
 
     async def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                        timeout: float | None = None, **options) -> Generation:
         request = Options(**options).grpc_request(text, input_ids, stream=False)
-        responses = [response async for response in self._generate(request, timeout=timeout,
-                                                                         metadata=self._metadata)]
+        responses = [response async for response in self._calls.generate(request, timeout=timeout,
+                                                                               metadata=self._metadata)]
         return generation(responses[-1], input_ids)  # without stream: one response
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float | None = None,
                **options) -> AsyncGenerationStream:
         request = Options(**options).grpc_request(text, input_ids, stream=True)
-        return AsyncGenerationStream(self._generate(request, timeout=timeout, metadata=self._metadata), input_ids)
+        return AsyncGenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata),
+                                     input_ids)
+
+    async def abort(self, rid: str, timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.abort(generate_pb2.AbortGenerationRequest(rid=rid), timeout=timeout,
+                                       metadata=self._metadata)
+
+    # -- rollout control (admin): FlatwireClient's, awaited --
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                       abort_all_requests: bool = False, weight_version: str | None = None,
+                                       timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.update_weights_from_disk(
+            _from_disk(model_path, load_format, abort_all_requests, weight_version), timeout=timeout,
+            metadata=self._admin_metadata)
+
+    async def push_weights(self, weights: Mapping[str, Any] | str | os.PathLike, abort_all_requests: bool = False,
+                           weight_version: str | None = None, chunk_bytes: int = PUSH_CHUNK_BYTES,
+                           timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.push_weights(
+            _weight_chunks(weights, abort_all_requests, weight_version, chunk_bytes), timeout=timeout,
+            metadata=self._admin_metadata)
+
+    async def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.pause_generation(scheduler_pb2.PauseGenerationRequest(mode=PAUSE_MODES[mode]),
+                                                  timeout=timeout, metadata=self._admin_metadata)
+
+    async def continue_generation(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.continue_generation(scheduler_pb2.ContinueGenerationRequest(), timeout=timeout,
+                                                     metadata=self._admin_metadata)
+
+    async def abort_all(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.abort_all(scheduler_pb2.AbortAllRequest(), timeout=timeout,
+                                           metadata=self._admin_metadata)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True,
+                                    timeout: float | None = None) -> generate_pb2.ControlResponse:
+        return await self._calls.update_weight_version(
+            scheduler_pb2.UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
+            timeout=timeout, metadata=self._admin_metadata)

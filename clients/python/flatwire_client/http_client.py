@@ -1,11 +1,17 @@
 """flatwire's /generate over HTTP as packed protobuf (Accept: application/x-protobuf): the gRPC API's
-messages, raw arrays and no JSON, for clients that cannot use gRPC. A stream is length-delimited messages."""
+messages, raw arrays and no JSON, for clients that cannot use gRPC. A stream is length-delimited messages.
+
+Also SGLang's rollout-control routes (update_weights_from_disk, pause and continue, abort, weight_version),
+which answer JSON: their body as a dict. Weights from memory go over gRPC (FlatwireClient.push_weights):
+SGLang's /update_weights_from_tensor takes pickled tensors, which flatwire refuses.
+"""
 
 import asyncio
 import http.client
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from flatwire_client.pb import generate_pb2
@@ -13,6 +19,7 @@ from flatwire_client.requests import Options
 from flatwire_client.results import ChunkStream, Generation, generation
 
 MEDIA_TYPE = "application/x-protobuf"
+T = TypeVar("T")
 
 
 class HttpError(Exception):
@@ -59,12 +66,17 @@ class HttpGenerationStream(ChunkStream):
 class HttpClient:
     """Blocking client of one gateway's HTTP port; the same options as FlatwireClient."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0):
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0,
+                 admin_api_key: str | None = None):
+        """`admin_api_key`: what the rollout-control methods send (default: api_key)."""
         url = urlsplit(base_url)
         self._connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=timeout)
         self._headers = {"content-type": "application/json", "accept": MEDIA_TYPE}
+        self._control_headers = {"content-type": "application/json", "accept": "application/json"}
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
+        if admin_api_key or api_key:
+            self._control_headers["authorization"] = f"Bearer {admin_api_key or api_key}"
 
     def __enter__(self) -> "HttpClient":
         return self
@@ -97,19 +109,85 @@ class HttpClient:
                **options) -> HttpGenerationStream:
         return HttpGenerationStream(self._post(text, input_ids, True, options), input_ids)
 
+    # -- rollout control (admin but abort by rid): SGLang's routes, their JSON as a dict --
+
+    def _control(self, path: str, body: dict, headers: dict | None = None) -> dict:
+        """The route's JSON body ({} when it has none); a refusal in SGLang's {success: false} shape is returned
+        as it is, any other error raised as HttpError."""
+        self._connection.request("POST", path, body=json.dumps(body), headers=headers or self._control_headers)
+        response = self._connection.getresponse()
+        raw = response.read()
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError:
+            data = None
+        if response.status == 200 or (isinstance(data, dict) and "success" in data):
+            return data or {}
+        message = data["error"]["message"] if isinstance(data, dict) and "error" in data else raw.decode(
+            errors="replace")
+        raise HttpError(response.status, message)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False, weight_version: str | None = None) -> dict:
+        return self._control("/update_weights_from_disk", {
+            "model_path": str(model_path), "load_format": load_format, "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version})
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._control("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._control("/continue_generation", {})
+
+    def abort_all(self) -> dict:
+        return self._control("/abort_request", {"abort_all": True})
+
+    def abort(self, rid: str) -> dict:
+        """Stop one request (its meta_info.id); sent with the API key, not the admin key."""
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if "authorization" in self._headers:
+            headers["authorization"] = self._headers["authorization"]
+        return self._control("/abort_request", {"rid": rid}, headers)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
+        return self._control("/update_weight_version", {"new_version": new_version,
+                                                        "abort_all_requests": abort_all_requests})
+
 
 class AsyncHttpClient:
     """asyncio twin of HttpClient: each call runs a blocking HttpClient of its own in a worker thread, so
     concurrent calls do not share a connection."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0):
-        self._args = (base_url, api_key, timeout)
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0,
+                 admin_api_key: str | None = None):
+        self._args = (base_url, api_key, timeout, admin_api_key)
+
+    async def _call(self, call: Callable[[HttpClient], T]) -> T:
+        def run() -> T:
+            with HttpClient(*self._args) as client:
+                return call(client)
+        return await asyncio.to_thread(run)
+
+    async def update_weights_from_disk(self, model_path: str, **options: Any) -> dict:
+        return await self._call(lambda client: client.update_weights_from_disk(model_path, **options))
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self._call(lambda client: client.pause_generation(mode))
+
+    async def continue_generation(self) -> dict:
+        return await self._call(lambda client: client.continue_generation())
+
+    async def abort_all(self) -> dict:
+        return await self._call(lambda client: client.abort_all())
+
+    async def abort(self, rid: str) -> dict:
+        return await self._call(lambda client: client.abort(rid))
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
+        return await self._call(lambda client: client.update_weight_version(new_version, abort_all_requests))
 
     async def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
-        def call() -> Generation:
-            with HttpClient(*self._args) as client:
-                return client.generate(text, input_ids, **options)
-        return await asyncio.to_thread(call)
+        return await self._call(lambda client: client.generate(text, input_ids, **options))
 
     async def stream(self, text: str | None = None, input_ids: list[int] | None = None,
                      **options) -> AsyncIterator[Generation]:

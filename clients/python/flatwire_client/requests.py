@@ -23,6 +23,10 @@ class Options:
     repetition_penalty: float | None = None  # None: 1.0 (off)
     min_new_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output, at most one: the output follows the JSON schema (JSON text), regex or EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     return_logprob: bool = False  # implied by top_logprobs_num or token_ids_logprob
     top_logprobs_num: int = 0
     logprob_start_len: int | None = None  # None: no prompt logprobs
@@ -40,7 +44,8 @@ class Options:
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens, logit_bias=self.logit_bias)
+            repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens, logit_bias=self.logit_bias,
+            json_schema=self.json_schema, regex=self.regex, ebnf=self.ebnf)
         return generate_pb2.GenerateRequest(
             text=text or "", input_ids=input_ids or [], sampling=sampling, return_logprob=self.wants_logprobs,
             top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
@@ -54,7 +59,8 @@ class Options:
                     "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
                     "min_new_tokens": self.min_new_tokens,
                     "logit_bias": {str(token): bias for token, bias in self.logit_bias.items()}}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "skip_special_tokens", "repetition_penalty"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "skip_special_tokens", "repetition_penalty",
+                     "json_schema", "regex", "ebnf"):
             if (value := getattr(self, name)) is not None:
                 sampling[name] = value
         body = {"sampling_params": sampling, "return_logprob": self.wants_logprobs,

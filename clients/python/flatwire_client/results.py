@@ -1,6 +1,6 @@
 """What the client returns: a Generation, its logprob rows as numpy arrays (-inf kept)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,6 +50,15 @@ class Logprobs:
 
 
 @dataclass
+class VersionSpan:
+    """Output positions [start, end) were produced by the weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
 class Generation:
     """A response: the whole result, or one chunk of a stream (its new tokens and rows only)."""
 
@@ -62,6 +71,8 @@ class Generation:
     matched_stop: int | str | None  # the stop token id or stop string that ended it
     prompt_tokens: int
     completion_tokens: int  # so far
+    weight_version: str = ""  # of the weights that produced the last token so far ("": none yet)
+    weight_versions: list[VersionSpan] = field(default_factory=list)  # which weights produced which positions
 
 
 def generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[int] | None) -> Generation:
@@ -76,7 +87,8 @@ def generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[in
         matched = response.matched_stop
     return Generation(response.rid, token_ids, response.text, Logprobs.of_block(response.output, token_ids), prompt,
                       FINISH_NAMES.get(response.finish_reason), matched, response.prompt_tokens,
-                      response.completion_tokens)
+                      response.completion_tokens, response.weight_version,
+                      [VersionSpan(span.version, span.start, span.end) for span in response.weight_versions])
 
 
 class ChunkStream:
@@ -99,4 +111,4 @@ class ChunkStream:
         prompt = next((c.prompt for c in self.chunks if c.prompt is not None), None)
         return Generation(last.rid, np.concatenate([c.token_ids for c in self.chunks]),
                           "".join(c.text for c in self.chunks), output, prompt, last.finish_reason, last.matched_stop,
-                          last.prompt_tokens, last.completion_tokens)
+                          last.prompt_tokens, last.completion_tokens, last.weight_version, last.weight_versions)

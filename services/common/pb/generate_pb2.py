@@ -26,19 +26,29 @@ from . import arrays_pb2 as flatwire_dot_v1_dot_arrays__pb2
 from . import scheduler_pb2 as flatwire_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66latwire/v1/generate.proto\x12\x0b\x66latwire.v1\x1a\x18\x66latwire/v1/arrays.proto\x1a\x1b\x66latwire/v1/scheduler.proto\"\xd2\x02\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flatwire.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x05 \x01(\r\x12\x1e\n\x11logprob_start_len\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11token_ids_logprob\x18\x07 \x03(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x14\n\x0cno_stop_trim\x18\n \x01(\x08\x12\x0e\n\x06stream\x18\x0b \x01(\x08\x42\x14\n\x12_logprob_start_lenB\x16\n\x14_skip_special_tokens\"\xaf\x02\n\x10GenerateResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x0f\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x06output\x18\x04 \x01(\x0b\x32\x1d.flatwire.v1.LogprobBlockView\x12-\n\x06prompt\x18\x05 \x01(\x0b\x32\x1d.flatwire.v1.LogprobBlockView\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x15\n\rmatched_token\x18\x07 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\"\xad\x02\n\x16GenerateResponsePacked\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x06output\x18\x04 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12)\n\x06prompt\x18\x05 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x15\n\rmatched_token\x18\x07 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r2\x9e\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.flatwire.v1.GenerateRequest\x1a\x1d.flatwire.v1.GenerateResponse0\x01\x12\x45\n\x0cGetModelInfo\x12\x1d.flatwire.v1.ModelInfoRequest\x1a\x16.flatwire.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66latwire/v1/generate.proto\x12\x0b\x66latwire.v1\x1a\x18\x66latwire/v1/arrays.proto\x1a\x1b\x66latwire/v1/scheduler.proto\"%\n\x16\x41\x62ortGenerationRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\"\xbd\x01\n\x0f\x43ontrolResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12<\n\x08replicas\x18\x03 \x03(\x0b\x32*.flatwire.v1.ControlResponse.ReplicasEntry\x1aJ\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.flatwire.v1.ControlReply:\x02\x38\x01\"@\n\x11WeightVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xd2\x02\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flatwire.v1.SamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x05 \x01(\r\x12\x1e\n\x11logprob_start_len\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11token_ids_logprob\x18\x07 \x03(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x14\n\x0cno_stop_trim\x18\n \x01(\x08\x12\x0e\n\x06stream\x18\x0b \x01(\x08\x42\x14\n\x12_logprob_start_lenB\x16\n\x14_skip_special_tokens\"\x80\x03\n\x10GenerateResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x0f\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x06output\x18\x04 \x01(\x0b\x32\x1d.flatwire.v1.LogprobBlockView\x12-\n\x06prompt\x18\x05 \x01(\x0b\x32\x1d.flatwire.v1.LogprobBlockView\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x15\n\rmatched_token\x18\x07 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\x12\x16\n\x0eweight_version\x18\x0b \x01(\t\x12\x37\n\x0fweight_versions\x18\x0c \x03(\x0b\x32\x1e.flatwire.v1.WeightVersionSpan\"\xfe\x02\n\x16GenerateResponsePacked\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x06output\x18\x04 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12)\n\x06prompt\x18\x05 \x01(\x0b\x32\x19.flatwire.v1.LogprobBlock\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.flatwire.v1.FinishReason\x12\x15\n\rmatched_token\x18\x07 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x08 \x01(\t\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\x12\x16\n\x0eweight_version\x18\x0b \x01(\t\x12\x37\n\x0fweight_versions\x18\x0c \x03(\x0b\x32\x1e.flatwire.v1.WeightVersionSpan2\xee\x05\n\nGeneration\x12I\n\x08Generate\x12\x1c.flatwire.v1.GenerateRequest\x1a\x1d.flatwire.v1.GenerateResponse0\x01\x12\x45\n\x0cGetModelInfo\x12\x1d.flatwire.v1.ModelInfoRequest\x1a\x16.flatwire.v1.ModelInfo\x12J\n\x05\x41\x62ort\x12#.flatwire.v1.AbortGenerationRequest\x1a\x1c.flatwire.v1.ControlResponse\x12`\n\x15UpdateWeightsFromDisk\x12).flatwire.v1.UpdateWeightsFromDiskRequest\x1a\x1c.flatwire.v1.ControlResponse\x12H\n\x0bPushWeights\x12\x19.flatwire.v1.WeightsChunk\x1a\x1c.flatwire.v1.ControlResponse(\x01\x12T\n\x0fPauseGeneration\x12#.flatwire.v1.PauseGenerationRequest\x1a\x1c.flatwire.v1.ControlResponse\x12Z\n\x12\x43ontinueGeneration\x12&.flatwire.v1.ContinueGenerationRequest\x1a\x1c.flatwire.v1.ControlResponse\x12\x46\n\x08\x41\x62ortAll\x12\x1c.flatwire.v1.AbortAllRequest\x1a\x1c.flatwire.v1.ControlResponse\x12\\\n\x13UpdateWeightVersion\x12\'.flatwire.v1.UpdateWeightVersionRequest\x1a\x1c.flatwire.v1.ControlResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flatwire.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=99
-  _globals['_GENERATEREQUEST']._serialized_end=437
-  _globals['_GENERATERESPONSE']._serialized_start=440
-  _globals['_GENERATERESPONSE']._serialized_end=743
-  _globals['_GENERATERESPONSEPACKED']._serialized_start=746
-  _globals['_GENERATERESPONSEPACKED']._serialized_end=1047
-  _globals['_GENERATION']._serialized_start=1050
-  _globals['_GENERATION']._serialized_end=1208
+  _globals['_CONTROLRESPONSE_REPLICASENTRY']._loaded_options = None
+  _globals['_CONTROLRESPONSE_REPLICASENTRY']._serialized_options = b'8\001'
+  _globals['_ABORTGENERATIONREQUEST']._serialized_start=98
+  _globals['_ABORTGENERATIONREQUEST']._serialized_end=135
+  _globals['_CONTROLRESPONSE']._serialized_start=138
+  _globals['_CONTROLRESPONSE']._serialized_end=327
+  _globals['_CONTROLRESPONSE_REPLICASENTRY']._serialized_start=253
+  _globals['_CONTROLRESPONSE_REPLICASENTRY']._serialized_end=327
+  _globals['_WEIGHTVERSIONSPAN']._serialized_start=329
+  _globals['_WEIGHTVERSIONSPAN']._serialized_end=393
+  _globals['_GENERATEREQUEST']._serialized_start=396
+  _globals['_GENERATEREQUEST']._serialized_end=734
+  _globals['_GENERATERESPONSE']._serialized_start=737
+  _globals['_GENERATERESPONSE']._serialized_end=1121
+  _globals['_GENERATERESPONSEPACKED']._serialized_start=1124
+  _globals['_GENERATERESPONSEPACKED']._serialized_end=1506
+  _globals['_GENERATION']._serialized_start=1509
+  _globals['_GENERATION']._serialized_end=2259
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,6 @@
 from . import arrays_pb2 as _arrays_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,8 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+    PAUSE_MODE_IN_PLACE: _ClassVar[PauseMode]
+    PAUSE_MODE_RETRACT: _ClassVar[PauseMode]
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+PAUSE_MODE_IN_PLACE: PauseMode
+PAUSE_MODE_RETRACT: PauseMode
+
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "logit_bias")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "logit_bias", "json_schema", "regex", "ebnf")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +41,9 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -42,7 +57,10 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     min_new_tokens: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    json_schema: str
+    regex: str
+    ebnf: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ...) -> None: ...
 
 class LogprobParams(_message.Message):
     __slots__ = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
@@ -147,7 +165,7 @@ class Finish(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts")
+    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +178,7 @@ class StepOutput(_message.Message):
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     step: int
     started: _containers.RepeatedCompositeFieldContainer[RequestStart]
     rids: _containers.RepeatedScalarFieldContainer[str]
@@ -172,14 +191,15 @@ class StepOutput(_message.Message):
     positions: _containers.RepeatedScalarFieldContainer[int]
     resumed: _containers.RepeatedCompositeFieldContainer[RequestResume]
     counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +209,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -198,7 +219,8 @@ class ModelInfo(_message.Message):
     dtype: str
     max_running_requests: int
     instance_id: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -223,3 +245,61 @@ class SchedulerStats(_message.Message):
     finished: int
     aborted: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsFromDiskRequest(_message.Message):
+    __slots__ = ("model_path", "load_format", "abort_all_requests", "weight_version")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    load_format: str
+    abort_all_requests: bool
+    weight_version: str
+    def __init__(self, model_path: _Optional[str] = ..., load_format: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("safetensors", "abort_all_requests", "weight_version")
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    safetensors: bytes
+    abort_all_requests: bool
+    weight_version: str
+    def __init__(self, safetensors: _Optional[bytes] = ..., abort_all_requests: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: PauseMode
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+
+class ContinueGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortAllRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeightVersionRequest(_message.Message):
+    __slots__ = ("new_version", "abort_all_requests")
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    new_version: str
+    abort_all_requests: bool
+    def __init__(self, new_version: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ...) -> None: ...
+
+class ControlReply(_message.Message):
+    __slots__ = ("success", "message", "num_paused_requests", "weight_version", "aborted_requests")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    num_paused_requests: int
+    weight_version: str
+    aborted_requests: int
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., num_paused_requests: _Optional[int] = ..., weight_version: _Optional[str] = ..., aborted_requests: _Optional[int] = ...) -> None: ...

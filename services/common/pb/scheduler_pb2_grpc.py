@@ -63,6 +63,36 @@ class SchedulerStub:
                 request_serializer=flatwire_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
                 response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromDisk = channel.unary_unary(
+                '/flatwire.v1.Scheduler/UpdateWeightsFromDisk',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/flatwire.v1.Scheduler/PushWeights',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.WeightsChunk.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/flatwire.v1.Scheduler/PauseGeneration',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.ContinueGeneration = channel.unary_unary(
+                '/flatwire.v1.Scheduler/ContinueGeneration',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.ContinueGenerationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.AbortAll = channel.unary_unary(
+                '/flatwire.v1.Scheduler/AbortAll',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.AbortAllRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.UpdateWeightVersion = channel.unary_unary(
+                '/flatwire.v1.Scheduler/UpdateWeightVersion',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -102,6 +132,48 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsFromDisk(self, request, context):
+        """Rollout control (RL trainers; the gateway's admin API forwards each call to every
+        replica). Weights are read and checked off the engine thread, then swapped in between
+        two steps; a checkpoint whose config, vocabulary or tensor shapes differ from the served
+        model's is refused (success false, the reason in message) and nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """The bytes of one safetensors file, in chunks: named tensors, any subset of the model's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContinueGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortAll(self, request, context):
+        """Every running and waiting request ends with FINISH_REASON_ABORT and the tokens it had.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +201,36 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.StatsRequest.FromString,
                     response_serializer=flatwire_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDisk,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDiskRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.WeightsChunk.FromString,
+                    response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'ContinueGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContinueGeneration,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ContinueGenerationRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'AbortAll': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortAll,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.AbortAllRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'UpdateWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightVersion,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +372,168 @@ class Scheduler:
             '/flatwire.v1.Scheduler/GetStats',
             flatwire_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
             flatwire_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Scheduler/UpdateWeightsFromDisk',
+            flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+            flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/flatwire.v1.Scheduler/PushWeights',
+            flatwire_dot_v1_dot_scheduler__pb2.WeightsChunk.SerializeToString,
+            flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Scheduler/PauseGeneration',
+            flatwire_dot_v1_dot_scheduler__pb2.PauseGenerationRequest.SerializeToString,
+            flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Scheduler/ContinueGeneration',
+            flatwire_dot_v1_dot_scheduler__pb2.ContinueGenerationRequest.SerializeToString,
+            flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortAll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Scheduler/AbortAll',
+            flatwire_dot_v1_dot_scheduler__pb2.AbortAllRequest.SerializeToString,
+            flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Scheduler/UpdateWeightVersion',
+            flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.SerializeToString,
+            flatwire_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
             options,
             channel_credentials,
             insecure,

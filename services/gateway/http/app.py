@@ -8,7 +8,7 @@ import orjson
 from fastapi import FastAPI, Request, Response
 
 from services.gateway.config import GatewayConfig
-from services.gateway.http import generate, native, openai_chat, openai_completions
+from services.gateway.http import generate, native, openai_chat, openai_completions, rollout
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import invalid_request_response, pipeline_error_response
@@ -42,6 +42,7 @@ def create_app(pipeline: PipelineClient, config: GatewayConfig) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
     app.include_router(native.router)
+    app.include_router(rollout.router)
     add_request_schemas(app)  # the routes read raw bodies: declare them in /openapi.json
 
     @app.exception_handler(InvalidRequest)
@@ -76,7 +77,7 @@ def create_app(pipeline: PipelineClient, config: GatewayConfig) -> FastAPI:
     # Body size and read timeout, for every route (inside the API key check: nothing unauthenticated is read).
     app.add_middleware(RequestLimits, max_body_bytes=config.max_request_mb * 1024 * 1024,
                        body_timeout_s=config.http_body_timeout_s)
-    if config.api_key:
+    if gateway.access.any:
         # Added last, so outermost: an unauthenticated request is refused before anything reads its body.
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, keys=gateway.access)
     return app

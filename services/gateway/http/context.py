@@ -8,6 +8,7 @@ import numpy as np
 from fastapi import Request
 
 from services.common.arrays import F32, I32
+from services.common.auth import AccessKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import PipelineClient
@@ -25,6 +26,10 @@ class Gateway:
     config: GatewayConfig
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def access(self) -> AccessKeys:
+        return AccessKeys(self.config.api_key, self.config.admin_api_key)
 
     @cached_property
     def limits(self) -> ModelLimits:

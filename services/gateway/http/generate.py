@@ -140,7 +140,7 @@ class _StreamState:
             finish_reason=final.finish_reason if final else None, matched_stop=final.matched_stop if final else None,
             output=chunk.output, prompt=chunk.prompt, token_ids_logprob=self.token_ids_logprob,
             e2e_latency=final.e2e_latency if final else time.perf_counter() - started,
-            error=final.error if final else None)
+            error=final.error if final else None, weight_versions=chunk.weight_versions)
         meta = base_meta_info(progress)
         flat_output, flat_prompt = req.return_flat_raw_output_top_logprobs, req.return_flat_raw_top_logprobs
         for key, value in _logprob_meta(gateway, req, progress).items():
@@ -158,6 +158,8 @@ class _StreamState:
         if flat_output and chunk.output is not None:
             meta["output_top_logprobs_offset"] = self.rows_sent
             self.rows_sent += len(chunk.output.token_logprobs)
+        for key, items in self.output_items.items():  # an event without new rows (an abort's last) repeats them
+            meta.setdefault(key, orjson.Fragment(b"[" + b",".join(items) + b"]"))
         meta |= self.prompt_fields
         # output_ids is this state's own list, not a copy: the event is serialized before the next chunk grows it.
         return {"text": self.text, "output_ids": progress.output_ids, "meta_info": meta}

@@ -1,4 +1,4 @@
-"""SGLang's meta_info fields that are not logprobs: id, token counts, finish_reason, latency."""
+"""SGLang's meta_info fields that are not logprobs: id, token counts, finish_reason, latency, weight versions."""
 
 from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.result import RequestResult
@@ -24,4 +24,8 @@ def base_meta_info(result: RequestResult) -> dict:
         "completion_tokens": result.completion_tokens,
         "cached_tokens": 0,  # SGLang's prefix-cache hits; flatwire has no prefix cache
         "e2e_latency": result.e2e_latency,
+        # As SGLang: the version that produced the last token, and the output ranges of each version.
+        "weight_version": result.weight_version,
+        "weight_versions": [{"version": span.version, "start": span.start, "end": span.end}
+                            for span in result.weight_versions],
     }

@@ -1,8 +1,9 @@
 """SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models/{model}.
 
 /get_model_info (/model_info), /get_server_info (/server_info), /flush_cache, /health_generate,
-/tokenize and /detokenize (also under /v1/), /version, /abort_request. Shapes as SGLang 0.5.x
-sends them (sglang/srt/entrypoints/http_server.py, openai/serving_tokenize.py).
+/tokenize and /detokenize (also under /v1/), /version. Shapes as SGLang 0.5.x sends them
+(sglang/srt/entrypoints/http_server.py, openai/serving_tokenize.py). /abort_request and the other
+rollout-control routes are in rollout.py.
 """
 
 import asyncio
@@ -29,7 +30,6 @@ router = APIRouter()
 
 # How long /health_generate waits for its one-token generation (SGLang's HEALTH_CHECK_TIMEOUT is 20 s).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-WEIGHT_VERSION = "default"  # SGLang's, for weights never updated in place
 FLUSH_CACHE_TEXT = "Cache flushed.\nflatwire keeps no prefix cache: there was nothing to flush.\n"
 
 
@@ -72,9 +72,10 @@ async def retrieve_model(model: str, request: Request) -> Response:
 @router.get("/model_info")
 async def model_info(request: Request) -> Response:
     """SGLang's model info; model_path is the served model name (the checkpoint's location is not disclosed)."""
-    name = gateway_of(request).pipeline.model_name
+    pipeline = gateway_of(request).pipeline
+    name = pipeline.model_name
     return _json({"model_path": name, "tokenizer_path": name, "is_generation": True,
-                  "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION})
+                  "preferred_sampling_params": None, "weight_version": pipeline.schedulers.weight_version()})
 
 
 @router.get("/get_server_info")
@@ -91,7 +92,9 @@ async def server_info(request: Request) -> Response:
         "model_path": name,
         "tokenizer_path": name,
         "served_model_name": name,
-        "weight_version": WEIGHT_VERSION,
+        "weight_version": pipeline.schedulers.weight_version(),
+        "replica_weight_versions": {address: replica.weight_version
+                                    for address, replica in pipeline.schedulers.replicas.items()},
         "is_generation": True,
         "host": config.host,
         "port": config.port,
@@ -108,7 +111,7 @@ async def server_info(request: Request) -> Response:
         # Each running request holds one slot of max_context tokens (services/scheduler/kv_cache.py).
         "max_total_num_tokens": info.max_running_requests * info.max_context,
         "scheduler_replicas": len(pipeline.schedulers.replicas),
-        "detokenizers": len(config.detokenizers),
+        "detokenizers": len(pipeline.schedulers.detokenizers()),
         "max_batch_size": config.max_batch_size,
         "max_outstanding_requests": pipeline.admission_limit,
         "disable_radix_cache": True,  # no prefix cache: /flush_cache is a no-op, cached_tokens always 0
@@ -235,26 +238,3 @@ async def detokenize(request: Request) -> Response:
     texts = await asyncio.to_thread(_decode, tokenizer, [req.tokens], skip)
     return _json({"text": texts[0]})
 
-
-# -- abort -----------------------------------------------------------------------------------------------
-
-
-class AbortRequest(BaseModel):
-    """SGLang's AbortReq: rid is a request's meta_info.id (the gateway's id for it)."""
-
-    model_config = ConfigDict(extra="forbid")
-    rid: str = ""
-    abort_all: bool = False
-
-
-@router.post("/abort_request", openapi_extra=request_body(AbortRequest))
-async def abort_request(request: Request) -> Response:
-    """Stop one request (rid) or all of this gateway's (abort_all). Each ends with finish_reason "abort" and
-    the tokens it generated so far. 200 either way, as SGLang (a request that already ended is not an error)."""
-    gateway = gateway_of(request)
-    req = await parse_body_off_loop(AbortRequest, await request.body(), gateway.limits)
-    if req.abort_all:
-        gateway.pipeline.abort(None)
-    elif req.rid:
-        gateway.pipeline.abort(req.rid)
-    return Response(status_code=200)

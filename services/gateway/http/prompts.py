@@ -73,8 +73,6 @@ def check_lengths(ids: list[int], limits: ModelLimits, prompt_field: str, max_ne
         raise prompt_too_long(prompt_field, len(ids), limits.max_context)
     if max_new_tokens is None:
         return room
-    if max_new_tokens < 1:
-        raise InvalidRequest(max_field, f"{max_field}: must be at least 1")
     if max_new_tokens > room:
         raise InvalidRequest(max_field, f"{max_field}: {len(ids)} prompt tokens + {max_new_tokens} new tokens "
                                         f"exceed this model's context of {limits.max_context}")

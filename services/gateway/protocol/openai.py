@@ -1,15 +1,16 @@
 """OpenAI's chat and text completion requests, with SGLang's extensions.
 
 Extensions: the SGLang sampling options (top_k, min_p, stop_token_ids, ignore_eos,
-skip_special_tokens, spaces_between_special_tokens, no_stop_trim), `return_meta_info`
+skip_special_tokens, spaces_between_special_tokens, no_stop_trim, json_schema, regex, ebnf), `return_meta_info`
 (each choice carries SGLang's meta_info), `return_flat_raw_output_top_logprobs` (the
 output candidates as flat arrays in meta_info instead of in `logprobs`) and
 `return_flat_raw_top_logprobs_b64` (those arrays as base64; the default on chat).
 """
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import (
@@ -20,11 +21,46 @@ from services.gateway.protocol.parse import (
     is_token_ids,
     limits_of,
 )
-from services.gateway.protocol.sampling import SamplingFields, unsupported
+from services.gateway.protocol.sampling import CONSTRAINTS, SamplingFields, unsupported
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema. The schema is enforced whatever `strict` says, as SGLang does."""
+
+    name: str
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema requires json_schema")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match (json_object: any object, as SGLang); None for text."""
+        if self.json_schema is not None and self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_)
+        return '{"type": "object"}' if self.type == "json_object" else None
+
+
+def _no_other_constraint(value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+    """A JSON response_format is a constraint: not with SGLang's json_schema, regex or ebnf as well."""
+    if value is not None and value.schema_text() is not None:
+        if given := [name for name in CONSTRAINTS if info.data.get(name) is not None]:
+            raise ValueError(f"cannot be combined with {given[0]}: at most one of response_format, json_schema, "
+                             "regex and ebnf")
+    return value
 
 
 class OpenAIRequest(SamplingFields):
@@ -32,13 +68,13 @@ class OpenAIRequest(SamplingFields):
 
     model: str
     n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: the prompt's logprobs only (with echo)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI's fields flatwire cannot honour yet: refused unless neutral.
-    response_format: Annotated[dict | None, unsupported(None, {"type": "text"})] = None
+    response_format: Annotated[ResponseFormat | None, AfterValidator(_no_other_constraint)] = None  # json: a constraint
+    # OpenAI's fields flatwire cannot honour yet: refused unless neutral (tools: no tool-call parser).
     tools: Annotated[list | None, unsupported(None, [])] = None
     tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None
     best_of: Annotated[int | None, unsupported(None, 1)] = None
@@ -66,10 +102,17 @@ class OpenAIRequest(SamplingFields):
     def max_tokens_field(self) -> str:
         return "max_tokens"
 
+    def constraint(self) -> dict[str, str]:
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        return {"json_schema": schema} if schema is not None else super().constraint()
+
     def scheduler_fields(self) -> dict[str, str]:
         """The scheduler's field names -> this request's (see pipeline.GenerateInput.fields)."""
-        return {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field,
-                **{f"logprob.{name}": "logprobs" for name in scheduler_pb2.LogprobParams.DESCRIPTOR.fields_by_name}}
+        fields = {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field,
+                  **{f"logprob.{name}": "logprobs" for name in scheduler_pb2.LogprobParams.DESCRIPTOR.fields_by_name}}
+        if self.response_format is not None and self.response_format.schema_text() is not None:
+            fields["sampling.json_schema"] = "response_format"
+        return fields
 
 
 class TextPart(BaseModel):
@@ -97,7 +140,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
     return_flat_raw_top_logprobs_b64: bool = True
 
     @field_validator("top_logprobs")
@@ -132,7 +175,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None

@@ -1,5 +1,6 @@
 """Sampling options shared by SGLang's `sampling_params` and the OpenAI routes."""
 
+import json
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo
@@ -45,6 +46,23 @@ def _check_logit_bias(value: dict[int, float] | None, info: ValidationInfo) -> d
     return value
 
 
+CONSTRAINTS = ("json_schema", "regex", "ebnf")  # structured output: SamplingParams.constraint, at most one
+
+
+def _schema_text(value):
+    """A JSON schema given as an object, as the JSON text the scheduler takes."""
+    return json.dumps(value) if isinstance(value, dict) else value
+
+
+def _one_constraint(value: str | None, info: ValidationInfo) -> str | None:
+    """SGLang's rule: at most one of json_schema, regex and ebnf; the later one named is refused."""
+    if value is not None:
+        earlier = CONSTRAINTS[:CONSTRAINTS.index(info.field_name)]
+        if given := [name for name in earlier if info.data.get(name) is not None]:
+            raise ValueError(f"cannot be combined with {given[0]}: at most one of json_schema, regex and ebnf")
+    return value
+
+
 TopK = Annotated[int, AfterValidator(_check_top_k)]
 Float32 = Annotated[float, AfterValidator(_check_float32)]
 StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)]
@@ -52,6 +70,7 @@ Stop = Annotated[StopValue, AfterValidator(check_stop)]  # at most max_stop_stri
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's and SGLang's range
 LogitBias = Annotated[dict[int, Annotated[float, Field(allow_inf_nan=False)]] | None,
                       BeforeValidator(_logit_bias_ids), AfterValidator(_check_logit_bias)]
+Constraint = Annotated[str | None, AfterValidator(_one_constraint)]  # compiled (and refused) by the scheduler
 
 
 def _neutral_text(value) -> str:
@@ -103,10 +122,10 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, allow_inf_nan=False)  # SGLang's range
     min_new_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logit_bias: LogitBias = None
-    # SGLang's fields flatwire cannot honour yet: refused unless neutral (see unsupported).
-    json_schema: Annotated[str | dict | None, unsupported(None)] = None
-    regex: Annotated[str | None, unsupported(None)] = None
-    ebnf: Annotated[str | None, unsupported(None)] = None
+    # Structured output (SGLang's; the OpenAI routes' response_format too): the scheduler's grammar.py.
+    json_schema: Annotated[Constraint, BeforeValidator(_schema_text)] = None  # JSON text (or an object)
+    regex: Constraint = None
+    ebnf: Constraint = None
 
     def sampling(self, max_new_tokens: int, choice: int = 0) -> scheduler_pb2.SamplingParams:
         """The scheduler's sampling options; `choice` j > 0 (the j-th of n samples) gets its own seed, so that
@@ -119,7 +138,11 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens,
-            logit_bias=self.logit_bias or {})
+            logit_bias=self.logit_bias or {}, **self.constraint())
+
+    def constraint(self) -> dict[str, str]:
+        """SamplingParams.constraint's field: the one of json_schema, regex and ebnf given, if any."""
+        return {name: value for name in CONSTRAINTS if (value := getattr(self, name)) is not None}
 
     def detokenize(self) -> scheduler_pb2.DetokenizeParams:
         return scheduler_pb2.DetokenizeParams(
@@ -131,5 +154,5 @@ class SamplingFields(BaseModel):
 class SamplingOptions(SamplingFields):
     """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
 
-    max_new_tokens: int = Field(default=128, ge=1)
+    max_new_tokens: int = Field(default=128, ge=0)  # 0: the prompt's logprobs only
     n: int = Field(default=1, ge=1)  # samples per prompt (GenerateRequest.samples_per_prompt)

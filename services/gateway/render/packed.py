@@ -15,7 +15,11 @@ def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) ->
     """One chunk (a stream's, or the whole output) with the request's token counts so far."""
     response = generate_pb2.GenerateResponsePacked(
         rid=chunk.rid, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, text=chunk.text,
-        token_ids=np.asarray(chunk.token_ids, dtype=I32).tobytes())
+        token_ids=np.asarray(chunk.token_ids, dtype=I32).tobytes(),
+        weight_versions=[generate_pb2.WeightVersionSpan(version=span.version, start=span.start, end=span.end)
+                         for span in chunk.weight_versions])
+    if chunk.weight_versions:
+        response.weight_version = chunk.weight_versions[-1].version
     if chunk.output is not None:
         response.output.CopyFrom(chunk.output.to_block())
     if chunk.prompt is not None:

@@ -47,6 +47,41 @@ class GenerationStub:
                 request_serializer=flatwire_dot_v1_dot_scheduler__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/flatwire.v1.Generation/Abort',
+                request_serializer=flatwire_dot_v1_dot_generate__pb2.AbortGenerationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDisk = channel.unary_unary(
+                '/flatwire.v1.Generation/UpdateWeightsFromDisk',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/flatwire.v1.Generation/PushWeights',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.WeightsChunk.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/flatwire.v1.Generation/PauseGeneration',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.ContinueGeneration = channel.unary_unary(
+                '/flatwire.v1.Generation/ContinueGeneration',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.ContinueGenerationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.AbortAll = channel.unary_unary(
+                '/flatwire.v1.Generation/AbortAll',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.AbortAllRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightVersion = channel.unary_unary(
+                '/flatwire.v1.Generation/UpdateWeightVersion',
+                request_serializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -68,6 +103,55 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Stop one request of this gateway by its rid (GenerateResponse.rid): it ends with
+        FINISH_REASON_ABORT and the tokens it had. Needs the API key, like Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDisk(self, request, context):
+        """Rollout control, applied to every scheduler replica (scheduler.proto has the semantics).
+        With the gateway's --admin-api-key they need `authorization: Bearer ADMIN_KEY`; without
+        it, the API key (if any).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """One safetensors file in chunks (each within the gateway's --max-request-mb), forwarded
+        to every replica as it arrives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContinueGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortAll(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +164,41 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ModelInfoRequest.FromString,
                     response_serializer=flatwire_dot_v1_dot_scheduler__pb2.ModelInfo.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=flatwire_dot_v1_dot_generate__pb2.AbortGenerationRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDisk,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDiskRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.WeightsChunk.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'ContinueGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContinueGeneration,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.ContinueGenerationRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'AbortAll': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortAll,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.AbortAllRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'UpdateWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightVersion,
+                    request_deserializer=flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +257,195 @@ class Generation:
             '/flatwire.v1.Generation/GetModelInfo',
             flatwire_dot_v1_dot_scheduler__pb2.ModelInfoRequest.SerializeToString,
             flatwire_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/Abort',
+            flatwire_dot_v1_dot_generate__pb2.AbortGenerationRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/UpdateWeightsFromDisk',
+            flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/flatwire.v1.Generation/PushWeights',
+            flatwire_dot_v1_dot_scheduler__pb2.WeightsChunk.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/PauseGeneration',
+            flatwire_dot_v1_dot_scheduler__pb2.PauseGenerationRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/ContinueGeneration',
+            flatwire_dot_v1_dot_scheduler__pb2.ContinueGenerationRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortAll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/AbortAll',
+            flatwire_dot_v1_dot_scheduler__pb2.AbortAllRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/UpdateWeightVersion',
+            flatwire_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
             options,
             channel_credentials,
             insecure,

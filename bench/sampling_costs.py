@@ -1,0 +1,118 @@
+"""What per-request logit work adds to a model step: logit adjustments (penalties, logit_bias,
+min_new_tokens) and grammar constraints (structured output).
+
+One decode step of the default model over B running requests (scheduler's batch_step.run_step, the real
+ModelRunner on this machine's device): plain, with every row adjusted (repetition, frequency and
+presence penalties, a 16-token logit_bias, min_new_tokens), and with every row constrained (an EBNF
+grammar that never completes, so every measured step is a constrained one), timed interleaved. Then the
+work alone on [B, vocab] logits: services.scheduler.logit_adjust.adjust_logits with its count update, and
+services.scheduler.grammar.TokenMask.apply (each row's bitmask filled by its xgrammar matcher, then
+applied), with its fill part.
+
+    python -m bench.sampling_costs           # writes bench/out/sampling_costs.{md,json}
+"""
+
+import argparse
+
+import numpy as np
+import torch
+
+from bench.common import Interleaved, Table, write_results
+from services.common.model_store import resolve_model
+from services.common.pb import scheduler_pb2
+from services.scheduler.batch_step import run_step
+from services.scheduler.grammar import Grammars
+from services.scheduler.logit_adjust import AdjustedRow, adjust_logits
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.request import Limits, Request, parse_request
+
+PROMPT_TOKENS = 64
+GRAMMAR = "root ::= [a-z ]+ root"  # no end: the matcher never completes
+CASES = {
+    "plain": {},
+    "adjusted": dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.3, min_new_tokens=1000,
+                     logit_bias={token: -5.0 for token in range(100, 116)}),
+    "constrained": dict(ebnf=GRAMMAR),
+}
+
+
+def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields: dict) -> list[Request]:
+    """`batch` requests with these SamplingParams fields, past their prefill, each holding a KV slot."""
+    limits = Limits(runner.vocab_size, runner.max_context, 0, tuple(runner.eos_token_ids), 1)
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(batch):
+        sampling = scheduler_pb2.SamplingParams(max_new_tokens=100_000, temperature=0.0, **fields)
+        prompt = rng.integers(0, 100_000, PROMPT_TOKENS).tolist()
+        request = parse_request(scheduler_pb2.TokenizedRequest(rid=f"r{i}", input_ids=prompt, sampling=sampling),
+                                limits, grammars)
+        request.slot = runner.cache.allocate()
+        requests.append(request)
+    host = run_step(runner, [], requests, runner.logits_chunk_rows)
+    for request, token in zip(requests, host["next_ids"].tolist()):
+        request.output_ids.append(token)
+    return requests
+
+
+def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch: int) -> None:
+    requests = {}
+    for name, fields in CASES.items():
+        requests[name] = running_requests(runner, grammars, batch, fields)
+        bench.add(("step", batch, name),
+                  lambda rows=requests[name]: run_step(runner, rows, [], runner.logits_chunk_rows))
+    logits = torch.randn(batch, runner.vocab_size, device=runner.device)
+    adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(requests["adjusted"])
+                if r.adjustment is not None]
+    slots = torch.tensor([r.slot for r in adjusted], device=runner.device)
+
+    @torch.inference_mode()  # as the scheduler's step runs (its count tensors are inference tensors)
+    def adjust():
+        runner.token_counts.add(slots, adjust_logits(logits, adjusted, runner.token_counts).argmax(dim=-1))
+
+    constrained = [(i, r.grammar) for i, r in enumerate(requests["constrained"]) if r.grammar is not None]
+
+    def fill():
+        for row, matcher in constrained:
+            matcher.fill_next_token_bitmask(runner.token_mask.host, row)
+
+    bench.add(("adjust", batch), adjust)
+    bench.add(("mask", batch), lambda: runner.token_mask.apply(logits, constrained))
+    bench.add(("fill", batch), fill)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.sampling_costs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    model_dir = resolve_model(None)
+    runner = ModelRunner(model_dir, "auto", "auto", 0, len(CASES) * sum(args.batch))
+    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
+    bench = Interleaved(min_time=0.1)
+    for batch in args.batch:
+        add_cases(bench, runner, grammars, batch)
+    for _ in range(args.rounds):
+        bench.round()
+
+    table = Table("Decode step with logit adjustments or a grammar constraint on every row",
+                  ["requests", "plain step ms", "adjusted step ms", "constrained step ms", "adjustment per row µs",
+                   "mask per row µs", "of which fill µs"],
+                  f"The default model on {runner.device} (vocab {runner.vocab_size}). Adjusted rows carry "
+                  "repetition, frequency and presence penalties, a 16-token logit_bias and min_new_tokens; "
+                  f"constrained rows follow `{GRAMMAR}`. Medians of {args.rounds} interleaved rounds.")
+    rows_json = []
+    for batch in args.batch:
+        steps = {name: bench.timing(("step", batch, name)) for name in CASES}
+        per_row = {name: bench.timing((name, batch)).us / batch for name in ("adjust", "mask", "fill")}
+        with_ratio = [f"{steps[name].ms:.2f} ({steps[name].median / steps['plain'].median:.2f}x)"
+                      for name in ("adjusted", "constrained")]
+        table.add(batch, f"{steps['plain'].ms:.2f}", *with_ratio,
+                  f"{per_row['adjust']:.0f}", f"{per_row['mask']:.0f}", f"{per_row['fill']:.1f}")
+        rows_json.append({"batch": batch, **{f"{name}_step_ms": timing.ms for name, timing in steps.items()},
+                          **{f"{name}_us_per_row": us for name, us in per_row.items()}})
+    print(write_results("sampling_costs", "python -m bench.sampling_costs", [table], {"rows": rows_json},
+                        f"Prompts of {PROMPT_TOKENS} tokens, one decode step per call."))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""SGLang's rollout-control routes, for RL trainers: weight updates, pause and continue, abort, weight_version.
+
+Each call goes to every scheduler replica (SchedulerPool.control) and is answered in SGLang's shape
+(sglang/srt/entrypoints/http_server.py) plus `replicas`: each replica's own reply, by address.
+They are admin routes (http/auth.py: --admin-api-key when set); /abort_request by rid is not.
+What each does in a scheduler is in services/scheduler/engine.py.
+
+/update_weights_from_tensor is refused: SGLang's payload, `serialized_named_tensors`, is pickled
+(torch's MultiprocessingSerializer), and unpickling a request body runs whatever code it names. The
+same update goes as safetensors bytes over the public gRPC API (Generation/PushWeights), or as a
+checkpoint on disk (/update_weights_from_disk).
+"""
+
+from collections.abc import Awaitable, Callable
+from typing import Literal, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict
+
+from services.common.pb import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.http.auth import require_admin
+from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.errors import error_response
+from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.openapi import request_body
+from services.gateway.rollout import control_response
+
+router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+PAUSE_MODES = {"abort": scheduler_pb2.PAUSE_MODE_ABORT, "in_place": scheduler_pb2.PAUSE_MODE_IN_PLACE,
+               "retract": scheduler_pb2.PAUSE_MODE_RETRACT}
+NO_PICKLE = ("update_weights_from_tensor is not supported: SGLang's serialized_named_tensors are pickled (torch's "
+             "MultiprocessingSerializer), and unpickling a request body runs whatever code it names. Push the "
+             "tensors as safetensors over gRPC instead (flatwire.v1.Generation/PushWeights; "
+             "flatwire_client.FlatwireClient.push_weights), or save a checkpoint and POST /update_weights_from_disk.")
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's UpdateWeightFromDiskReqInput (the fields flatwire honours)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class PauseGenerationRequest(BaseModel):
+    """SGLang's PauseGenerationReqInput; "retract" is taken as "in_place" (running requests keep their KV)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+class ContinueGenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateWeightVersionRequest(BaseModel):
+    """SGLang's UpdateWeightVersionReqInput."""
+
+    model_config = ConfigDict(extra="forbid")
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class AbortRequest(BaseModel):
+    """SGLang's AbortReq: rid is a request's meta_info.id (the gateway's id for it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
+
+
+Call = Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
+
+
+def _json(data, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+async def _parse(model: type[M], request: Request, gateway: Gateway) -> M:
+    """The body as `model`; an empty body is its defaults (SGLang's pause and continue take none)."""
+    return await parse_body_off_loop(model, await request.body() or b"{}", gateway.limits)
+
+
+async def _everywhere(gateway: Gateway, call: Call) -> generate_pb2.ControlResponse:
+    return control_response(await gateway.pipeline.schedulers.control(call))
+
+
+def _replicas(response: generate_pb2.ControlResponse) -> dict:
+    return {address: {"success": reply.success, "message": reply.message,
+                      "num_paused_requests": reply.num_paused_requests, "weight_version": reply.weight_version,
+                      "aborted_requests": reply.aborted_requests}
+            for address, reply in sorted(response.replicas.items())}
+
+
+def _status_body(response: generate_pb2.ControlResponse, done: str) -> Response:
+    """SGLang's {"message", "status": "ok"} of pause and continue; a replica that failed: 503."""
+    if not response.success:
+        return error_response(503, response.message)
+    return _json({"message": done, "status": "ok", "replicas": _replicas(response)})
+
+
+@router.post("/update_weights_from_disk", openapi_extra=request_body(UpdateWeightsFromDiskRequest))
+async def update_weights_from_disk(request: Request) -> Response:
+    """{success, message, num_paused_requests} (SGLang's; 400 unless every replica updated), weight_version,
+    replicas."""
+    gateway = gateway_of(request)
+    req = await _parse(UpdateWeightsFromDiskRequest, request, gateway)
+    message = scheduler_pb2.UpdateWeightsFromDiskRequest(
+        model_path=req.model_path, load_format=req.load_format or "", abort_all_requests=req.abort_all_requests,
+        weight_version=req.weight_version)
+    response = await _everywhere(gateway, lambda stub: stub.UpdateWeightsFromDisk(message))
+    return _json({"success": response.success, "message": response.message,
+                  "num_paused_requests": sum(reply.num_paused_requests for reply in response.replicas.values()),
+                  "weight_version": gateway.pipeline.schedulers.weight_version(), "replicas": _replicas(response)},
+                 200 if response.success else 400)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor() -> Response:
+    return error_response(501, NO_PICKLE, "serialized_named_tensors", code="not_implemented")
+
+
+@router.post("/pause_generation", openapi_extra=request_body(PauseGenerationRequest))
+async def pause_generation(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(PauseGenerationRequest, request, gateway)
+    message = scheduler_pb2.PauseGenerationRequest(mode=PAUSE_MODES[req.mode])
+    return _status_body(await _everywhere(gateway, lambda stub: stub.PauseGeneration(message)),
+                        "Generation paused successfully.")
+
+
+@router.post("/continue_generation", openapi_extra=request_body(ContinueGenerationRequest))
+async def continue_generation(request: Request) -> Response:
+    gateway = gateway_of(request)
+    await _parse(ContinueGenerationRequest, request, gateway)
+    return _status_body(await _everywhere(gateway, lambda stub: stub.ContinueGeneration(
+        scheduler_pb2.ContinueGenerationRequest())), "Generation continued successfully.")
+
+
+@router.post("/update_weight_version", openapi_extra=request_body(UpdateWeightVersionRequest))
+async def update_weight_version(request: Request) -> Response:
+    """{success, message, new_version} (SGLang's; 400 unless every replica took it), replicas."""
+    gateway = gateway_of(request)
+    req = await _parse(UpdateWeightVersionRequest, request, gateway)
+    message = scheduler_pb2.UpdateWeightVersionRequest(new_version=req.new_version,
+                                                       abort_all_requests=req.abort_all_requests)
+    response = await _everywhere(gateway, lambda stub: stub.UpdateWeightVersion(message))
+    return _json({"success": response.success, "message": response.message, "new_version": req.new_version,
+                  "replicas": _replicas(response)}, 200 if response.success else 400)
+
+
+@router.post("/abort_request", openapi_extra=request_body(AbortRequest))
+async def abort_request(request: Request) -> Response:
+    """Stop one request of this gateway (rid), or every running and waiting request of every replica (abort_all,
+    an admin use). Each ends with finish_reason "abort" and the tokens it generated so far (with their
+    logprobs). 200, as SGLang, also for a request that already ended; 503 when a replica did not answer."""
+    gateway = gateway_of(request)
+    req = await parse_body_off_loop(AbortRequest, await request.body(), gateway.limits)
+    if req.abort_all:
+        if (refusal := require_admin(request, gateway.access)) is not None:
+            return refusal
+        response = await _everywhere(gateway, lambda stub: stub.AbortAll(scheduler_pb2.AbortAllRequest()))
+        if not response.success:
+            return error_response(503, response.message)
+    elif req.rid:
+        gateway.pipeline.abort(req.rid)
+    return Response(status_code=200)

@@ -1,0 +1,115 @@
+"""Structured output: a request with a json_schema, regex or ebnf constraint (SamplingParams.constraint) only
+samples tokens that keep its output within the grammar's language, with xgrammar (the grammar engine SGLang and
+vLLM use).
+
+- Grammars (the server, in a worker thread: compiling blocks): compiles a constraint against the model's
+  vocabulary and gives the request its matcher. The tokenizer is read on the first constrained request
+  (seconds, for a 250k-token vocabulary); xgrammar caches compiled grammars by their text, up to
+  CACHE_BYTES.
+- xgrammar's GrammarMatcher (Request.grammar): the request's position in its grammar, advanced by each token
+  it samples (accept_tokens). Its stop tokens are the request's (eos and stop_token_ids), so once the output
+  is complete only those remain and the engine ends the request on one, as on any stop token.
+- TokenMask (the model runner's, engine thread): before sampling, each constrained row's allowed tokens as a
+  bitmask filled on the host, applied on the logits' device: every other token gets -inf. Only the logits
+  that are sampled are masked: logprobs stay the model's raw distribution.
+"""
+
+import logging
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept for reuse (a small JSON schema's is ~10 kB)
+# Whitespace characters allowed between two JSON elements: room to indent 7 levels by 4, not to loop on
+# whitespace (which xgrammar's default, unbounded, lets a model do until max_new_tokens).
+JSON_MAX_WHITESPACE = 32
+MAX_ERROR_CHARS = 400  # xgrammar's parse errors quote the whole input
+# xgrammar's errors start with where in its C++ sources they were raised.
+_ERROR_ORIGIN = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+ConstrainedRow = tuple[int, xgr.GrammarMatcher]  # a row of the step's logits and its request's matcher
+
+
+class InvalidGrammar(ValueError):
+    """A constraint xgrammar cannot compile; the message says why."""
+
+
+class Grammars:
+    """Compiles constraints for one model: its tokenizer's vocabulary padded to the logits' size."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: list[int]):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._loading = threading.Lock()
+
+    def _compiler_now(self) -> xgr.GrammarCompiler:
+        with self._loading:
+            if self._compiler is None:
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
+                log.info("structured output: %s's vocabulary read for grammar compilation", self.model_dir)
+            return self._compiler
+
+    def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        """Blocking: milliseconds for a small schema once the vocabulary is read, nothing when cached."""
+        compiler = self._compiler_now()
+        try:
+            if kind == "json_schema":
+                return compiler.compile_json_schema(text, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(text)  # ebnf
+        except (RuntimeError, ValueError) as exc:
+            message = _ERROR_ORIGIN.sub("", str(exc).strip()).strip()
+            if len(message) > MAX_ERROR_CHARS:
+                message = message[:MAX_ERROR_CHARS] + "..."
+            raise InvalidGrammar(f"xgrammar cannot compile it: {message}") from None
+
+    def matcher(self, kind: str, text: str, stop_ids: frozenset[int]) -> xgr.GrammarMatcher:
+        """A new request's matcher: the grammar, then one of `stop_ids` (not empty)."""
+        return xgr.GrammarMatcher(self.compile(kind, text), override_stop_tokens=sorted(stop_ids))
+
+
+class TokenMask:
+    """The step's grammar masks: one bitmask row per logits row (ceil(vocab / 32) int32 words), allocated once
+    on the host and, for another device, there too."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.host = xgr.allocate_token_bitmask(num_rows, vocab_size)
+        self.on_device = self.host
+        if device.type != "cpu":
+            self.host = self.host.pin_memory()
+            self.on_device = torch.empty_like(self.host, device=device)
+
+    def apply(self, logits: torch.Tensor, rows: list[ConstrainedRow]) -> torch.Tensor:
+        """Sets the tokens each (row, matcher) does not allow to -inf in float32 `logits` [B, V], in place."""
+        for row, matcher in rows:
+            matcher.fill_next_token_bitmask(self.host, row)
+        if self.on_device is not self.host:
+            count = max(row for row, _ in rows) + 1
+            self.on_device[:count].copy_(self.host[:count], non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, self.on_device, vocab_size=self.vocab_size,
+                                        indices=[row for row, _ in rows])
+        return logits
+
+
+def accept_tokens(rows: list[ConstrainedRow], next_ids: np.ndarray) -> None:
+    """Advance each constrained row's matcher by the token it sampled."""
+    for row, matcher in rows:
+        token = int(next_ids[row])
+        if not matcher.accept_token(token):
+            # The mask allows only tokens it accepts: a sampler that picks a masked token (every allowed one
+            # scored 0) leaves the matcher where it was, so the rest of the output still follows the grammar.
+            log.error("sampled token %d is outside its request's grammar; the output will not match it", token)

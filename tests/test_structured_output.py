@@ -1,0 +1,251 @@
+"""Structured output (services/scheduler/grammar.py): SGLang's json_schema, regex and ebnf, OpenAI's
+response_format. The mask on random logits against the vocabulary itself, the scheduler's checks in process,
+then every API through the running stack (the default model is random: the mask alone makes its output
+valid; seeded sampling keeps it short and reproducible)."""
+
+import json
+import re
+
+import grpc
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import torch
+from flatwire_client import FlatwireClient, HttpClient
+from transformers import AutoTokenizer
+
+from services.common.pb import arrays_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
+from services.scheduler.batch_step import run_step
+from services.scheduler.grammar import Grammars, TokenMask
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.request import InvalidTokenizedRequest, Limits, parse_request
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+REGEX = "[a-z]{3}-[0-9]{2}"
+REGEX_PREFIX = re.compile("[a-z]{0,3}|[a-z]{3}-[0-9]{0,2}")  # every prefix of REGEX's strings
+EBNF = 'root ::= answer " " answer\nanswer ::= "yes" | "no"'
+EBNF_LANGUAGE = {f"{a} {b}" for a in ("yes", "no") for b in ("yes", "no")}
+STOP = 248046  # the default model's <|im_end|>, one of its eos ids
+
+
+# -- the mask and the scheduler's checks, in process -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir, tokenizer) -> Grammars:
+    return Grammars(model_dir, len(tokenizer), [STOP])
+
+
+def allowed(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+def test_mask_keeps_exactly_the_grammar_tokens_of_constrained_rows(grammars, tokenizer):
+    """Rows 0 and 2 constrained (row 2 mid-way), 1 and 3 not: each constrained row keeps exactly the tokens
+    whose text continues a prefix of the language, the other rows are untouched."""
+    vocab = len(tokenizer)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    raw = logits.clone()
+    start, midway = (grammars.matcher("regex", REGEX, frozenset([STOP])) for _ in range(2))
+    for token in tokenizer.encode("abc-", add_special_tokens=False):
+        assert midway.accept_token(token)
+    TokenMask(4, vocab, torch.device("cpu")).apply(logits, [(0, start), (2, midway)])
+
+    # Byte-level token strings: letters, digits and "-" are themselves, anything else is not in the language.
+    pieces = tokenizer.convert_ids_to_tokens(list(range(vocab)))
+    assert allowed(logits[0]) == {i for i, p in enumerate(pieces) if p and REGEX_PREFIX.fullmatch(p)}
+    assert allowed(logits[2]) == {i for i, p in enumerate(pieces) if p and re.fullmatch("[0-9]{1,2}", p)}
+    assert torch.equal(logits[[1, 3]], raw[[1, 3]])
+    assert torch.equal(logits[0][torch.isfinite(logits[0])], raw[0][torch.isfinite(logits[0])])
+
+
+def test_a_complete_output_allows_only_the_stop_tokens(grammars, tokenizer):
+    matcher = grammars.matcher("regex", REGEX, frozenset([STOP, 7]))
+    for token in tokenizer.encode("abc-12", add_special_tokens=False):
+        assert matcher.accept_token(token)
+    logits = torch.zeros(1, len(tokenizer))
+    TokenMask(1, len(tokenizer), torch.device("cpu")).apply(logits, [(0, matcher)])
+    assert allowed(logits[0]) == {STOP, 7}
+    assert matcher.accept_token(STOP) and matcher.is_terminated()
+
+
+@pytest.fixture(scope="module")
+def limits(tokenizer) -> Limits:
+    return Limits(len(tokenizer), 4096, 20, (STOP,), 50)
+
+
+def tokenized(**sampling) -> scheduler_pb2.TokenizedRequest:
+    return scheduler_pb2.TokenizedRequest(rid="r", input_ids=[1, 2, 3], sampling=scheduler_pb2.SamplingParams(
+        max_new_tokens=8, **sampling))
+
+
+@pytest.mark.parametrize(("sampling", "field", "says"), [
+    (dict(json_schema='{"type": "objec"}'), "sampling.json_schema", 'Unsupported type "objec"'),
+    (dict(json_schema="{not json"), "sampling.json_schema", "Failed to parse JSON"),
+    (dict(regex="[a-"), "sampling.regex", "Unclosed '['"),
+    (dict(ebnf="root ::= "), "sampling.ebnf", "EBNF parser error"),
+    (dict(regex="a", ignore_eos=True), "sampling.ignore_eos", "ends with eos"),
+    (dict(regex="a", min_new_tokens=2), "sampling.min_new_tokens", "ends with eos"),
+], ids=["schema", "schema-json", "regex", "ebnf", "ignore_eos", "min_new_tokens"])
+def test_scheduler_refuses_naming_the_field(grammars, limits, sampling, field, says):
+    with pytest.raises(InvalidTokenizedRequest) as refused:
+        parse_request(tokenized(**sampling), limits, grammars)
+    assert refused.value.field == field and says in str(refused.value)
+    assert "/project/" not in str(refused.value)  # xgrammar's source location is left out
+
+
+def test_scheduler_without_grammars_refuses_constraints(limits):
+    with pytest.raises(InvalidTokenizedRequest, match="compiles no grammars"):
+        parse_request(tokenized(regex="a"), limits)
+    assert parse_request(tokenized(), limits).grammar is None
+
+
+def test_logprobs_stay_raw(model_dir, grammars):
+    """A constrained and an unconstrained request on the same prompt, in one step: the same raw top-k, and the
+    constrained one samples a token its grammar allows where the other takes the raw argmax."""
+    runner = ModelRunner(model_dir, "cpu", "auto", 256, 2)
+    limits = Limits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 50)
+    requests = []
+    for sampling in (dict(regex="[0-9]+"), {}):
+        request = parse_request(scheduler_pb2.TokenizedRequest(
+            rid=f"r{len(requests)}", input_ids=[9707, 11, 1879], logprob=scheduler_pb2.LogprobParams(
+                return_logprob=True, top_logprobs_num=5, logprob_start_len=-1),
+            sampling=scheduler_pb2.SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
+        request.slot = runner.cache.allocate()
+        requests.append(request)
+    host = run_step(runner, [], requests, 256)
+    assert np.array_equal(host["topk_ids"][0], host["topk_ids"][1])
+    assert np.allclose(host["topk_values"][0], host["topk_values"][1], atol=1e-5)  # rows of one batch
+    constrained, free = host["next_ids"].tolist()
+    assert free == host["topk_ids"][1][0]
+    assert constrained != free
+    assert host["token_logprobs"][0] < host["topk_values"][0][0]  # a raw logprob below the best one
+
+
+# -- through the stack --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(http) -> str:
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def generate(http, **sampling) -> dict:
+    response = http.post("/generate", json={"text": "Reply:", "sampling_params": {
+        "max_new_tokens": 256, "temperature": 1, "seed": 1, **sampling}})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_refused(response, field: str, says: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(field + ":") and says in error["message"]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("as_text", [True, False], ids=["text", "object"])
+def test_generate_json_schema_validates(http, seed, as_text):
+    body = generate(http, seed=seed, json_schema=json.dumps(SCHEMA) if as_text else SCHEMA)
+    assert body["meta_info"]["finish_reason"]["type"] == "stop"
+    jsonschema.validate(json.loads(body["text"]), SCHEMA)
+
+
+def test_generate_regex_and_ebnf(http):
+    for seed in (1, 2):
+        assert re.fullmatch(REGEX, generate(http, seed=seed, regex=REGEX)["text"])
+    assert generate(http, temperature=0, ebnf=EBNF)["text"] in EBNF_LANGUAGE
+
+
+def test_cut_by_max_new_tokens_is_a_prefix(http):
+    body = generate(http, regex=REGEX, max_new_tokens=2)
+    assert body["meta_info"]["finish_reason"]["type"] == "length"
+    assert REGEX_PREFIX.fullmatch(body["text"])
+
+
+def test_generate_refusals(http):
+    def post(**sampling):
+        return http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, **sampling}})
+
+    assert_refused(post(json_schema='{"type": "objec"}'), "sampling_params.json_schema", "objec")
+    assert_refused(post(regex="[a-"), "sampling_params.regex", "Unclosed")
+    assert_refused(post(ebnf="root ::= "), "sampling_params.ebnf", "EBNF")
+    assert_refused(post(regex="a", ebnf='root ::= "a"'), "sampling_params.ebnf", "at most one")
+    assert_refused(post(regex="a", ignore_eos=True), "sampling_params.ignore_eos", "eos")
+
+
+def test_chat_response_format_json_schema(client, model):
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give me a."}], max_tokens=256, seed=2, temperature=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_completions_response_format_json_schema(client, model):
+    response = client.completions.create(
+        model=model, prompt="a =", max_tokens=256, seed=3, temperature=1, n=2,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_json_object_is_an_object(client, model, tokenizer):
+    """Any object goes: the random model would write strings for ever, so a bias on `"` and `}` ends them (the
+    mask still decides what is valid)."""
+    bias = {str(tokenizer.convert_tokens_to_ids(t)): 8 for t in ('"', "}")}
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "JSON please."}], max_tokens=256, seed=1, temperature=1,
+        logit_bias=bias, response_format={"type": "json_object"})
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+def test_openai_refusals(http, model, client):
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objec"}}}
+    assert_refused(http.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}),
+                   "response_format", "objec")
+    assert_refused(http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_schema"}}),
+                   "response_format", "requires json_schema")
+    assert_refused(http.post("/v1/chat/completions", json={**chat, "regex": "[a-", "n": 2}), "regex", "Unclosed")
+    assert_refused(http.post("/v1/completions", json={"model": model, "prompt": "Hi", "regex": "a",
+                                                      "response_format": {"type": "json_object"}}),
+                   "response_format", "at most one")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=chat["messages"], max_tokens=4,
+                                       response_format=bad_schema)
+    assert refused.value.body["param"] == "response_format"
+
+
+def test_public_grpc_api(stack):
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        [reply] = stub.Generate(generate_pb2.GenerateRequest(text="Code:", sampling=scheduler_pb2.SamplingParams(
+            max_new_tokens=64, temperature=1, seed=2, regex=REGEX)))
+        assert reply.finish_reason == arrays_pb2.FINISH_REASON_STOP_TOKEN and re.fullmatch(REGEX, reply.text)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(generate_pb2.GenerateRequest(text="Code:", sampling=scheduler_pb2.SamplingParams(
+                max_new_tokens=4, regex="[a-"))))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("sampling.regex:")
+
+
+def test_client_package_options(stack):
+    with FlatwireClient(stack.grpc_address) as grpc_client, HttpClient(stack.http_url) as http_client:
+        for client in (grpc_client, http_client):
+            result = client.generate("Code:", max_new_tokens=64, temperature=1, seed=2, regex=REGEX)
+            assert result.finish_reason == "stop" and re.fullmatch(REGEX, result.text), client
