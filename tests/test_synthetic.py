@@ -114,3 +114,10 @@ def test_incremental_streaming_output_sends_only_what_is_new(http, start_service
     for key in ("output_token_logprobs", "output_top_logprobs"):
         joined = [row for event in events for row in event["meta_info"].get(key, [])]
         assert joined == whole["meta_info"][key], key
+    # The counts stay cumulative, as SGLang's: what the request produced so far.
+    so_far = 0
+    for event in events:
+        so_far += len(event["output_ids"])
+        assert event["meta_info"]["completion_tokens"] == event["meta_info"]["output_token_logprobs_length"] == so_far
+    assert events[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    assert whole["meta_info"]["output_token_logprobs_length"] == len(whole["output_ids"])

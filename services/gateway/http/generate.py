@@ -103,6 +103,8 @@ def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult)
 
 def _body(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
     meta = base_meta_info(result) | _logprob_meta(gateway, req, result)
+    if req.return_logprob:
+        meta["output_token_logprobs_length"] = result.completion_tokens  # SGLang's, which RL clients read
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
 
 
@@ -129,14 +131,15 @@ class _StreamState:
 
     def payload(self, gateway: Gateway, req: GenerateRequest, chunk: Chunk, started: float) -> dict:
         incremental = gateway.config.incremental_streaming_output
-        if incremental:  # each event: what is new since the previous one
-            self.text, self.output_ids = "", []
+        if incremental:  # each event: what is new since the previous one (the counts stay cumulative)
             self.output_items.clear()
-        self.text += chunk.text
+        else:
+            self.text += chunk.text
         self.output_ids += chunk.token_ids
         final = chunk.result
         progress = RequestResult(
-            rid=chunk.rid, prompt_tokens=self.prompt_tokens, output_ids=self.output_ids, text=self.text,
+            rid=chunk.rid, prompt_tokens=self.prompt_tokens, output_ids=self.output_ids,
+            text=chunk.text if incremental else self.text,
             finish_reason=final.finish_reason if final else None, matched_stop=final.matched_stop if final else None,
             output=chunk.output, prompt=chunk.prompt, token_ids_logprob=self.token_ids_logprob,
             e2e_latency=final.e2e_latency if final else time.perf_counter() - started,
@@ -161,8 +164,11 @@ class _StreamState:
         for key, items in self.output_items.items():  # an event without new rows (an abort's last) repeats them
             meta.setdefault(key, orjson.Fragment(b"[" + b",".join(items) + b"]"))
         meta |= self.prompt_fields
+        if req.return_logprob:
+            meta["output_token_logprobs_length"] = len(self.output_ids)  # all told, in both modes (as SGLang)
         # output_ids is this state's own list, not a copy: the event is serialized before the next chunk grows it.
-        return {"text": self.text, "output_ids": progress.output_ids, "meta_info": meta}
+        return {"text": progress.text, "output_ids": chunk.token_ids if incremental else self.output_ids,
+                "meta_info": meta}
 
 
 async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, started: float):
