@@ -2,10 +2,14 @@ import os
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from services.common.model_store import DEFAULT_CACHE_DIR, resolve_model
 from tests.procs import ServiceProcess, free_port
+from tests.scheduler_client import SchedulerClient
 
 CACHE_DIR = Path(os.environ.get("FLATWIRE_CACHE_DIR", DEFAULT_CACHE_DIR))
 
@@ -86,3 +90,30 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if "start_service" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def served_model(http) -> str:
+    """The model name the OpenAI routes answer to."""
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="session")
+def openai_client(stack):
+    """The real `openai` package's client, on the session stack."""
+    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def scheduler_client(scheduler_address):
+    """Submits to the session scheduler as its own owner and collects that owner's outputs."""
+    client = SchedulerClient(scheduler_address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_dir):
+    """The default checkpoint in transformers, float32: what the scheduler's outputs are checked against."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

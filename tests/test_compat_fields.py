@@ -20,17 +20,6 @@ OPENAI_FIELDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model(http) -> str:
-    return http.get("/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
 def assert_refused(response, field: str) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -41,8 +30,8 @@ def assert_refused(response, field: str) -> None:
 
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize(("field", "value", "neutral"), OPENAI_FIELDS, ids=[f[0] for f in OPENAI_FIELDS])
-def test_openai_field_refused_unless_neutral(http, model, endpoint, field, value, neutral):
-    base = {**(CHAT if "chat" in endpoint else COMPLETION), "model": model}
+def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field, value, neutral):
+    base = {**(CHAT if "chat" in endpoint else COMPLETION), "model": served_model}
     assert_refused(http.post(endpoint, json={**base, field: value}), field)
     for ok in neutral:
         response = http.post(endpoint, json={**base, field: ok})
@@ -55,20 +44,21 @@ def test_generate_top_level_n(http):
         assert http.post("/generate", json={**GENERATE, "n": ok}).status_code == 200
 
 
-def test_openai_client_sees_a_typed_error(client, model):
+def test_openai_client_sees_a_typed_error(openai_client, served_model):
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2, tool_choice="auto")
+        openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=2,
+                                              tool_choice="auto")
     assert refused.value.body["param"] == "tool_choice"
     # Neutral values, as lm-eval and bench_serving send them, are fine.
-    response = client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2,
+    response = openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=2,
                                               presence_penalty=0, frequency_penalty=0, logit_bias={},
                                               response_format={"type": "text"}, tool_choice="none")
     assert response.choices[0].finish_reason == "length"
 
 
-def test_seeded_chat_choices_are_distinct_and_reproducible(client, model):
+def test_seeded_chat_choices_are_distinct_and_reproducible(openai_client, served_model):
     def choices() -> list[str]:
-        response = client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=16,
+        response = openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=16,
                                                   n=3, seed=5, temperature=1)
         assert [c.index for c in response.choices] == [0, 1, 2]
         return [c.message.content for c in response.choices]
@@ -78,9 +68,9 @@ def test_seeded_chat_choices_are_distinct_and_reproducible(client, model):
     assert choices() == first
 
 
-def test_seeded_completion_choices_are_distinct_and_reproducible(client, model):
+def test_seeded_completion_choices_are_distinct_and_reproducible(openai_client, served_model):
     def choices() -> list[str]:
-        response = client.completions.create(model=model, prompt=["Once upon a time", "The weather"],
+        response = openai_client.completions.create(model=served_model, prompt=["Once upon a time", "The weather"],
                                              max_tokens=16, n=3, seed=5, temperature=1)
         return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
 
@@ -88,15 +78,15 @@ def test_seeded_completion_choices_are_distinct_and_reproducible(client, model):
     assert len(set(first[:3])) == 3 and len(set(first[3:])) == 3, first
     assert choices() == first
     # Choice j of a request seeded s is what one choice seeded s + j draws.
-    single = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, seed=6,
+    single = openai_client.completions.create(model=served_model, prompt="Once upon a time", max_tokens=16, seed=6,
                                        temperature=1)
     assert single.choices[0].text == first[1]
 
 
-def test_seed_wraps_into_uint64(client, model):
-    response = client.completions.create(model=model, prompt="Hello", max_tokens=4, n=2, seed=2**64 - 1,
+def test_seed_wraps_into_uint64(openai_client, served_model):
+    response = openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=4, n=2, seed=2**64 - 1,
                                          temperature=1)
-    wrapped = client.completions.create(model=model, prompt="Hello", max_tokens=4, seed=0, temperature=1)
+    wrapped = openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=4, seed=0, temperature=1)
     assert response.choices[1].text == wrapped.choices[0].text
 
 
@@ -114,15 +104,16 @@ PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_logit_bias_forces_and_bans_tokens(http, client, model, endpoint):
+def test_logit_bias_forces_and_bans_tokens(http, openai_client, served_model, endpoint):
     forced = 1000
     forced_text = http.post("/detokenize", json={"tokens": [forced] * 3}).json()["text"]
 
     def text(**fields) -> str:
         if endpoint == "chat":
-            return client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=3,
+            return openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=3,
                                                   **fields).choices[0].message.content
-        return client.completions.create(model=model, prompt="Hello", max_tokens=3, **fields).choices[0].text
+        return openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=3,
+                                                **fields).choices[0].text
 
     assert text(temperature=1, seed=3, logit_bias={str(forced): 100}) == forced_text
     # OpenAI's documented use: -100 bans a token; here every token greedy would pick is banned.
@@ -134,8 +125,8 @@ def test_logit_bias_forces_and_bans_tokens(http, client, model, endpoint):
 @pytest.mark.parametrize(("bias", "message"), [({"abc": 5}, "keys must be token ids"),
                                                ({"-1": 5}, "keys must be token ids"),
                                                ({"99999999": 1}, "token ids must be in")])
-def test_bad_logit_bias_is_refused_naming_it(http, model, bias, message):
-    response = http.post("/v1/completions", json={**COMPLETION, "model": model, "logit_bias": bias})
+def test_bad_logit_bias_is_refused_naming_it(http, served_model, bias, message):
+    response = http.post("/v1/completions", json={**COMPLETION, "model": served_model, "logit_bias": bias})
     assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
     assert message in response.json()["error"]["message"]
     response = http.post("/generate", json={**GENERATE, "sampling_params": {"logit_bias": bias}})
@@ -149,9 +140,9 @@ def test_penalties_reduce_repetition(http, field):
     assert len(set(penalised)) > len(set(plain)), (plain, penalised)
 
 
-def test_openai_penalties_change_the_choice_reproducibly(client, model):
+def test_openai_penalties_change_the_choice_reproducibly(openai_client, served_model):
     def text(**fields) -> str:
-        return client.completions.create(model=model, prompt="Hello", max_tokens=24, temperature=0,
+        return openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=24, temperature=0,
                                          **fields).choices[0].text
 
     penalised = text(frequency_penalty=2.0, presence_penalty=1.0)
@@ -161,11 +152,11 @@ def test_openai_penalties_change_the_choice_reproducibly(client, model):
 @pytest.mark.parametrize(("field", "value"), [("frequency_penalty", 2.5), ("presence_penalty", -3),
                                               ("repetition_penalty", 0), ("repetition_penalty", 2.5),
                                               ("min_new_tokens", -1)])
-def test_out_of_range_adjustments_are_refused(http, model, field, value):
+def test_out_of_range_adjustments_are_refused(http, served_model, field, value):
     response = http.post("/generate", json={**GENERATE, "sampling_params": {field: value}})
     assert response.status_code == 400 and response.json()["error"]["param"] == f"sampling_params.{field}"
     if field in ("frequency_penalty", "presence_penalty"):
-        response = http.post("/v1/completions", json={**COMPLETION, "model": model, field: value})
+        response = http.post("/v1/completions", json={**COMPLETION, "model": served_model, field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 

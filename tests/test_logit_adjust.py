@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     LogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -15,7 +14,6 @@ from transformers import (
 
 from services.common.pb import scheduler_pb2
 from services.scheduler.logit_adjust import AdjustedRow, LogitAdjustment, SlotTokenCounts, adjust_logits
-from tests.scheduler_client import SchedulerClient
 
 VOCAB = 1000
 
@@ -108,16 +106,6 @@ def test_a_slot_taken_again_forgets_its_previous_request():
 
 # Through the scheduler: batched greedy requests, each adjusted its own way, against transformers' generate.
 
-@pytest.fixture(scope="module")
-def client(scheduler_address):
-    client = SchedulerClient(scheduler_address)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def sampling(new_tokens: int, frequency=0.0, presence=0.0, repetition=1.0, min_new_tokens=0, stop_ids=frozenset(),
@@ -129,26 +117,27 @@ def sampling(new_tokens: int, frequency=0.0, presence=0.0, repetition=1.0, min_n
 
 
 @pytest.mark.slow
-def test_batched_adjusted_greedy_matches_transformers(client, reference):
+def test_batched_adjusted_greedy_matches_transformers(scheduler_client, reference_model):
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 240_000, 12).tolist()
     new_tokens = 16
-    plain = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, 12:].tolist()
+    plain = reference_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                     do_sample=False)[0, 12:].tolist()
     cases = {name: dict(case) for name, case in CASES.items() if name != "min_new_tokens"}
     # A stop token greedy would pick early, held off by min_new_tokens; biases on tokens greedy picks.
     cases["min_new_tokens"] = dict(min_new_tokens=5, stop_ids={plain[1]})
     cases["logit_bias"] = dict(bias={plain[0]: -100.0, plain[2]: -3.0, 7: 1.5})
     cases["everything"] = dict(cases["everything"], stop_ids={plain[0]}, bias={plain[0]: 2.0})
-    rids = {name: client.submit(input_ids=prompt, sampling=sampling(new_tokens, **case),
+    rids = {name: scheduler_client.submit(input_ids=prompt, sampling=sampling(new_tokens, **case),
                                 logprob=scheduler_pb2.LogprobParams(return_logprob=True, logprob_start_len=-1))
             for name, case in cases.items()}
     with torch.no_grad():
-        raw = torch.log_softmax(reference(torch.tensor([prompt + plain])).logits[0], dim=-1)
+        raw = torch.log_softmax(reference_model(torch.tensor([prompt + plain])).logits[0], dim=-1)
     for name, case in cases.items():
-        result = client.wait(rids[name])
+        result = scheduler_client.wait(rids[name])
         processors = reference_processors(len(prompt), **case)
         stop = case.get("stop_ids")
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+        expected = reference_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                                       logits_processor=processors, eos_token_id=sorted(stop) if stop else None,
                                       pad_token_id=0)[0, len(prompt):].tolist()
         if stop and expected[-1] in stop:
@@ -161,11 +150,11 @@ def test_batched_adjusted_greedy_matches_transformers(client, reference):
 
 
 @pytest.mark.slow
-def test_repetition_penalty_reduces_repetition(client):
+def test_repetition_penalty_reduces_repetition(scheduler_client):
     prompt = np.random.default_rng(2).integers(0, 240_000, 8).tolist()
 
     def distinct(penalty: float) -> int:
-        rid = client.submit(input_ids=prompt, sampling=sampling(48, repetition=penalty))
-        return len(set(client.wait(rid).token_ids))
+        rid = scheduler_client.submit(input_ids=prompt, sampling=sampling(48, repetition=penalty))
+        return len(set(scheduler_client.wait(rid).token_ids))
 
     assert distinct(1.0) < distinct(2.0)

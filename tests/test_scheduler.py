@@ -3,25 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.common.pb import arrays_pb2, scheduler_pb2
-from tests.scheduler_client import SchedulerClient
 
 VOCAB_SAMPLE = 240_000  # prompt ids drawn below the special tokens
-TIE = 1e-5  # reference candidates closer than this may swap places in the top-k
-
-
-@pytest.fixture(scope="module")
-def client(scheduler_address):
-    client = SchedulerClient(scheduler_address)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+TIE = 1e-5  # reference_model candidates closer than this may swap places in the top-k
 
 
 def greedy(max_new_tokens: int) -> scheduler_pb2.SamplingParams:
@@ -39,7 +25,7 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def assert_topk_matches(values: np.ndarray, ids: np.ndarray, ref_rows: torch.Tensor) -> None:
-    """[rows, k] top-k equal to the reference's, ids exact except between near-tied candidates."""
+    """[rows, k] top-k equal to the reference_model's, ids exact except between near-tied candidates."""
     ref_values, ref_ids = ref_rows.topk(values.shape[1], dim=-1)
     np.testing.assert_allclose(values, ref_values.numpy(), atol=1e-4, rtol=0)
     ref_values, ref_ids = ref_values.numpy(), ref_ids.numpy()
@@ -50,9 +36,9 @@ def assert_topk_matches(values: np.ndarray, ids: np.ndarray, ref_rows: torch.Ten
     assert unambiguous.mean() > 0.5  # the check compares something
 
 
-def test_batched_greedy_matches_transformers(client, reference):
+def test_batched_greedy_matches_transformers(scheduler_client, reference_model):
     """Four requests of different lengths arriving at different times: tokens and logprobs
-    match transformers' generate and a full-sequence log_softmax reference."""
+    match transformers' generate and a full-sequence log_softmax reference_model."""
     specs = {  # name: (prompt, top_logprobs_num, logprob_start_len, token_ids_logprob)
         "a": (prompt(1, 6), 5, 0, [10, 200_000]),
         "b": (prompt(2, 23), 20, 11, []),
@@ -63,17 +49,17 @@ def test_batched_greedy_matches_transformers(client, reference):
 
     def submit(name):
         ids, k, start, token_ids = specs[name]
-        return client.submit(
+        return scheduler_client.submit(
             input_ids=ids, sampling=greedy(new_tokens),
             logprob=scheduler_pb2.LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=start,
                                                 token_ids_logprob=token_ids))
 
     rids = {"a": submit("a")}
-    client.wait_tokens(rids["a"], 2)
+    scheduler_client.wait_tokens(rids["a"], 2)
     rids["b"], rids["c"] = submit("b"), submit("c")
-    client.wait_tokens(rids["b"], 1)
+    scheduler_client.wait_tokens(rids["b"], 1)
     rids["d"] = submit("d")
-    results = {name: client.wait(rid) for name, rid in rids.items()}
+    results = {name: scheduler_client.wait(rid) for name, rid in rids.items()}
 
     # They really were batched: a decoded while b and c prefilled, and d joined running requests.
     assert set(results["a"].steps) & set(results["b"].steps)
@@ -81,16 +67,17 @@ def test_batched_greedy_matches_transformers(client, reference):
 
     for name, result in results.items():
         ids, k, start, token_ids = specs[name]
-        assert result.start.prompt_tokens == len(ids) and result.start.owner == client.owner
+        assert result.start.prompt_tokens == len(ids) and result.start.owner == scheduler_client.owner
         assert result.start_step <= result.steps[0]
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):]
+        expected = reference_model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
+                                            do_sample=False)[0, len(ids):]
         assert result.token_ids == expected.tolist(), name
         reason = arrays_pb2.FINISH_REASON_LENGTH if len(expected) == new_tokens else arrays_pb2.FINISH_REASON_STOP_TOKEN
         assert result.finish.reason == reason
         if not k:
             assert result.prompt is None
             continue
-        ref = reference_logprobs(reference, ids + result.token_ids)
+        ref = reference_logprobs(reference_model, ids + result.token_ids)
         output_rows = ref[len(ids) - 1:len(ids) - 1 + len(result.token_ids)]
         values, top_ids = result.topk()
         assert_topk_matches(values, top_ids, output_rows)
@@ -118,36 +105,37 @@ def test_batched_greedy_matches_transformers(client, reference):
     dict(temperature=1.0),
     dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05),
 ], ids=["plain", "top_p-top_k-min_p"])
-def test_seeded_sampling_reproducible_across_batches(client, params):
+def test_seeded_sampling_reproducible_across_batches(scheduler_client, params):
     ids = prompt(5, 9)
 
     def sampled(seed):
         return scheduler_pb2.SamplingParams(max_new_tokens=12, seed=seed, **params)
 
-    solo = client.wait(client.submit(input_ids=ids, sampling=sampled(7))).token_ids
+    solo = scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=sampled(7))).token_ids
     # Same seed while other requests share the steps (prefilling and decoding around it).
-    others = [client.submit(input_ids=prompt(10 + n, n), sampling=greedy(16)) for n in (5, 31, 12)]
-    client.wait_tokens(others[0], 1)
-    batched_rid = client.submit(input_ids=ids, sampling=sampled(7))
-    late = client.submit(input_ids=prompt(20, 17), sampling=greedy(4))
-    batched = client.wait(batched_rid)
+    others = [scheduler_client.submit(input_ids=prompt(10 + n, n), sampling=greedy(16)) for n in (5, 31, 12)]
+    scheduler_client.wait_tokens(others[0], 1)
+    batched_rid = scheduler_client.submit(input_ids=ids, sampling=sampled(7))
+    late = scheduler_client.submit(input_ids=prompt(20, 17), sampling=greedy(4))
+    batched = scheduler_client.wait(batched_rid)
     for rid in [*others, late]:
-        client.wait(rid)
-    assert set(batched.steps) & set(client.requests[others[1]].steps)
+        scheduler_client.wait(rid)
+    assert set(batched.steps) & set(scheduler_client.requests[others[1]].steps)
 
     assert batched.token_ids == solo
-    assert client.wait(client.submit(input_ids=ids, sampling=sampled(8))).token_ids != solo
+    assert scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=sampled(8))).token_ids != solo
 
 
-def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(client):
+def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(scheduler_client):
     """A request that does not stream ships --output-interval (50) tokens per entry, and the rest at its end;
     its tokens and logprob rows are those of the same request streamed a token per step. An abort ships the
     tokens it had not shipped yet with its Finish."""
     ids = prompt(7, 9)
     logprob = scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=5, logprob_start_len=-1,
                                           token_ids_logprob=[11, 12])
-    streamed = client.wait(client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob))
-    coalesced = client.wait(client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob, stream_interval=0))
+    streamed = scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob))
+    coalesced = scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob,
+                                                              stream_interval=0))
 
     assert streamed.entries == [(p, 1) for p in range(120)]
     assert coalesced.entries == [(0, 50), (50, 50), (100, 20)]
@@ -157,10 +145,10 @@ def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(clien
     np.testing.assert_array_equal(np.concatenate([o.ids_logprobs for o in coalesced.output]),
                                   np.concatenate([o.ids_logprobs for o in streamed.output]))
 
-    rid = client.submit(input_ids=ids, sampling=greedy(2000), logprob=logprob, stream_interval=0)
-    client.wait_tokens(rid, 50)
-    client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=10)
-    aborted = client.wait(rid)
+    rid = scheduler_client.submit(input_ids=ids, sampling=greedy(2000), logprob=logprob, stream_interval=0)
+    scheduler_client.wait_tokens(rid, 50)
+    scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=10)
+    aborted = scheduler_client.wait(rid)
     assert aborted.finish.reason == arrays_pb2.FINISH_REASON_ABORT
     assert len(aborted.token_ids) == aborted.finish.output_tokens > 50  # nothing held back
     assert [p for p, _ in aborted.entries] == list(range(0, 50 * len(aborted.entries), 50))

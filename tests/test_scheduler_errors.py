@@ -8,24 +8,16 @@ import pytest
 
 from services.common.pb import arrays_pb2, scheduler_pb2
 from services.common.rpc import FIELD_METADATA
-from tests.scheduler_client import SchedulerClient
 
 GOOD_PROMPT = np.random.default_rng(30).integers(0, 240_000, 19).tolist()
-
-
-@pytest.fixture(scope="module")
-def client(scheduler_address):
-    client = SchedulerClient(scheduler_address)
-    yield client
-    client.close()
 
 
 def greedy(max_new_tokens: int) -> scheduler_pb2.SamplingParams:
     return scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
 
-def good_request(client, max_new_tokens: int) -> str:
-    return client.submit(input_ids=GOOD_PROMPT, sampling=greedy(max_new_tokens),
+def good_request(scheduler_client, max_new_tokens: int) -> str:
+    return scheduler_client.submit(input_ids=GOOD_PROMPT, sampling=greedy(max_new_tokens),
                          logprob=scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=4,
                                                              logprob_start_len=-1))
 
@@ -59,76 +51,77 @@ def bad_requests(vocab: int, max_context: int, max_k: int) -> list[tuple[str, di
     ]
 
 
-def test_bad_requests_rejected_while_a_good_one_runs(client):
-    solo = client.wait(good_request(client, 40))
-    info = client.stub.GetModelInfo(scheduler_pb2.ModelInfoRequest())
+def test_bad_requests_rejected_while_a_good_one_runs(scheduler_client):
+    solo = scheduler_client.wait(good_request(scheduler_client, 40))
+    info = scheduler_client.stub.GetModelInfo(scheduler_pb2.ModelInfoRequest())
     assert info.max_top_logprobs >= 256
 
     # Long enough to be certainly running through all the bad requests; compared on its first 40 tokens.
-    running = good_request(client, 2000)
-    client.wait_tokens(running, 1)
+    running = good_request(scheduler_client, 2000)
+    scheduler_client.wait_tokens(running, 1)
     with pytest.raises(grpc.RpcError) as error:
-        client.submit(rid=running, input_ids=[1, 2], sampling=greedy(2))
+        scheduler_client.submit(rid=running, input_ids=[1, 2], sampling=greedy(2))
     assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS and "rid" in error.value.details()
 
     for field, fields in bad_requests(info.vocab_size, info.max_context, info.max_top_logprobs):
         with pytest.raises(grpc.RpcError) as error:
-            client.stub.Submit(scheduler_pb2.TokenizedRequest(**{"rid": "bad", "owner": client.owner, **fields}))
+            scheduler_client.stub.Submit(scheduler_pb2.TokenizedRequest(
+                **{"rid": "bad", "owner": scheduler_client.owner, **fields}))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert error.value.details().startswith(field + ":"), error.value.details()
         assert dict(error.value.trailing_metadata())[FIELD_METADATA] == field  # what the gateway renames
 
     with pytest.raises(grpc.RpcError) as error:
-        client.stub.Abort(scheduler_pb2.AbortRequest(rid="no-such-request"))
+        scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid="no-such-request"))
     assert error.value.code() == grpc.StatusCode.NOT_FOUND and "rid" in error.value.details()
 
-    client.wait_tokens(running, 40)
-    client.stub.Abort(scheduler_pb2.AbortRequest(rid=running))
-    result = client.wait(running)
+    scheduler_client.wait_tokens(running, 40)
+    scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid=running))
+    result = scheduler_client.wait(running)
     assert result.token_ids[:40] == solo.token_ids
     np.testing.assert_array_equal(np.concatenate([o.topk_values for o in result.output[:40]]),
                                   np.concatenate([o.topk_values for o in solo.output]))
-    assert not any(start.rid == "bad" for m in client.messages for start in m.started)
+    assert not any(start.rid == "bad" for m in scheduler_client.messages for start in m.started)
 
 
-def wait_for_idle_scheduler(client, timeout: float = 30) -> scheduler_pb2.SchedulerStats:
+def wait_for_idle_scheduler(scheduler_client, timeout: float = 30) -> scheduler_pb2.SchedulerStats:
     deadline = time.monotonic() + timeout
-    while (stats := client.stats()).running or stats.kv_slots_used:
+    while (stats := scheduler_client.stats()).running or stats.kv_slots_used:
         assert time.monotonic() < deadline, f"scheduler still busy: {stats}"
         time.sleep(0.05)
     return stats
 
 
-def test_abort_stops_request_and_frees_its_slot(client):
-    before = wait_for_idle_scheduler(client)
-    rid = client.submit(input_ids=GOOD_PROMPT, sampling=greedy(2000))
-    client.wait_tokens(rid, 3)
-    busy = client.stats()
+def test_abort_stops_request_and_frees_its_slot(scheduler_client):
+    before = wait_for_idle_scheduler(scheduler_client)
+    rid = scheduler_client.submit(input_ids=GOOD_PROMPT, sampling=greedy(2000))
+    scheduler_client.wait_tokens(rid, 3)
+    busy = scheduler_client.stats()
     assert busy.running == 1 and busy.kv_slots_used == 1 and busy.kv_tokens_used >= len(GOOD_PROMPT) + 3
 
-    client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid))
-    aborted = client.wait(rid)
+    scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid))
+    aborted = scheduler_client.wait(rid)
     assert aborted.finish.reason == arrays_pb2.FINISH_REASON_ABORT
     # Steps go on for another request; the aborted one never appears again.
-    other = client.wait(client.submit(input_ids=GOOD_PROMPT, sampling=greedy(5)))
+    other = scheduler_client.wait(scheduler_client.submit(input_ids=GOOD_PROMPT, sampling=greedy(5)))
     assert other.steps[0] > aborted.finish_step
-    later = [m for m in client.messages if m.step > aborted.finish_step]
+    later = [m for m in scheduler_client.messages if m.step > aborted.finish_step]
     assert later and not any(rid in m.rids or rid in m.prompt_rids for m in later)
     assert len(aborted.token_ids) < 2000
 
-    after = wait_for_idle_scheduler(client)
+    after = wait_for_idle_scheduler(scheduler_client)
     assert after.aborted == before.aborted + 1
     assert after.kv_slots_used == 0 and after.kv_tokens_used == 0
     with pytest.raises(grpc.RpcError) as error:
-        client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid))
+        scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid))
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_abort_for_stop_string_echoes_reason(client):
-    rid = client.submit(input_ids=GOOD_PROMPT, sampling=greedy(2000))
-    client.wait_tokens(rid, 1)
-    client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid, reason=arrays_pb2.FINISH_REASON_STOP_STRING,
+def test_abort_for_stop_string_echoes_reason(scheduler_client):
+    rid = scheduler_client.submit(input_ids=GOOD_PROMPT, sampling=greedy(2000))
+    scheduler_client.wait_tokens(rid, 1)
+    scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid, reason=arrays_pb2.FINISH_REASON_STOP_STRING,
                                                  matched_stop="</end>"))
-    finish = client.wait(rid).finish
+    finish = scheduler_client.wait(rid).finish
     assert finish.reason == arrays_pb2.FINISH_REASON_STOP_STRING and finish.matched_stop == "</end>"
-    assert wait_for_idle_scheduler(client).kv_slots_used == 0
+    assert wait_for_idle_scheduler(scheduler_client).kv_slots_used == 0

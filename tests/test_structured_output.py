@@ -130,17 +130,6 @@ def test_logprobs_stay_raw(model_dir, grammars):
 
 # -- through the stack --------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(http) -> str:
-    return http.get("/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
 def generate(http, **sampling) -> dict:
     response = http.post("/generate", json={"text": "Reply:", "sampling_params": {
         "max_new_tokens": 256, "temperature": 1, "seed": 1, **sampling}})
@@ -185,48 +174,49 @@ def test_generate_refusals(http):
     assert_refused(post(regex="a", ignore_eos=True), "sampling_params.ignore_eos", "eos")
 
 
-def test_chat_response_format_json_schema(client, model):
-    response = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Give me a."}], max_tokens=256, seed=2, temperature=1,
+def test_chat_response_format_json_schema(openai_client, served_model):
+    response = openai_client.chat.completions.create(
+        model=served_model, messages=[{"role": "user", "content": "Give me a."}], max_tokens=256, seed=2, temperature=1,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}})
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
-def test_completions_response_format_json_schema(client, model):
-    response = client.completions.create(
-        model=model, prompt="a =", max_tokens=256, seed=3, temperature=1, n=2,
+def test_completions_response_format_json_schema(openai_client, served_model):
+    response = openai_client.completions.create(
+        model=served_model, prompt="a =", max_tokens=256, seed=3, temperature=1, n=2,
         extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}})
     for choice in response.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.text), SCHEMA)
 
 
-def test_json_object_is_an_object(client, model, tokenizer):
+def test_json_object_is_an_object(openai_client, served_model, tokenizer):
     """Any object goes: the random model would write strings for ever, so a bias on `"` and `}` ends them (the
     mask still decides what is valid)."""
     bias = {str(tokenizer.convert_tokens_to_ids(t)): 8 for t in ('"', "}")}
-    response = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "JSON please."}], max_tokens=256, seed=1, temperature=1,
+    response = openai_client.chat.completions.create(
+        model=served_model, messages=[{"role": "user", "content": "JSON please."}], max_tokens=256, seed=1,
+        temperature=1,
         logit_bias=bias, response_format={"type": "json_object"})
     assert response.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(response.choices[0].message.content), dict)
 
 
-def test_openai_refusals(http, model, client):
-    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+def test_openai_refusals(http, served_model, openai_client):
+    chat = {"model": served_model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     bad_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objec"}}}
     assert_refused(http.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}),
                    "response_format", "objec")
     assert_refused(http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_schema"}}),
                    "response_format", "requires json_schema")
     assert_refused(http.post("/v1/chat/completions", json={**chat, "regex": "[a-", "n": 2}), "regex", "Unclosed")
-    assert_refused(http.post("/v1/completions", json={"model": model, "prompt": "Hi", "regex": "a",
+    assert_refused(http.post("/v1/completions", json={"model": served_model, "prompt": "Hi", "regex": "a",
                                                       "response_format": {"type": "json_object"}}),
                    "response_format", "at most one")
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=model, messages=chat["messages"], max_tokens=4,
+        openai_client.chat.completions.create(model=served_model, messages=chat["messages"], max_tokens=4,
                                        response_format=bad_schema)
     assert refused.value.body["param"] == "response_format"
 
