@@ -25,6 +25,7 @@ from services.common.config import env_name
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
+from services.replica import ReplicaConfig
 from services.scheduler.config import SchedulerConfig
 from tests.procs import ROOT, ServiceProcess, free_port
 
@@ -32,7 +33,10 @@ pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
-CONFIGS = {"scheduler": SchedulerConfig, "detokenizer": DetokenizerConfig, "gateway": GatewayConfig}
+# Each compose service: its `flatwire` command, and the configs that read its environment (`flatwire replica`
+# passes its own to the scheduler and the detokenizer it runs).
+COMMANDS = {"scheduler": "replica", "gateway": "gateway"}
+CONFIGS = {"scheduler": (ReplicaConfig, SchedulerConfig, DetokenizerConfig), "gateway": (GatewayConfig,)}
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "0.0.0.0"}
 HEALTH_WAIT_S = 180.0
 
@@ -69,14 +73,17 @@ def test_deployment_rules(services):
         assert service["healthcheck"]["test"][:3] == ["CMD", "flatwire", "health"], name
         for dependency, rule in service.get("depends_on", {}).items():
             assert rule == {"condition": "service_healthy"}, f"{name} -> {dependency}"
-        # Configured only through variables its own config reads.
-        known = {env_name(field) for field in CONFIGS[name].__dataclass_fields__}
+        # Configured only through variables its own configs read.
+        known = {env_name(field) for config in CONFIGS[name] for field in config.__dataclass_fields__}
         assert set(service["environment"]) <= known, f"{name}: unknown {set(service['environment']) - known}"
     # `--scale scheduler=N` needs no fixed name and no host port.
     assert "container_name" not in services["scheduler"] and "ports" not in services["scheduler"]
-    # Every replica must reach the others by the service name, which resolves to all of them.
-    for name in ("detokenizer", "gateway"):
-        assert services[name]["environment"]["FLATWIRE_SCHEDULERS"].split(":")[0] == "scheduler"
+    # The gateway reaches every replica's scheduler and detokenizer by the service name, which resolves to all of
+    # them; each replica's detokenizer follows its own scheduler (`flatwire replica`).
+    gateway, replica = services["gateway"]["environment"], services["scheduler"]["environment"]
+    assert gateway["FLATWIRE_SCHEDULERS"] == f"scheduler:{replica['FLATWIRE_SCHEDULER_PORT']}"
+    assert gateway["FLATWIRE_DETOKENIZERS"] == f"scheduler:{replica['FLATWIRE_DETOKENIZER_PORT']}"
+    assert "FLATWIRE_SCHEDULERS" not in replica
     # One internal secret for all three: from one variable, else one file on a volume all of them mount.
     secret_file = services["scheduler"]["environment"]["FLATWIRE_INTERNAL_SECRET_FILE"]
     for name, service in services.items():
@@ -163,12 +170,12 @@ def test_declared_services_serve_generate(services, model_dir, log_dir, monkeypa
         monkeypatch.delenv(key)
     compose = LocalCompose(services, model_dir, tmp_path)
     order = compose.start_order()
-    assert order == ["scheduler", "detokenizer", "gateway"]
+    assert order == ["scheduler", "gateway"]
     started = []
     try:
         for name in order:
             program, command, *args = services[name]["command"]
-            assert program == "flatwire" and command == name
+            assert program == "flatwire" and command == COMMANDS[name]
             proc = ServiceProcess(command, args, log_dir, compose.environment(name))
             started.append(proc)
             wait_healthy(proc, compose.healthcheck(name))
@@ -177,9 +184,10 @@ def test_declared_services_serve_generate(services, model_dir, log_dir, monkeypa
                            json={"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         assert reply.status_code == 200, reply.text
         assert reply.json()["meta_info"]["completion_tokens"] == 4
-        # With no FLATWIRE_INTERNAL_SECRET, the first service generated one that all three use.
+        # With no FLATWIRE_INTERNAL_SECRET, the first service generated one that all of them use.
         secret = (tmp_path / "internal-secret").read_text().strip()
-        scheduler_port = compose.ports["scheduler", int(services["scheduler"]["environment"]["FLATWIRE_PORT"])]
+        replica = services["scheduler"]["environment"]
+        scheduler_port = compose.ports["scheduler", int(replica["FLATWIRE_SCHEDULER_PORT"])]
         with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
             stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats
             with pytest.raises(grpc.RpcError) as refused:
