@@ -64,17 +64,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stopping.append(signum))
-    children = [
-        _start("scheduler", {"FLATWIRE_HOST": config.host, "FLATWIRE_PORT": str(config.scheduler_port)}),
-        _start("detokenizer", {"FLATWIRE_HOST": config.host, "FLATWIRE_PORT": str(config.detokenizer_port),
-                               "FLATWIRE_SCHEDULERS": config.followed_scheduler}),
-    ]
+    children = {
+        "scheduler": _start("scheduler", {"FLATWIRE_HOST": config.host, "FLATWIRE_PORT": str(config.scheduler_port)}),
+        "detokenizer": _start("detokenizer", {"FLATWIRE_HOST": config.host,
+                                              "FLATWIRE_PORT": str(config.detokenizer_port),
+                                              "FLATWIRE_SCHEDULERS": config.followed_scheduler}),
+    }
     while not stopping:
-        exited = next((child for child in children if child.poll() is not None), None)
+        exited = next((name for name, child in children.items() if child.poll() is not None), None)
         if exited is not None:
-            print(f"flatwire replica: {exited.args[-1]} exited with code {exited.returncode}; stopping the other",
-                  file=sys.stderr, flush=True)
-            _stop(children)
-            sys.exit(exited.returncode or 1)
+            code = children[exited].returncode
+            print(f"flatwire replica: {exited} exited with code {code}; stopping the other", file=sys.stderr,
+                  flush=True)
+            _stop(list(children.values()))
+            sys.exit(code or 1)
         time.sleep(0.2)
-    _stop(children)
+    _stop(list(children.values()))
