@@ -120,15 +120,15 @@ ANALYSIS = """\
   stream each event's own rows (bench.stream: bytes and gateway CPU of a streamed response against the
   same response whole).
 - **Streaming is a message per token, and that is what misses the streaming targets.** A streaming
-  request is woken, rendered and sent once per token: about 0.35 ms of gateway CPU per event for a request
-  streaming alone (bench.stream: a 1000-token response costs 15x its whole rendering), far less per token
-  when many requests share each message (capacity: 75-125 us per token for flat base64 at C=32-512, 31-68
-  us at k=0). So "streamed CPU within 2x of whole" and "<= 25 us per streamed token" are missed;
-  `--stream-interval N` (N tokens per event) divides the per-event part. Bytes: with
-  `--incremental-streaming-output` a flat base64 stream is 1.39x the whole body; the arrays are the same
-  bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id, counts, its
+  request is woken, rendered and sent once per token: a few tenths of a ms of gateway CPU per event for a
+  request streaming alone (bench.stream: a 1000-token response costs over 10x its whole rendering; this
+  run's ratios are in the headlines above), far less per token when many requests share each message (the
+  capacity table's streaming rows). So "streamed CPU within 2x of whole" and "<= 25 us per streamed token"
+  are missed; `--stream-interval N` (N tokens per event) divides the per-event part. Bytes: with
+  `--incremental-streaming-output` a flat base64 stream is about 1.5x the whole body; the arrays are the
+  same bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id, counts, its
   output_token_logprobs row). SGLang's cumulative default re-sends text, output_ids and the output lists
-  in every event (11x for flat, 480x for nested rows).
+  in every event (about 11x for flat, hundreds of times for nested rows).
 - **Flat base64 build + serialize vs the floor** includes `output_token_logprobs`, the per-token
   `[logprob, id, null]` rows every SGLang response carries whatever k is. The top-k fields' own share
   (the response minus the same response at k=0) is within 3x of the floor (replay targets).
