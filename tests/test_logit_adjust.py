@@ -76,7 +76,7 @@ def test_adjusted_logits_match_transformers_processors(case):
     slots = [2, 0]
     for slot, prompt, adjust in zip(slots, prompts, adjustments):
         if adjust is not None and adjust.counts_tokens:
-            counts.start(slot, prompt)
+            counts.start(slot, prompt, [])
     outputs: list[list[int]] = [[], []]
     for _ in range(6):
         logits = torch.from_numpy(rng.normal(0, 3, (2, VOCAB)).astype(np.float32))
@@ -97,11 +97,13 @@ def test_adjusted_logits_match_transformers_processors(case):
 
 def test_a_slot_taken_again_forgets_its_previous_request():
     counts = SlotTokenCounts(num_slots=2, vocab_size=VOCAB, device=torch.device("cpu"))
-    counts.start(1, np.array([4, 5]))
+    counts.start(1, np.array([4, 5]), [])
     counts.add(torch.tensor([1, 1]), torch.tensor([6, 6]))
-    counts.start(1, np.array([7]))
+    counts.start(1, np.array([7]), [9, 9])
     assert counts.output is not None and counts.seen is not None
-    assert counts.output.sum() == 0 and counts.seen[1].nonzero().flatten().tolist() == [7]
+    # ... and a retracted request taking a slot again brings its output's counts back.
+    assert counts.output[1, 9] == 2 and counts.output.sum() == 2
+    assert counts.seen[1].nonzero().flatten().tolist() == [7, 9]
 
 
 # Through the scheduler: batched greedy requests, each adjusted its own way, against transformers' generate.

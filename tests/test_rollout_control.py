@@ -361,6 +361,29 @@ def test_a_request_that_spans_an_update_says_which_weights_made_which_tokens(sta
 
 
 @slow
+def test_pause_retract_prefills_kept_requests_again_under_the_new_weights(stack, http, model_dir, perturbed_dir,
+                                                                          references, admin_client):
+    """retract (SGLang's): running requests drop their KV and are prefilled again on continue, prompt and output so
+    far, so the rest of the output is what the new weights generate from there (in_place would keep old K/V)."""
+    assert update_from_disk(http, model_dir, weight_version="old").json()["success"]
+    ids, new_tokens = prompt(8), 40
+    stream = Streaming(stack.http_url, ids, new_tokens, ignore_eos=False)
+    wait_until(lambda: stream.tokens >= 3, what="the stream's first tokens")
+    assert admin_client.pause_generation("retract").success
+    time.sleep(0.3)  # what was produced before the pause arrives
+    response = admin_client.update_weights_from_disk(str(perturbed_dir), weight_version="new")
+    assert response.success and response.replicas[stack.scheduler].num_paused_requests == 0  # none kept in place
+    assert admin_client.continue_generation().success
+    last = stream.result()
+    output, spans = last["output_ids"], last["meta_info"]["weight_versions"]
+    assert [span["version"] for span in spans] == ["old", "new"]
+    made = spans[0]["end"]
+    assert output[:made] == transformers_greedy(references["old"], ids, made)
+    assert output[made:] == transformers_greedy(references["new"], ids + output[:made], new_tokens - made)
+    assert update_from_disk(http, model_dir).json()["success"]  # the weights the other tests expect
+
+
+@slow
 def test_pause_in_place_and_continue_under_16_requests(stack, http, admin_client):
     streams = start_streams(stack, IN_FLIGHT, 100)
     assert admin_client.pause_generation("in_place").success

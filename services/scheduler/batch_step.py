@@ -28,10 +28,10 @@ class StepTokens:
 
 
 def _flat_tokens(decode: list[Request], prefill: list[Request]) -> StepTokens:
-    lengths = np.array([r.prompt_len for r in prefill], dtype=np.int64)
+    prefill_ids = [r.prefill_ids for r in prefill]
+    lengths = np.array([len(ids) for ids in prefill_ids], dtype=np.int64)
     return StepTokens(
-        input_ids=np.concatenate([np.array([r.output_ids[-1] for r in decode], dtype=np.int64),
-                                  *(r.input_ids for r in prefill)]),
+        input_ids=np.concatenate([np.array([r.output_ids[-1] for r in decode], dtype=np.int64), *prefill_ids]),
         positions=np.concatenate([np.array([r.length - 1 for r in decode], dtype=np.int64),
                                   *(np.arange(n) for n in lengths)]),
         slots=np.concatenate([np.array([r.slot for r in decode], dtype=np.int64),
@@ -86,7 +86,7 @@ def _sample_adjusted(logits: torch.Tensor, rows: list[Request], prefill: list[Re
     `constrained` rows' grammars allow (grammar.py); logprobs are taken from the unadjusted `logits`."""
     for request in prefill:
         if request.adjustment is not None and request.adjustment.counts_tokens:
-            counts.start(request.slot, request.input_ids)
+            counts.start(request.slot, request.input_ids, request.output_ids)
     adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(rows)
                 if r.adjustment is not None]
     to_sample = adjust_logits(logits, adjusted, counts)
@@ -109,7 +109,7 @@ def _prompt_logprobs(runner: "ModelRunner", hidden: torch.Tensor, prefill: list[
     """
     parts = []
     for request, end in zip(prefill, prompt_ends.tolist()):
-        if not request.wants_prompt_logprobs:
+        if not request.owes_prompt_logprobs:
             continue
         first = request.prompt_logprob_start
         begin = end - request.prompt_len  # the prompt's first row in the flat sequence

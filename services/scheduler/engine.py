@@ -13,7 +13,9 @@ for a free slot. The thread blocks while there is no work.
 Rollout control (RL trainers) goes through the same inbox, so that the engine thread alone
 decides when it takes effect, always between two steps:
 - pause: no step runs until continue; new requests wait. Mode abort first aborts every
-  request; in_place (and retract, taken as in_place) keeps the running ones with their KV.
+  request; in_place keeps the running ones with their KV; retract drops their KV and puts them
+  back at the head of the waiting list, to be prefilled again (prompt and output so far) on
+  continue: under whatever weights are in place by then.
 - a weight update waits until it is safe: while running requests finish on the old weights
   nothing is admitted (abort_all_requests: they are aborted instead); while paused it applies
   at once, and the requests kept in place continue on the new weights.
@@ -242,7 +244,7 @@ class Engine:
         # An ended request ships what it has left with its Finish (an aborted one too: the client gets
         # the tokens it had); the others when an entry's worth is pending.
         shipping = [r for r in out.ended if r.pending.count] + [r for r in rows if r.slot >= 0 and r.pending.due]
-        prompt_requests = [r for r in prefill if r.wants_prompt_logprobs]
+        prompt_requests = [r for r in prefill if r.owes_prompt_logprobs]
         if rows:
             self._step += 1
         self._update_stats()  # before publishing: a subscriber never sees stats older than the step
@@ -272,6 +274,8 @@ class Engine:
         match control:
             case Pause(mode=mode):
                 aborted = self._abort_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
+                if mode == scheduler_pb2.PAUSE_MODE_RETRACT:
+                    self._retract_all()
                 self._paused = True
                 return self._reply("Generation paused.", aborted_requests=aborted)
             case Continue():
@@ -300,6 +304,15 @@ class Engine:
             out.end(request, self._finish(request, Reason.FINISH_REASON_ABORT, message=message))
         return len(requests)
 
+    def _retract_all(self) -> None:
+        """Free every running request's KV slot; they wait, first in line, to be prefilled again."""
+        for request in reversed(self._running):
+            self.runner.cache.release(request.slot)
+            request.slot = -1
+            request.retracted = True
+            self._waiting.appendleft(request)
+        self._running.clear()
+
     def _apply_held_updates(self, out: _Outgoing) -> None:
         """Swap in the held weight updates once no request runs on the old weights, or while paused."""
         if not self._held_updates or (self._running and not self._paused):
@@ -322,7 +335,7 @@ class Engine:
 
     def _ship(self, out: _Outgoing) -> None:
         """Publish what `out` holds and every running request's pending output now, under the current version."""
-        shipping = [r for r in out.ended if r.pending.count] + [r for r in self._running if r.pending.count]
+        shipping = [r for r in [*out.ended, *self._running, *self._waiting] if r.pending.count]  # retracted ones too
         if out.new or shipping or out.finished:
             self.publish(step_output(self._step, out.new, shipping, {}, [], out.finished, self.weight_version))
         out.new, out.finished, out.ended = [], [], []
@@ -332,11 +345,12 @@ class Engine:
         budget = self.config.max_tokens_per_step
         while self._waiting and self.runner.cache.free_slots:
             request = self._waiting[0]
-            if admitted and request.prompt_len > budget:
+            size = len(request.input_ids) + (len(request.output_ids) if request.retracted else 0)  # its prefill
+            if admitted and size > budget:
                 break
             self._waiting.popleft()
             request.slot = self.runner.cache.allocate()
-            budget -= request.prompt_len
+            budget -= size
             admitted.append(request)
         self._running += admitted
         return admitted

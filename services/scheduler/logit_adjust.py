@@ -56,14 +56,18 @@ class SlotTokenCounts:
         self.output: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
 
-    def start(self, slot: int, prompt: np.ndarray) -> None:
-        """A request with a penalty takes `slot`: forget the slot's previous owner, remember the prompt."""
+    def start(self, slot: int, prompt: np.ndarray, output: list[int]) -> None:
+        """A request with a penalty takes `slot` (anew, after a retract, with its output so far): forget the
+        slot's previous owner, count the request's tokens."""
         if self.output is None or self.seen is None:
             self.output = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
             self.seen = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
         self.output[slot].zero_()
         self.seen[slot].zero_()
         self.seen[slot, torch.from_numpy(prompt).to(self.device)] = 1.0
+        if output:
+            tokens = torch.tensor(output, dtype=torch.long, device=self.device)
+            self.add(torch.full_like(tokens, slot), tokens)
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count each slot's newly sampled token."""

@@ -59,6 +59,7 @@ class Request:
     pending: PendingOutput  # output not shipped yet
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
+    retracted: bool = False  # its KV was dropped (pause "retract"): its next prefill is of prompt and output
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     @property
@@ -73,6 +74,19 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.logprob_start_len >= 0
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Whether its prefill ships the prompt's logprobs (a retracted request shipped them with its first)."""
+        return self.wants_prompt_logprobs and not self.retracted
+
+    @property
+    def prefill_ids(self) -> np.ndarray:
+        """What its prefill runs: the prompt; after a retract, the prompt and the output so far, whose logits
+        give the next token."""
+        if not self.retracted:
+            return self.input_ids
+        return np.concatenate([self.input_ids, np.asarray(self.output_ids, dtype=np.int64)])
 
     @property
     def prompt_logprob_start(self) -> int:

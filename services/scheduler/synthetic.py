@@ -91,7 +91,7 @@ class SyntheticRunner:
             out.update(token_logprobs=np.full(len(rows), self.values[0], dtype=np.float32),
                        topk_values=np.tile(self.values[:k], (len(rows), 1)), topk_ids=self._ids(chosen, k),
                        ids_logprobs=np.full((len(rows), n), OTHER_LOGPROB, dtype=np.float32))
-        out.update(self._prompt_logprobs([r for r in prefill if r.wants_prompt_logprobs]))
+        out.update(self._prompt_logprobs([r for r in prefill if r.owes_prompt_logprobs]))
         now = time.perf_counter()
         if self._next_step_at > now:
             time.sleep(self._next_step_at - now)

@@ -47,7 +47,8 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
 
 class PauseGenerationRequest(BaseModel):
-    """SGLang's PauseGenerationReqInput; "retract" is taken as "in_place" (running requests keep their KV)."""
+    """SGLang's PauseGenerationReqInput: abort, in_place (running requests keep their KV) or retract (they drop it,
+    and are prefilled again on continue)."""
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["abort", "in_place", "retract"] = "abort"
