@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bench.common import Interleaved, Table, write_results
+from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
 from services.common.pb import scheduler_pb2
 from services.scheduler.batch_step import run_step
@@ -65,9 +66,9 @@ def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch
                 if r.adjustment is not None]
     slots = torch.tensor([r.slot for r in adjusted], device=runner.device)
 
-    @torch.inference_mode()  # as the scheduler's step runs (its count tensors are inference tensors)
+    @torch.inference_mode()  # as the scheduler's step runs (its penalty tensors are inference tensors)
     def adjust():
-        runner.token_counts.add(slots, adjust_logits(logits, adjusted, runner.token_counts).argmax(dim=-1))
+        runner.penalties.add(slots, adjust_logits(logits, adjusted, runner.penalties).argmax(dim=-1))
 
     constrained = [(i, r.grammar) for i, r in enumerate(requests["constrained"]) if r.grammar is not None]
 
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_dir = resolve_model(None)
     runner = ModelRunner(model_dir, "auto", "auto", 0, len(CASES) * sum(args.batch))
+    if runner.device.type == "cpu":
+        keep_big_blocks()  # as the scheduler process does
     grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
     bench = Interleaved(min_time=0.1)
     for batch in args.batch:

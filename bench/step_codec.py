@@ -18,6 +18,7 @@ import numpy as np
 
 from bench.common import Progress, Table, fmt_bytes, fmt_time, measure, timing_of, write_results
 from services.common.arrays import block_offsets, decode_block, request_slice
+from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
 from services.common.pb import scheduler_pb2
 from services.scheduler.batch_step import run_step
@@ -107,6 +108,8 @@ def main() -> None:
                         fmt_time(result["decode_and_slice"].median), fmt_bytes(result["bytes"]))
 
     runner = ModelRunner(resolve_model(args.model), "auto", "auto", 0, 32)
+    if runner.device.type == "cpu":
+        keep_big_blocks()  # as the scheduler process does
     progress.step(f"model loaded on {runner.device}")
     step_table = Table(f"Decode step of the model ({runner.device}, {str(runner.dtype).removeprefix('torch.')})",
                        ["batch", "mode", "step (median)", "per request"],

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from services.common.pb import scheduler_pb2
-from services.scheduler.logit_adjust import AdjustedRow, LogitAdjustment, SlotTokenCounts, adjust_logits
+from services.scheduler.logit_adjust import AdjustedRow, LogitAdjustment, SlotPenalties, adjust_logits
 
 VOCAB = 1000
 
@@ -67,43 +67,46 @@ def test_neutral_fields_ask_for_nothing():
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_adjusted_logits_match_transformers_processors(case):
-    """Three requests in two slots of a batch, over several steps: each row adjusted as transformers would,
-    whatever the other rows ask; rows without an adjustment untouched."""
+    """Two requests in two slots of a batch, over several steps: each row adjusted as transformers would,
+    whatever the other rows ask; rows without an adjustment untouched. Midway, the adjusted request takes its
+    slot again with its output so far (as after a retract): nothing changes."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 40, n) for n in (7, 3)]  # small ids: prompt and outputs overlap
-    counts = SlotTokenCounts(num_slots=4, vocab_size=VOCAB, device=torch.device("cpu"))
+    penalties = SlotPenalties(num_slots=4, vocab_size=VOCAB, device=torch.device("cpu"))
     adjustments = [adjustment(**case), None]
     slots = [2, 0]
-    for slot, prompt, adjust in zip(slots, prompts, adjustments):
-        if adjust is not None and adjust.counts_tokens:
-            counts.start(slot, prompt, [])
     outputs: list[list[int]] = [[], []]
-    for _ in range(6):
+    for step in range(8):
+        if step in (0, 4) and adjustments[0] is not None and adjustments[0].counts_tokens:
+            penalties.start(slots[0], adjustments[0], prompts[0], outputs[0])
         logits = torch.from_numpy(rng.normal(0, 3, (2, VOCAB)).astype(np.float32))
         rows = [AdjustedRow(i, slots[i], len(outputs[i]), adjust) for i, adjust in enumerate(adjustments)
                 if adjust is not None]
-        got = adjust_logits(logits, rows, counts)
+        got = adjust_logits(logits, rows, penalties)
         sequence = torch.tensor([prompts[0].tolist() + outputs[0]])
         expected = reference_processors(len(prompts[0]), **case)(sequence, logits[:1].clone())
         torch.testing.assert_close(got[:1], expected, rtol=1e-6, atol=1e-5)
         assert torch.equal(got[1], logits[1])  # the unadjusted row
-        tokens = rng.integers(0, 40, 2)  # "sampled": again small ids, so that counts repeat
+        tokens = rng.integers(0, 40, 2)  # "sampled": again small ids, so that tokens repeat
         counted = [r for r in rows if r.adjustment.counts_tokens]
         if counted:
-            counts.add(torch.tensor([r.slot for r in counted]), torch.from_numpy(tokens[[r.row for r in counted]]))
+            penalties.add(torch.tensor([r.slot for r in counted]), torch.from_numpy(tokens[[r.row for r in counted]]))
         for i in range(2):
             outputs[i].append(int(tokens[i]))
 
 
 def test_a_slot_taken_again_forgets_its_previous_request():
-    counts = SlotTokenCounts(num_slots=2, vocab_size=VOCAB, device=torch.device("cpu"))
-    counts.start(1, np.array([4, 5]), [])
-    counts.add(torch.tensor([1, 1]), torch.tensor([6, 6]))
-    counts.start(1, np.array([7]), [9, 9])
-    assert counts.output is not None and counts.seen is not None
-    # ... and a retracted request taking a slot again brings its output's counts back.
-    assert counts.output[1, 9] == 2 and counts.output.sum() == 2
-    assert counts.seen[1].nonzero().flatten().tolist() == [7, 9]
+    penalties = SlotPenalties(num_slots=2, vocab_size=VOCAB, device=torch.device("cpu"))
+    penalties.start(1, adjustment(frequency=1.0, presence=1.0, repetition=1.5), np.array([4, 5]), [])
+    for _ in range(2):
+        penalties.add(torch.tensor([1]), torch.tensor([6]))
+    assert penalties.subtract is not None and penalties.scale is not None and penalties.occurrences is not None
+    assert penalties.subtract[1, 6] == 3.0  # 2 x frequency + presence once
+    # Another request, with its output so far (as after a retract): only its tokens count.
+    penalties.start(1, adjustment(frequency=0.5, presence=0.25, repetition=1.25), np.array([7]), [9, 9])
+    assert penalties.occurrences[1, 9] == 2 and penalties.occurrences.sum() == 2
+    assert penalties.subtract[1].nonzero().flatten().tolist() == [9] and penalties.subtract[1, 9] == 1.25
+    assert (penalties.scale[1] != 1).nonzero().flatten().tolist() == [7, 9] and penalties.scale[1, 7] == 1.25
 
 
 # Through the scheduler: batched greedy requests, each adjusted its own way, against transformers' generate.

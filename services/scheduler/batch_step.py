@@ -8,7 +8,7 @@ import torch
 
 from services.scheduler.grammar import ConstrainedRow, TokenMask, accept_tokens
 from services.scheduler.host_copy import copy_to_host
-from services.scheduler.logit_adjust import AdjustedRow, SlotTokenCounts, adjust_logits
+from services.scheduler.logit_adjust import AdjustedRow, SlotPenalties, adjust_logits
 from services.scheduler.request import Request
 from services.scheduler.sampler import SamplingBatch, chunked_logprob_rows, logprob_rows, sample
 
@@ -66,7 +66,7 @@ def run_step(runner: "ModelRunner", decode: list[Request], prefill: list[Request
             top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
             min_p=[r.min_p for _, r in sampled], generators=[r.generator(runner.device) for _, r in sampled])
         constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
-        next_ids = _sample_adjusted(logits, rows, prefill, params, runner.token_counts, runner.token_mask,
+        next_ids = _sample_adjusted(logits, rows, prefill, params, runner.penalties, runner.token_mask,
                                     constrained)
         out = {"next_ids": next_ids}
         if any(r.return_logprob for r in rows):
@@ -80,23 +80,23 @@ def run_step(runner: "ModelRunner", decode: list[Request], prefill: list[Request
 
 
 def _sample_adjusted(logits: torch.Tensor, rows: list[Request], prefill: list[Request], params: SamplingBatch,
-                     counts: SlotTokenCounts, mask: TokenMask,
+                     penalties: SlotPenalties, mask: TokenMask,
                      constrained: list[ConstrainedRow]) -> torch.Tensor:
     """Next tokens sampled from the logits as each request adjusts them (logit_adjust.py), then as the
     `constrained` rows' grammars allow (grammar.py); logprobs are taken from the unadjusted `logits`."""
     for request in prefill:
         if request.adjustment is not None and request.adjustment.counts_tokens:
-            counts.start(request.slot, request.input_ids, request.output_ids)
+            penalties.start(request.slot, request.adjustment, request.input_ids, request.output_ids)
     adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(rows)
                 if r.adjustment is not None]
-    to_sample = adjust_logits(logits, adjusted, counts)
+    to_sample = adjust_logits(logits, adjusted, penalties)
     if constrained:  # masked in place: on a copy of `logits` unless the adjustments made one
         to_sample = mask.apply(to_sample if adjusted else logits.clone(), constrained)
     next_ids = sample(to_sample, params)
     counted = [a for a in adjusted if a.adjustment.counts_tokens]
     if counted:
         device = logits.device
-        counts.add(torch.tensor([a.slot for a in counted], device=device),
+        penalties.add(torch.tensor([a.slot for a in counted], device=device),
                    next_ids[torch.tensor([a.row for a in counted], device=device)])
     return next_ids
 

@@ -3,9 +3,9 @@ the repetition, frequency and presence penalties (SGLang's and OpenAI's fields, 
 then repetition, then frequency and presence; min_new_tokens' -inf goes last, which no penalty changes).
 
 Everything runs on the model's device over the step's adjusted rows at once. The penalties need each
-request's token counts: they live per KV slot in [slots, vocab] tensors, zeroed when a request takes the
-slot and updated with one scatter per step for the tokens just sampled, so no step reads a request's
-output on the host. The logprobs a request gets back are not adjusted: they stay the model's raw
+request's tokens: they live per KV slot as [slots, vocab] tensors of the penalties themselves (SlotPenalties),
+set when a request takes the slot and updated with a few scatters per step for the tokens just sampled, so no
+step reads a request's output on the host. The logprobs a request gets back are not adjusted: they stay the model's raw
 distribution (sampler.py).
 """
 
@@ -45,36 +45,57 @@ class LogitAdjustment:
         return None
 
 
-class SlotTokenCounts:
-    """Per KV slot: how often each token occurs in the output so far, and whether it occurs in the prompt or the
-    output (1.0 or 0.0: float arithmetic is an order of magnitude faster than bool masks on CPU). Allocated on
-    first use ([slots, vocab] float32 twice): servers that never see a penalty pay nothing."""
+class SlotPenalties:
+    """Per KV slot, the penalties of the request that holds it, kept up to date as it samples (SGLang's
+    cumulated penalties), so that applying them is one or two passes over a row:
+
+    - `subtract` [slots, V]: frequency_penalty x occurrences + presence_penalty x (occurs), over the output;
+    - `scale` [slots, V]: repetition_penalty at the tokens of the prompt or the output, 1 elsewhere;
+    - `occurrences` [slots, V]: output counts, for the presence term.
+
+    Allocated on first use (three float32 [slots, vocab]): servers that never see a penalty pay nothing.
+    """
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.shape = (num_slots, vocab_size)
         self.device = device
-        self.output: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
+        self.occurrences: torch.Tensor | None = None
+        self.subtract: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        # The slot's request's penalties, for add() to read on the device.
+        self.frequency = torch.zeros(num_slots, device=device)
+        self.presence = torch.zeros(num_slots, device=device)
+        self.repetition = torch.ones(num_slots, device=device)
 
-    def start(self, slot: int, prompt: np.ndarray, output: list[int]) -> None:
+    def start(self, slot: int, adjustment: LogitAdjustment, prompt: np.ndarray, output: list[int]) -> None:
         """A request with a penalty takes `slot` (anew, after a retract, with its output so far): forget the
         slot's previous owner, count the request's tokens."""
-        if self.output is None or self.seen is None:
-            self.output = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-            self.seen = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-        self.output[slot].zero_()
-        self.seen[slot].zero_()
-        self.seen[slot, torch.from_numpy(prompt).to(self.device)] = 1.0
+        if self.occurrences is None or self.subtract is None or self.scale is None:
+            self.occurrences, self.subtract, self.scale = (
+                torch.zeros(self.shape, dtype=torch.float32, device=self.device) for _ in range(3))
+        self.frequency[slot] = adjustment.frequency_penalty
+        self.presence[slot] = adjustment.presence_penalty
+        self.repetition[slot] = adjustment.repetition_penalty
+        self.occurrences[slot].zero_()
+        self.scale[slot].fill_(1.0)
+        seen = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
+        self.scale[slot, torch.from_numpy(seen).to(self.device)] = adjustment.repetition_penalty
         if output:
             tokens = torch.tensor(output, dtype=torch.long, device=self.device)
-            self.add(torch.full_like(tokens, slot), tokens)
+            self.occurrences[slot].index_put_((tokens,), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        occurrences = self.occurrences[slot]
+        self.subtract[slot] = (adjustment.frequency_penalty * occurrences
+                               + adjustment.presence_penalty * occurrences.clamp(max=1))
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count each slot's newly sampled token."""
-        assert self.output is not None and self.seen is not None, "start() comes first"
-        ones = torch.ones_like(tokens, dtype=torch.float32)
-        self.output.index_put_((slots, tokens), ones, accumulate=True)
-        self.seen.index_put_((slots, tokens), ones)
+        """Each slot's newly sampled token (one per slot) into its penalties."""
+        assert self.occurrences is not None and self.subtract is not None and self.scale is not None, \
+            "start() comes first"
+        first = self.occurrences[slots, tokens] == 0
+        self.occurrences.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        self.subtract.index_put_((slots, tokens), self.frequency[slots] + self.presence[slots] * first,
+                                 accumulate=True)
+        self.scale.index_put_((slots, tokens), self.repetition[slots])
 
 
 @dataclass
@@ -85,7 +106,7 @@ class AdjustedRow:
     adjustment: LogitAdjustment
 
 
-def adjust_logits(logits: torch.Tensor, rows: list[AdjustedRow], counts: SlotTokenCounts) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, rows: list[AdjustedRow], penalties: SlotPenalties) -> torch.Tensor:
     """A copy of float32 logits [B, V] with each row's adjustment applied (`logits` itself when none)."""
     if not rows:
         return logits
@@ -94,7 +115,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[AdjustedRow], counts: SlotTok
     penalised = [r for r in rows if r.adjustment.counts_tokens]
     if penalised:
         adjusted.index_copy_(0, _tensor([r.row for r in penalised], logits.device, torch.long),
-                             _penalise(adjusted, penalised, counts))
+                             _penalise(adjusted, penalised, penalties))
     # Last, so that every penalty above works on finite logits; a penalty keeps -inf anyway.
     early = [r for r in rows if r.output_len < r.adjustment.min_new_tokens]
     _add_sparse(adjusted, [(r.row, r.adjustment.blocked_early, np.full(len(r.adjustment.blocked_early), -np.inf,
@@ -106,24 +127,20 @@ def _tensor(values: list, device: torch.device, dtype=torch.float32) -> torch.Te
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _penalise(logits: torch.Tensor, rows: list[AdjustedRow], counts: SlotTokenCounts) -> torch.Tensor:
+def _penalise(logits: torch.Tensor, rows: list[AdjustedRow], penalties: SlotPenalties) -> torch.Tensor:
     """The penalised logits of `rows` [R, V]: repetition (on prompt and output tokens), then frequency and
     presence (on output tokens)."""
-    assert counts.output is not None and counts.seen is not None, "the slots were started"
+    assert penalties.subtract is not None and penalties.scale is not None, "the slots were started"
     device = logits.device
     slots = _tensor([r.slot for r in rows], device, torch.long)
     values = logits.index_select(0, _tensor([r.row for r in rows], device, torch.long))
     adjustments = [r.adjustment for r in rows]
     if any(a.repetition_penalty != 1 for a in adjustments):
-        repetition = _tensor([a.repetition_penalty for a in adjustments], device).unsqueeze(1)
-        # logit / p where positive, logit * p otherwise, on seen tokens only, in float arithmetic.
-        repeated = values.clamp(min=0) / repetition + values.clamp(max=0) * repetition
-        values = values + counts.seen.index_select(0, slots) * (repeated - values)
+        # logit / p where positive, logit * p otherwise (p is 1 at unseen tokens), in float arithmetic.
+        scale = penalties.scale.index_select(0, slots)
+        values = values.clamp(min=0) / scale + values.clamp(max=0) * scale
     if any(a.frequency_penalty or a.presence_penalty for a in adjustments):
-        occurrences = counts.output.index_select(0, slots)
-        frequency = _tensor([a.frequency_penalty for a in adjustments], device).unsqueeze(1)
-        presence = _tensor([a.presence_penalty for a in adjustments], device).unsqueeze(1)
-        values = values - frequency * occurrences - presence * occurrences.clamp(max=1)
+        values = values - penalties.subtract.index_select(0, slots)
     return values
 
 

@@ -18,7 +18,7 @@ from services.scheduler.attention import ATTENTION_NAME, FlatBatch
 from services.scheduler.batch_step import StepTokens, run_step
 from services.scheduler.grammar import TokenMask
 from services.scheduler.kv_cache import SlotKVCache
-from services.scheduler.logit_adjust import SlotTokenCounts
+from services.scheduler.logit_adjust import SlotPenalties
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ModelRunner:
             num_layers=text_config.num_hidden_layers, num_slots=max_running,
             num_kv_heads=text_config.num_key_value_heads, max_context=self.max_context,
             head_dim=head_dim, dtype=self.dtype, device=self.device)
-        self.token_counts = SlotTokenCounts(max_running, self.vocab_size, self.device)  # for the penalties
+        self.penalties = SlotPenalties(max_running, self.vocab_size, self.device)
         self.token_mask = TokenMask(max_running, self.vocab_size, self.device)  # for structured output
         log.info("loaded %s on %s (%s), vocab %d, max context %d, %d KV slots",
                  model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,

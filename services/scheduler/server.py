@@ -24,6 +24,7 @@ import grpc
 from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
+from services.common.memory import keep_big_blocks
 from services.common.model_store import model_name, resolve_model
 from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
@@ -248,6 +249,8 @@ async def serve(config: SchedulerConfig) -> None:
         runner = await asyncio.to_thread(
             ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests,
             config.logits_chunk_rows)
+    if runner.device.type == "cpu":
+        keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
     # --served-model-name wins).
     weights = ServedWeights(runner.model, model_dir, runner.eos_token_ids) if isinstance(runner, ModelRunner) else None
