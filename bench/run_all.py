@@ -179,7 +179,7 @@ def headlines() -> str:
     capacity = _results("capacity")
     if capacity:
         rows = {(r["concurrency"], r["k"], r["format"], r["mode"], r.get("interval", 50)): r
-                for r in capacity["rows"] if r.get("supported", True)}
+                for r in capacity["rows"]}
         for interval in (50, 1):
             row = rows.get((512, 128, "flat_b64", "nonstream", interval))
             if row:

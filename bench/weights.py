@@ -83,7 +83,10 @@ def under_load(pipeline: Pipeline, concurrency: int, tokens: int, action) -> dic
     streams = [Stream(pipeline.http_url, i, tokens) for i in range(concurrency)]
     for stream in streams:
         stream.start()
+    deadline = time.monotonic() + 120
     while min(len(s.arrivals) for s in streams) < 20:  # all running, past their prefill
+        if time.monotonic() > deadline or not all(s.is_alive() for s in streams):
+            raise RuntimeError("the streaming requests did not all get going: see the services' logs")
         time.sleep(0.01)
     time.sleep(0.5)
     before = time.perf_counter()

@@ -24,6 +24,7 @@ def _same(got: Generation, want: Generation) -> None:
         for name in ("token_logprobs", "topk_values", "topk_ids"):
             assert getattr(a, name).tobytes() == getattr(b, name).tobytes(), (side, name)
     assert got.finish_reason == want.finish_reason == "length" and got.completion_tokens == 9
+    assert got.weight_version == want.weight_version == "default"
 
 
 def test_every_client_returns_the_same_arrays(stack):

@@ -71,6 +71,14 @@ class Harness:
     def running(self) -> list[str]:
         return [request.rid for request in self.engine._running]
 
+    def run_out(self, most_steps: int = 100) -> None:
+        """Iterate until no request runs; a request that never ends fails the test."""
+        for _ in range(most_steps):
+            if not self.running():
+                return
+            self.iterate()
+        raise AssertionError(f"still running after {most_steps} steps: {self.running()}")
+
     def shipped(self, rid: str) -> list[tuple[int, int, str]]:
         """(position, count, weight_version) of each entry of `rid` published so far."""
         return [(position, count, message.weight_version) for message in self.published
@@ -92,10 +100,26 @@ def test_engine_holds_an_update_until_running_requests_finish(synthetic):
     assert not installed and harness.running() == []
     harness.iterate()  # nothing runs: the update applies, then "late" is admitted
     assert installed and update.done.result().success and update.done.result().weight_version == "v1"
-    while harness.running():
-        harness.iterate()
+    harness.run_out()
     assert harness.shipped("old") == [(0, 3, "default")]
     assert harness.shipped("late") == [(0, 2, "v1")]
+
+
+def test_engine_control_futures_are_settled_by_the_engine_alone(synthetic):
+    """A caller that goes away cannot cancel a command (the engine would then fail to answer it), and commands
+    the engine will not apply are answered as refused, not left waiting."""
+    harness = Harness(synthetic)
+    harness.submit("running", 10)
+    harness.iterate()
+    update = UpdateWeights(install=lambda: None, description="held", abort_all_requests=False, weight_version="v1")
+    future = harness.engine.control(update)
+    assert not future.cancel()
+    harness.iterate()  # held while "running" runs
+    assert not future.done()
+    harness.engine._stopping = True
+    harness.engine._refuse_pending_controls()  # what the engine thread does as it ends
+    assert future.result().success is False and "stopping" in future.result().message
+    assert harness.engine.control(Continue()).result().success is False  # after the stop: refused at once
 
 
 def test_engine_paused_in_place_steps_nothing_and_ships_pending_output_before_a_change(synthetic):
@@ -119,8 +143,7 @@ def test_engine_paused_in_place_steps_nothing_and_ships_pending_output_before_a_
     harness.engine.control(Continue())
     harness.iterate()
     assert relabel.done.result().weight_version == "v3"
-    while harness.running():
-        harness.iterate()
+    harness.run_out()
     assert harness.shipped("kept") == [(0, 3, "default"), (3, 17, "v3")]
 
 

@@ -51,6 +51,9 @@ class GatewayConfig(ServiceConfig):
                                           "connection, or after the previous response); then the connection closes")
     http_body_timeout_s: float = option(30.0, "seconds a client has to send a request's whole body once its "
                                         "headers arrived; then 408 and the connection closes")
+    control_timeout_s: float = option(600.0, "most seconds a rollout control call waits for a scheduler replica "
+                                      "(a weight update waits for the running requests to finish first); then that "
+                                      "replica's answer is a failure")
     drain_timeout_s: float = option(25.0, "on SIGTERM or SIGINT, seconds to finish the requests in flight while "
                                     "refusing new ones (503, /health included) before exiting; what still runs then "
                                     "fails (503) as at a second signal; keep it below the pod's "
@@ -60,7 +63,8 @@ class GatewayConfig(ServiceConfig):
         super().__post_init__()
         require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
-                                "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s"))
+                                "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s",
+                                "control_timeout_s"))
         if not self.drain_timeout_s >= 0:  # also refuses nan
             raise ValueError("--drain-timeout-s: must not be negative")
         if self.max_outstanding_requests < 0:

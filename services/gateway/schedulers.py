@@ -235,13 +235,14 @@ class SchedulerPool:
     async def _control(self, replica: Replica,
                        call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
                        ) -> scheduler_pb2.ControlReply:
-        # No deadline: an update waits for the running requests to finish; a scheduler that dies ends the call.
+        # A long bound: an update waits for the running requests to finish first.
         try:
-            reply = await call(replica.stub)
-        except grpc.aio.AioRpcError as exc:
+            reply = await asyncio.wait_for(call(replica.stub), self.config.control_timeout_s)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            why = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
+                   else f"no answer in {self.config.control_timeout_s:g} s (--control-timeout-s)")
             return scheduler_pb2.ControlReply(success=False, weight_version=replica.weight_version,
-                                              message=f"scheduler {replica.address} did not answer: "
-                                                      f"{exc.code().name}: {exc.details()}")
+                                              message=f"scheduler {replica.address} did not answer: {why}")
         replica.weight_version = reply.weight_version
         return reply
 

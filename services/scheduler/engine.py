@@ -107,6 +107,10 @@ class _Outgoing:
         self.finished.append(finish)
 
 
+def _stopped_reply() -> scheduler_pb2.ControlReply:
+    return scheduler_pb2.ControlReply(success=False, message="the scheduler is stopping: nothing was changed")
+
+
 class StepRunner(Protocol):
     """What the engine runs steps on: the model (model_runner.ModelRunner) or a stand-in (synthetic.py)."""
 
@@ -183,8 +187,13 @@ class Engine:
         return True
 
     def control(self, command: Control) -> concurrent.futures.Future:
-        """Queue a rollout-control command; the future gets its ControlReply once the engine thread applied it."""
-        self._inbox.put(command)
+        """Queue a rollout-control command; the future gets its ControlReply once the engine thread applied it,
+        or a refusal when the engine stops first. The caller cannot cancel it: the engine alone settles it."""
+        command.done.set_running_or_notify_cancel()
+        if self._stopping or self.failure is not None:
+            command.done.set_result(_stopped_reply())
+        else:
+            self._inbox.put(command)
         return command.done
 
     # -- engine thread ----------------------------------------------------------------
@@ -196,6 +205,23 @@ class Engine:
             log.critical("the engine thread failed; stopping the scheduler so that it is restarted", exc_info=True)
             self.failure = exc
             os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            self._refuse_pending_controls()
+
+    def _refuse_pending_controls(self) -> None:
+        """Answer the commands the engine will never apply (held updates, and those still in the inbox)."""
+        pending: list[Control] = [*self._held_updates]
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Control):
+                pending.append(item)
+        for command in pending:
+            if not command.done.done():
+                command.done.set_result(_stopped_reply())
+        self._held_updates.clear()
 
     def _loop(self) -> None:
         while not self._stopping:

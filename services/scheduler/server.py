@@ -48,6 +48,7 @@ from services.scheduler.request import InvalidTokenizedRequest, Limits, parse_re
 from services.scheduler.synthetic import SyntheticRunner
 from services.scheduler.weights import ServedWeights, StagedWeights, WeightsRefused
 
+SYNTHETIC_HAS_NO_WEIGHTS = "this scheduler runs --engine synthetic: it has no weights to update"
 log = logging.getLogger("flatwire.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 BACKPRESSURE_POLL_S = 0.001
@@ -180,13 +181,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return await self._update_weights(read, request.abort_all_requests, version)
 
     async def PushWeights(self, request_iterator, context):
+        if self.weights is None:  # refused before a byte is buffered
+            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
         first, parts, size = None, [], 0
-        limit = self.weights.max_push_bytes if self.weights is not None else 0
+        limit = self.weights.max_push_bytes
         async for chunk in request_iterator:
             if first is None:
                 first = chunk
             size += len(chunk.safetensors)
-            if self.weights is not None and size > limit:
+            if size > limit:
                 return self._refused(f"the pushed file passes {limit} bytes, the served model's size in float32 "
                                      "plus a header: not a subset of its tensors")
             parts.append(chunk.safetensors)
@@ -220,7 +223,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """`read(weights)` (blocking: a worker thread) checks and stages the new weights; the engine swaps them in.
         A call whose client leaves after that still applies (SGLang's too)."""
         if self.weights is None:
-            return self._refused("this scheduler runs --engine synthetic: it has no weights to update")
+            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
         async with self._updating:
             try:
                 staged = await asyncio.to_thread(read, self.weights)

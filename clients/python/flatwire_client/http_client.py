@@ -203,7 +203,8 @@ class AsyncHttpClient:
                         loop.call_soon_threadsafe(queue.put_nowait, chunk)
             except Exception as exc:  # handed to the reader, raised there
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
-            loop.call_soon_threadsafe(queue.put_nowait, done)
+            finally:  # whatever ended the stream, the reader stops waiting
+                loop.call_soon_threadsafe(queue.put_nowait, done)
 
         threading.Thread(target=pump, daemon=True).start()
         while (item := await queue.get()) is not done:

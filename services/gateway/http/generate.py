@@ -58,7 +58,7 @@ async def generate(request: Request) -> Response:
     if packed:
         result = results[0]
         whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,
-                      prompt=result.prompt, result=result)
+                      prompt=result.prompt, result=result, weight_versions=result.weight_versions)
         message = packed_format.packed_response(whole, result.prompt_tokens, result.completion_tokens)
         return Response(message.SerializeToString(), media_type=packed_format.MEDIA_TYPE)
     bodies = [_body(gateway, req, result) for result in results]
