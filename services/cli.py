@@ -1,4 +1,4 @@
-"""The `flatwire` command: `flatwire up | scheduler | detokenizer | gateway | replica | health`."""
+"""The `flatwire` command: `flatwire up | scheduler | detokenizer | gateway | health`."""
 
 import importlib
 import sys
@@ -8,7 +8,6 @@ COMMANDS = {
     "scheduler": ("services.scheduler.server", "run the scheduler (model, batching, sampling)"),
     "detokenizer": ("services.detokenizer.server", "run the detokenizer (text deltas, stop strings)"),
     "gateway": ("services.gateway.server", "run the gateway (HTTP + public gRPC)"),
-    "replica": ("services.replica", "run a scheduler and the detokenizer that follows it, together"),
     "health": ("services.common.healthcheck", "exit 0 when a gRPC service or HTTP URL is healthy"),
 }
 

@@ -8,8 +8,14 @@ that exits is restarted with the same command after an exponential backoff
 the service has stayed up --restart-reset-s). A service that exits during startup
 stops everything instead, since that is usually a setup error (port taken, bad model)
 that a restart would not fix. Ctrl-C or SIGTERM stops all three.
+
+Besides its own options (UpConfig) it takes every option of the services it starts, derived from their
+configs: each one given is passed on, as a flag, to every service whose config has it; the rest are left to
+the services' own FLATWIRE_* variables and defaults.
 """
 
+import argparse
+import dataclasses
 import os
 import secrets
 import signal
@@ -20,35 +26,90 @@ import time
 import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
-from services.common.config import option, parse_config
+from services.common.config import ServiceConfig, env_name, option, parse_config
 from services.common.model_store import model_name, resolve_model
 from services.common.rpc import check_health
+from services.detokenizer.config import DetokenizerConfig
+from services.gateway.config import GatewayConfig
+from services.scheduler.config import SchedulerConfig
+
+SERVICES: dict[str, type[ServiceConfig]] = {
+    "scheduler": SchedulerConfig, "detokenizer": DetokenizerConfig, "gateway": GatewayConfig}
+# The launcher wires the services to each other itself.
+WIRING = {"schedulers", "detokenizers"}
+# Passed on in the environment, not on the services' command lines (which ps shows).
+SECRETS = {"internal_secret", "api_key", "admin_api_key"}
 
 
 @dataclass
 class UpConfig:
     """flatwire up: run the whole pipeline on this machine."""
 
-    model: str | None = option(None, "local Hugging Face checkpoint directory, or a Hugging Face Hub model id "
-                               "(Org/Name) from the Hugging Face cache or downloaded into it; default: the "
-                               "embedded default model")
-    cache_dir: str | None = option(None, "where the default model is built (default ~/.cache/flatwire)")
-    host: str = option("127.0.0.1", "address the gateway listens on")
+    host: str = option("127.0.0.1", "address the gateway listens on (the scheduler and detokenizer: loopback)")
     port: int = option(30000, "gateway HTTP port")
     grpc_port: int = option(30001, "gateway public gRPC port")
     scheduler_port: int | None = option(None, "scheduler port (loopback); default: a free port, picked at start")
     detokenizer_port: int | None = option(None, "detokenizer port (loopback); default: a free port, picked at "
                                           "start")
-    device: str = option("auto", "scheduler device: auto, cpu or cuda")
-    api_key: str | None = option(None, "the gateway's API key (HTTP `Authorization: Bearer`, gRPC `authorization` "
-                                 "metadata); default: none")
-    admin_api_key: str | None = option(None, "the gateway's admin key: the only key that opens rollout control "
-                                       "(weight updates, pause, abort_all); default: none (the API key opens it)")
     startup_timeout_s: float = option(600.0, "give up if the pipeline is not healthy by then")
     restart_delay_s: float = option(1.0, "wait before restarting a crashed service; doubles on each crash")
     restart_max_delay_s: float = option(30.0, "cap on the restart delay")
     restart_reset_s: float = option(60.0, "a service up this long gets the first restart delay again")
+
+
+def service_options() -> dict[str, dict[str, dataclasses.Field]]:
+    """Each service option `flatwire up` takes -> the services that have it -> its field there: every field of
+    their configs but the addresses, which are the launcher's (UpConfig's fields and WIRING)."""
+    own = {field.name for field in dataclasses.fields(UpConfig)} | WIRING
+    options: dict[str, dict[str, dataclasses.Field]] = {}
+    for service, cls in SERVICES.items():
+        for field in dataclasses.fields(cls):
+            if field.name not in own:
+                options.setdefault(field.name, {})[service] = field
+    return options
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_option(group: argparse._ArgumentGroup, name: str, help_text: str, kind: Any) -> None:
+    """A flag as parse_config makes it: the raw value, None when not given; a boolean flag alone means true."""
+    is_bool = kind in (bool, bool | None)
+    group.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(), help=f"{help_text} "
+                       f"[env {env_name(name)}]", nargs="?" if is_bool else None, const="true" if is_bool else None)
+
+
+def parse_up(argv: list[str] | None, prog: str | None) -> tuple[UpConfig, dict[str, list[str]], dict[str, str]]:
+    """The launcher's config; each service's options given, as its flags; the secrets given, as variables."""
+    options = service_options()
+    parser = argparse.ArgumentParser(
+        prog=prog, description=UpConfig.__doc__,
+        epilog="Each service option goes to the services its group names, as their flag. Precedence: the flag, "
+               "then the FLATWIRE_* variable (which the services read themselves), then the default. "
+               f"{', '.join(sorted(map(_flag, SECRETS)))} reach the services in their environment, not on their "
+               "command lines.")
+    own = parser.add_argument_group("flatwire up's own options")
+    for field in dataclasses.fields(UpConfig):
+        _add_option(own, field.name, field.metadata["help"], field.type)
+    groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
+    for name, fields in options.items():
+        services = tuple(fields)
+        if services not in groups:
+            title = "all three services" if len(services) == len(SERVICES) else " and ".join(services)
+            groups[services] = parser.add_argument_group(f"{title} (options passed on)")
+        helps = {service: field.metadata["help"] for service, field in fields.items()}
+        help_text = (next(iter(helps.values())) if len(set(helps.values())) == 1
+                     else "; ".join(f"{service}: {text}" for service, text in helps.items()))
+        _add_option(groups[services], name, help_text, next(iter(fields.values())).type)
+    given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
+    config = parse_config(UpConfig, [f"{_flag(name)}={value}" for name, value in given.items()
+                                     if name not in options], prog)
+    flags = {service: [f"{_flag(name)}={value}" for name, value in given.items()
+                       if service in options.get(name, {}) and name not in SECRETS] for service in SERVICES}
+    return config, flags, {env_name(name): given[name] for name in SECRETS & given.keys()}
 
 
 @dataclass
@@ -122,36 +183,45 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _service_config(service: str, flags: list[str], prog: str | None) -> ServiceConfig:
+    """The service's config as it will read it: these flags, its variables, its defaults."""
+    try:
+        return parse_config(SERVICES[service], flags, f"{prog or 'flatwire up'} ({service})")
+    except ValueError as exc:
+        sys.exit(f"{prog or 'flatwire up'}: {service}: {exc}")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    config = parse_config(UpConfig, argv, prog)
+    config, flags, secret_env = parse_up(argv, prog)
+    os.environ.update(secret_env)
+    # A bad option is refused now, before the model is built.
+    configs = {service: _service_config(service, flags[service], prog) for service in SERVICES}
+    shared = configs["scheduler"]  # for the options all three share (ServiceConfig's)
     # Ctrl-C or `kill`: both stop the three services. Set explicitly, since a shell that starts
     # us in the background leaves SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    model_dir = resolve_model(config.model, config.cache_dir)
-    # The services get --model as given, so that a Hub model keeps its id as its name, and resolve it offline:
-    # from the cache it was just fetched into, the revision fetched here, never waiting on the Hub (restarts too).
+    model_dir = resolve_model(shared.model, shared.cache_dir)
+    # The services get a configured --model as given, so that a Hub model keeps its id as its name, and resolve it
+    # offline: from the cache it was just fetched into, the revision fetched here, never waiting on the Hub
+    # (restarts too). The default model they get by the path it was built at.
     os.environ["HF_HUB_OFFLINE"] = "1"
-    # Passed in the environment (not in the command lines, which ps shows). The internal hops use a secret
-    # of this run unless one is configured, so that no other local process can call the internal ports.
-    if config.api_key:
-        os.environ["FLATWIRE_API_KEY"] = config.api_key
-    if config.admin_api_key:
-        os.environ["FLATWIRE_ADMIN_API_KEY"] = config.admin_api_key
-    if not (os.environ.get("FLATWIRE_INTERNAL_SECRET") or os.environ.get("FLATWIRE_INTERNAL_SECRET_FILE")):
-        os.environ["FLATWIRE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
+    model = [] if shared.model else ["--model", str(model_dir)]
+    # The internal hops use a secret of this run unless one is configured, so that no other local process can
+    # call the internal ports.
+    if not (shared.internal_secret or shared.internal_secret_file):
+        os.environ[env_name("internal_secret")] = secrets.token_urlsafe(32)
     scheduler_port, detokenizer_port = internal_ports(config)
     scheduler = f"127.0.0.1:{scheduler_port}"
     detokenizer = f"127.0.0.1:{detokenizer_port}"
-    common = ["--model", config.model or str(model_dir)]
     commands = {
-        "scheduler": ["--port", str(scheduler_port), "--device", config.device, *common],
-        "detokenizer": ["--port", str(detokenizer_port), "--schedulers", scheduler, *common],
+        "scheduler": ["--host", "127.0.0.1", "--port", str(scheduler_port)],
+        "detokenizer": ["--host", "127.0.0.1", "--port", str(detokenizer_port), "--schedulers", scheduler],
         "gateway": ["--host", config.host, "--port", str(config.port), "--grpc-port", str(config.grpc_port),
-                    "--schedulers", scheduler, "--detokenizers", detokenizer, *common],
+                    "--schedulers", scheduler, "--detokenizers", detokenizer],
     }
-    services = [Supervised(name, [sys.executable, "-m", "services", name, *args], config.restart_delay_s)
-                for name, args in commands.items()]
+    services = [Supervised(name, [sys.executable, "-m", "services", name, *args, *model, *flags[name]],
+                           config.restart_delay_s) for name, args in commands.items()]
     deadline = time.monotonic() + config.startup_timeout_s
     http = f"http://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:{config.port}"
     try:
@@ -159,7 +229,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         _wait(lambda: check_health(scheduler), "the scheduler", procs, deadline)
         _wait(lambda: check_health(detokenizer), "the detokenizer", procs, deadline)
         _wait(lambda: _http_ok(f"{http}/health"), "the gateway", procs, deadline)
-        print(f"\nflatwire is up (model {model_name(config.model, model_dir)} from {model_dir})\n"
+        print(f"\nflatwire is up (model {model_name(shared.model, model_dir)} from {model_dir})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"
               f"  Ctrl-C stops all three; a service that crashes is restarted.\n", flush=True)

@@ -3,20 +3,28 @@
 No Docker engine here: `docker-compose config` validates the file, and each service's
 declared command and environment are started as processes on loopback (compose
 hostnames -> 127.0.0.1, declared ports -> free ones), in depends_on order, each
-waited on with its own declared healthcheck.
+waited on with its own declared healthcheck. `--scale scheduler=2` is two scheduler
+processes, the name `scheduler` standing for both addresses (what its DNS name resolves
+to). Under load, the detokenizer is killed and started again with its own command, as
+the restart policy does: every request still completes, with the undisturbed run's output.
 """
 
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from graphlib import TopologicalSorter
 from pathlib import Path
 
 import grpc
 import httpx
+import orjson
 import pytest
 import yaml
 
@@ -25,7 +33,6 @@ from services.common.config import env_name
 from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
-from services.replica import ReplicaConfig
 from services.scheduler.config import SchedulerConfig
 from tests.procs import ROOT, ServiceProcess, free_port
 
@@ -33,12 +40,13 @@ pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
-# Each compose service: its `flatwire` command, and the configs that read its environment (`flatwire replica`
-# passes its own to the scheduler and the detokenizer it runs).
-COMMANDS = {"scheduler": "replica", "gateway": "gateway"}
-CONFIGS = {"scheduler": (ReplicaConfig, SchedulerConfig, DetokenizerConfig), "gateway": (GatewayConfig,)}
+CONFIGS = {"scheduler": SchedulerConfig, "detokenizer": DetokenizerConfig, "gateway": GatewayConfig}
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "0.0.0.0"}
 HEALTH_WAIT_S = 180.0
+SCALE = {"scheduler": 2}  # `docker compose up --scale scheduler=2`
+DETOKENIZER_RESTART_S = 6.0  # a detokenizer's start on this 2-core machine, mostly loading the vocabulary
+REQUESTS = 24  # in flight at once, every other one streaming
+TOKENS = 96
 
 
 def load(path: Path) -> dict:
@@ -70,28 +78,36 @@ def test_deployment_rules(services):
     assert set(services) == set(CONFIGS)
     for name, service in services.items():
         assert ("ports" in service) == (name == "gateway"), f"{name}: only the gateway publishes ports"
-        assert service["healthcheck"]["test"][:3] == ["CMD", "flatwire", "health"], name
-        for dependency, rule in service.get("depends_on", {}).items():
-            assert rule == {"condition": "service_healthy"}, f"{name} -> {dependency}"
-        # Configured only through variables its own configs read.
-        known = {env_name(field) for config in CONFIGS[name] for field in config.__dataclass_fields__}
+        assert service["command"] == ["flatwire", name], name
+        assert service["restart"] in ("unless-stopped", "on-failure"), name
+        port = service["environment"]["FLATWIRE_PORT"]
+        expected = ["grpc", f"127.0.0.1:{port}"] if name != "gateway" else ["http", f"http://127.0.0.1:{port}/health"]
+        assert service["healthcheck"]["test"] == ["CMD", "flatwire", "health", *expected], name
+        # Configured only through variables its own config reads.
+        known = {env_name(field) for field in CONFIGS[name].__dataclass_fields__}
         assert set(service["environment"]) <= known, f"{name}: unknown {set(service['environment']) - known}"
+    # The gateway waits for a healthy path; the detokenizer may start with the scheduler (it connects when it can).
+    assert services["gateway"]["depends_on"] == {name: {"condition": "service_healthy"}
+                                                 for name in ("scheduler", "detokenizer")}
+    assert services["detokenizer"]["depends_on"] == {"scheduler": {"condition": "service_started"}}
     # `--scale scheduler=N` needs no fixed name and no host port.
     assert "container_name" not in services["scheduler"] and "ports" not in services["scheduler"]
-    # The gateway reaches every replica's scheduler and detokenizer by the service name, which resolves to all of
-    # them; each replica's detokenizer follows its own scheduler (`flatwire replica`).
-    gateway, replica = services["gateway"]["environment"], services["scheduler"]["environment"]
-    assert gateway["FLATWIRE_SCHEDULERS"] == f"scheduler:{replica['FLATWIRE_SCHEDULER_PORT']}"
-    assert gateway["FLATWIRE_DETOKENIZERS"] == f"scheduler:{replica['FLATWIRE_DETOKENIZER_PORT']}"
-    assert "FLATWIRE_SCHEDULERS" not in replica
+    # The detokenizer and the gateway reach every scheduler replica by the service name, which resolves to all.
+    env = {name: service["environment"] for name, service in services.items()}
+    scheduler = f"scheduler:{env['scheduler']['FLATWIRE_PORT']}"
+    assert env["detokenizer"]["FLATWIRE_SCHEDULERS"] == env["gateway"]["FLATWIRE_SCHEDULERS"] == scheduler
+    assert env["gateway"]["FLATWIRE_DETOKENIZERS"] == f"detokenizer:{env['detokenizer']['FLATWIRE_PORT']}"
+    # A detokenizer restart is within the gateway's hop timeout, and what it missed within the replay window.
+    hop_timeout_s = float(env["gateway"].get("FLATWIRE_HOP_TIMEOUT_S", GatewayConfig.hop_timeout_s))
+    replay_window_s = float(env["scheduler"].get("FLATWIRE_REPLAY_WINDOW_S", SchedulerConfig.replay_window_s))
+    assert 2 * DETOKENIZER_RESTART_S < hop_timeout_s < replay_window_s
     # One internal secret for all three: from one variable, else one file on a volume all of them mount.
-    secret_file = services["scheduler"]["environment"]["FLATWIRE_INTERNAL_SECRET_FILE"]
+    secret_file = env["scheduler"]["FLATWIRE_INTERNAL_SECRET_FILE"]
     for name, service in services.items():
-        environment = service["environment"]
-        assert environment["FLATWIRE_INTERNAL_SECRET"] == "${FLATWIRE_INTERNAL_SECRET:-}", name
-        assert environment["FLATWIRE_INTERNAL_SECRET_FILE"] == secret_file, name
+        assert service["environment"]["FLATWIRE_INTERNAL_SECRET"] == "${FLATWIRE_INTERNAL_SECRET:-}", name
+        assert service["environment"]["FLATWIRE_INTERNAL_SECRET_FILE"] == secret_file, name
         assert any(volume.split(":")[1] == str(Path(secret_file).parent) for volume in service["volumes"]), name
-    assert services["gateway"]["environment"]["FLATWIRE_API_KEY"] == "${API_KEY:-}"
+    assert env["gateway"]["FLATWIRE_API_KEY"] == "${API_KEY:-}"
 
 
 def test_gpu_override_reserves_a_gpu_for_the_scheduler(services):
@@ -106,33 +122,38 @@ def test_gpu_override_reserves_a_gpu_for_the_scheduler(services):
 
 
 class LocalCompose:
-    """Compose addresses rewritten for processes sharing one loopback."""
+    """Compose addresses rewritten for processes sharing one loopback, each service's replicas on ports of their
+    own."""
 
-    def __init__(self, services: dict, model_dir: Path, volume_dir: Path):
+    def __init__(self, services: dict, model_dir: Path, volume_dir: Path, scale: dict[str, int]):
         self.services = services
         self.model_dir = model_dir
         self.volume_dir = volume_dir  # stands for the volumes other than the models'
-        self.ports: dict[tuple[str, int], int] = {}  # (service, declared port) -> local port
+        self.replicas = {name: scale.get(name, 1) for name in services}
+        self.ports: dict[tuple[str, int, int], int] = {}  # (service, replica, declared port) -> local port
         for name, service in services.items():
             for key, value in service["environment"].items():
                 if key.endswith("PORT"):
-                    self.ports[name, int(value)] = free_port()
+                    for replica in range(self.replicas[name]):
+                        self.ports[name, replica, int(value)] = free_port()
 
-    def address(self, text: str, service: str) -> str:
-        """host:port in a value -> 127.0.0.1:local port (a loopback host means the service itself)."""
+    def address(self, text: str, service: str, replica: int) -> str:
+        """host:port in a value -> 127.0.0.1:local port: a loopback host is this replica, a service name stands
+        for each of its replicas (comma-separated, as the name resolves to all of them)."""
         def local(match: re.Match) -> str:
             host, port = match.group(1), int(match.group(2))
-            owner = service if host in LOOPBACK_NAMES else host
-            assert owner in self.services, f"{service}: {host} is neither a service nor loopback"
-            return f"127.0.0.1:{self.ports[owner, port]}"
+            if host in LOOPBACK_NAMES:
+                return f"127.0.0.1:{self.ports[service, replica, port]}"
+            assert host in self.services, f"{service}: {host} is neither a service nor loopback"
+            return ",".join(f"127.0.0.1:{self.ports[host, other, port]}" for other in range(self.replicas[host]))
         return re.sub(r"([\w.-]+):(\d+)", local, text)
 
-    def environment(self, service: str) -> dict[str, str]:
+    def environment(self, service: str, replica: int) -> dict[str, str]:
         env = {}
         for key, raw in self.services[service]["environment"].items():
             value = interpolate(str(raw))
             if key.endswith("PORT"):
-                value = str(self.ports[service, int(value)])
+                value = str(self.ports[service, replica, int(value)])
             elif key == "FLATWIRE_HOST":
                 value = "127.0.0.1"
             elif key == "FLATWIRE_MODEL":
@@ -142,58 +163,156 @@ class LocalCompose:
             elif key == "FLATWIRE_INTERNAL_SECRET_FILE":
                 value = str(self.volume_dir / Path(value).name)
             else:
-                value = self.address(value, service)
+                value = self.address(value, service, replica)
             env[key] = value
         return env
 
-    def healthcheck(self, service: str) -> list[str]:
+    def healthcheck(self, service: str, replica: int) -> list[str]:
         kind, program, *args = self.services[service]["healthcheck"]["test"]
         assert kind == "CMD" and program == "flatwire", f"{service}: healthcheck {kind} {program}"
-        return [sys.executable, "-m", "services", *(self.address(arg, service) for arg in args)]
+        return [sys.executable, "-m", "services", *(self.address(arg, service, replica) for arg in args)]
 
     def start_order(self) -> list[str]:
         graph = {name: set(service.get("depends_on", {})) for name, service in self.services.items()}
         return list(TopologicalSorter(graph).static_order())
 
-
-def wait_healthy(proc: ServiceProcess, check: list[str]) -> None:
-    deadline = time.monotonic() + HEALTH_WAIT_S
-    while subprocess.run(check, cwd=ROOT, capture_output=True, timeout=30).returncode != 0:
-        assert proc.proc.poll() is None, f"{proc.command} exited:\n{proc.log()[-4000:]}"
-        assert time.monotonic() < deadline, f"{proc.command} unhealthy after {HEALTH_WAIT_S}s:\n{proc.log()[-4000:]}"
-        time.sleep(0.5)
+    def local_port(self, service: str, replica: int = 0, key: str = "FLATWIRE_PORT") -> int:
+        return self.ports[service, replica, int(self.services[service]["environment"][key])]
 
 
-def test_declared_services_serve_generate(services, model_dir, log_dir, monkeypatch, tmp_path):
-    # Only the declared environment may configure the services: none of this shell's FLATWIRE_*.
-    for key in [key for key in os.environ if key.startswith("FLATWIRE_")]:
-        monkeypatch.delenv(key)
-    compose = LocalCompose(services, model_dir, tmp_path)
-    order = compose.start_order()
-    assert order == ["scheduler", "gateway"]
-    started = []
-    try:
-        for name in order:
-            program, command, *args = services[name]["command"]
-            assert program == "flatwire" and command == COMMANDS[name]
-            proc = ServiceProcess(command, args, log_dir, compose.environment(name))
-            started.append(proc)
-            wait_healthy(proc, compose.healthcheck(name))
-        http_port = compose.ports["gateway", int(services["gateway"]["environment"]["FLATWIRE_PORT"])]
-        reply = httpx.post(f"http://127.0.0.1:{http_port}/generate", timeout=60,
-                           json={"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["meta_info"]["completion_tokens"] == 4
-        # With no FLATWIRE_INTERNAL_SECRET, the first service generated one that all of them use.
-        secret = (tmp_path / "internal-secret").read_text().strip()
-        replica = services["scheduler"]["environment"]
-        scheduler_port = compose.ports["scheduler", int(replica["FLATWIRE_SCHEDULER_PORT"])]
-        with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats
-            with pytest.raises(grpc.RpcError) as refused:
-                stats(scheduler_pb2.StatsRequest(), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            stats(scheduler_pb2.StatsRequest(), timeout=10, metadata=[(SECRET_METADATA, secret)])
-    finally:
-        for proc in reversed(started):
+class Deployment:
+    """The compose services running as processes: one per replica, each startable again with its command."""
+
+    def __init__(self, compose: LocalCompose, log_dir: Path):
+        self.compose = compose
+        self.log_dir = log_dir
+        self.procs: dict[tuple[str, int], ServiceProcess] = {}
+
+    def start(self, service: str, replica: int = 0) -> None:
+        program, command, *args = self.compose.services[service]["command"]
+        assert program == "flatwire" and command == service
+        self.procs[service, replica] = ServiceProcess(command, args, self.log_dir,
+                                                      self.compose.environment(service, replica))
+
+    def wait_healthy(self, service: str) -> None:
+        for replica in range(self.compose.replicas[service]):
+            proc, check = self.procs[service, replica], self.compose.healthcheck(service, replica)
+            deadline = time.monotonic() + HEALTH_WAIT_S
+            while subprocess.run(check, cwd=ROOT, capture_output=True, timeout=30).returncode != 0:
+                assert proc.proc.poll() is None, f"{service} exited:\n{proc.log()[-4000:]}"
+                assert time.monotonic() < deadline, f"{service} unhealthy after {HEALTH_WAIT_S}s:\n{proc.log()[-4000:]}"
+                time.sleep(0.5)
+
+    def up(self) -> None:
+        """As `docker compose up`: each service once its service_healthy dependencies are healthy."""
+        healthy: set[str] = set()
+        for service in self.compose.start_order():
+            for dependency, rule in self.compose.services[service].get("depends_on", {}).items():
+                if rule["condition"] == "service_healthy" and dependency not in healthy:
+                    self.wait_healthy(dependency)
+                    healthy.add(dependency)
+            for replica in range(self.compose.replicas[service]):
+                self.start(service, replica)
+        for service in self.compose.services.keys() - healthy:
+            self.wait_healthy(service)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs.values()):
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(services, model_dir, log_dir, tmp_path_factory) -> Iterator[Deployment]:
+    with pytest.MonkeyPatch.context() as env:
+        # Only the declared environment may configure the services: none of this shell's FLATWIRE_*.
+        for key in [key for key in os.environ if key.startswith("FLATWIRE_")]:
+            env.delenv(key)
+        running = Deployment(LocalCompose(services, model_dir, tmp_path_factory.mktemp("volume"), SCALE), log_dir)
+        try:
+            running.up()
+            yield running
+        finally:
+            running.stop()
+
+
+def scheduler_stats(deployment: Deployment) -> list[scheduler_pb2.SchedulerStats]:
+    secret = (deployment.compose.volume_dir / "internal-secret").read_text().strip()
+    stats = []
+    for replica in range(deployment.compose.replicas["scheduler"]):
+        with grpc.insecure_channel(f"127.0.0.1:{deployment.compose.local_port('scheduler', replica)}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            stats.append(stub.GetStats(scheduler_pb2.StatsRequest(), timeout=10,
+                                       metadata=[(SECRET_METADATA, secret)]))
+    return stats
+
+
+def test_declared_services_serve_generate(deployment):
+    reply = httpx.post(f"http://127.0.0.1:{deployment.compose.local_port('gateway')}/generate", timeout=60,
+                       json={"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["meta_info"]["completion_tokens"] == 4
+    # With no FLATWIRE_INTERNAL_SECRET, the first service generated one that all of them use.
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.compose.local_port('scheduler')}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(scheduler_stats(deployment)) == SCALE["scheduler"]
+
+
+def generate(url: str, i: int, streaming: threading.Event) -> tuple[str, list[int], dict]:
+    """Request i's text, output ids and finish_reason; every other request streams (and sets `streaming` once it
+    has tokens)."""
+    body = {"text": f"request {i}: once upon a time", "stream": i % 2 == 1,
+            "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}}
+    if not body["stream"]:
+        reply = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        result = reply.json()
+    else:
+        result = {}
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as reply:
+            assert reply.status_code == 200, reply.read()
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    result = orjson.loads(line[6:])  # cumulative: the last event has the whole output
+                    assert "error" not in result, result
+                    if len(result["output_ids"]) >= 8:
+                        streaming.set()
+    assert result["meta_info"]["completion_tokens"] == TOKENS
+    return result["text"], result["output_ids"], result["meta_info"]["finish_reason"]
+
+
+def run_load(url: str, during=None) -> list[tuple[str, list[int], dict]]:
+    """REQUESTS at once; `during()` runs once a stream has tokens, while they are all in flight."""
+    streaming = threading.Event()
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        results = [pool.submit(generate, url, i, streaming) for i in range(REQUESTS)]
+        if during is not None:
+            assert streaming.wait(60), "no stream got tokens"
+            assert not any(result.done() for result in results), "the load ended before the fault"
+            during()
+        return [result.result() for result in results]
+
+
+def test_a_detokenizer_killed_under_load_loses_nothing(deployment):
+    """kill -9 of the detokenizer mid-load, then its restart (as the restart policy does): the scheduler replays
+    what the new one missed, and every request of both schedulers completes with its undisturbed output."""
+    url = f"http://127.0.0.1:{deployment.compose.local_port('gateway')}"
+    finished_before = [stats.finished for stats in scheduler_stats(deployment)]
+    reference = run_load(url)
+    restarted = []
+
+    def kill_and_restart() -> None:
+        os.kill(deployment.procs["detokenizer", 0].proc.pid, signal.SIGKILL)
+        deployment.procs["detokenizer", 0].stop()  # reaps it
+        started = time.monotonic()
+        deployment.start("detokenizer")
+        deployment.wait_healthy("detokenizer")
+        restarted.append(time.monotonic() - started)
+
+    assert run_load(url, kill_and_restart) == reference
+    assert all(reason["type"] == "length" for _, _, reason in reference)
+    print(f"\ndetokenizer back after {restarted[0]:.1f}s")
+    # Both schedulers took requests of each run, and every one of them was decoded.
+    finished = [stats.finished - before for stats, before in zip(scheduler_stats(deployment), finished_before)]
+    assert sum(finished) == 2 * REQUESTS and all(finished), finished

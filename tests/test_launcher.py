@@ -1,5 +1,5 @@
 """`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C; two run
-side by side on their own internal ports."""
+side by side on their own internal ports; it takes every option of the services and passes those given on."""
 
 import os
 import signal
@@ -12,20 +12,22 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.config import env_name
 from services.common.rpc import check_health
-from services.launcher import Supervised, UpConfig, internal_ports
+from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
 from tests.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
 from tests.procs import ROOT, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 
-def _launch(model: str, log_path: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict[str, int]]:
+def _launch(model: str, log_path: Path, env: dict[str, str] | None = None,
+            options: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[str, int]]:
     """`flatwire up` on free public ports, its internal ports left to it."""
     ports = {name: free_port() for name in ("port", "grpc-port")}
     args = [f"--{name}={port}" for name, port in ports.items()]
     with open(log_path, "w") as log:
-        up = subprocess.Popen([sys.executable, "-m", "services", "up", "--model", model, *args],
+        up = subprocess.Popen([sys.executable, "-m", "services", "up", "--model", model, *args, *options],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     return up, ports
 
@@ -184,3 +186,62 @@ def test_two_launchers_side_by_side(model_dir, tmp_path):
             elif up.poll() is None:  # the other one did not come up
                 up.send_signal(signal.SIGINT)
                 up.wait(timeout=30)
+
+
+def test_up_help_lists_every_service_option_by_service():
+    result = subprocess.run([sys.executable, "-m", "services", "up", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())  # argparse wraps lines
+    for flag in ("--max-running-requests", "--stream-interval", "--stall-timeout-s", "--resolve-interval-s",
+                 "--restart-delay-s", "[env FLATWIRE_MAX_RUNNING_REQUESTS]"):
+        assert flag in help_text
+    for group in ("all three services", "scheduler (options", "detokenizer (options", "gateway (options",
+                  "scheduler and detokenizer (options"):
+        assert group in help_text
+    # Every field of every service's config but the addresses the launcher sets itself.
+    for cls in SERVICES.values():
+        for field in cls.__dataclass_fields__:
+            if field not in ("host", "port", "grpc_port", "schedulers", "detokenizers"):
+                assert f"--{field.replace('_', '-')} " in help_text, field
+
+
+def test_given_options_go_to_the_services_that_have_them():
+    assert set(service_options()["stall_timeout_s"]) == {"scheduler", "detokenizer"}
+    assert set(service_options()["log_level"]) == set(SERVICES)
+    config, flags, env = parse_up(["--max-running-requests", "3", "--stall-timeout-s=2", "--stream-interval", "4",
+                                   "--incremental-streaming-output", "--api-key", "k", "--log-level", "debug",
+                                   "--restart-delay-s", "5", "--port", "8000"], "flatwire up")
+    assert (config.restart_delay_s, config.port) == (5, 8000)
+    assert {service: set(given) for service, given in flags.items()} == {
+        "scheduler": {"--max-running-requests=3", "--stall-timeout-s=2", "--log-level=debug"},
+        "detokenizer": {"--stall-timeout-s=2", "--log-level=debug"},
+        "gateway": {"--stream-interval=4", "--incremental-streaming-output=true", "--log-level=debug"},
+    }
+    assert env == {"FLATWIRE_API_KEY": "k"}  # secrets travel in the environment, not on command lines
+    assert parse_up([], "flatwire up") == (UpConfig(), {service: [] for service in SERVICES}, {})
+
+
+def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, tmp_path):
+    """A flag given to `flatwire up` reaches its service; a FLATWIRE_* variable still reaches it unchanged; a
+    secret is on no command line."""
+    log_path = tmp_path / "up.log"
+    env = {**os.environ, env_name("max_top_logprobs"): "7"}
+    up, ports = _launch(str(model_dir), log_path, env, ("--engine", "synthetic", "--max-running-requests", "3",
+                                                         "--stream-interval", "2", "--api-key", "up-test-key"))
+    try:
+        _wait_up(up, ports, log_path)
+        info = httpx.get(f"http://127.0.0.1:{ports['port']}/server_info", timeout=10,
+                         headers={"Authorization": "Bearer up-test-key"}).json()
+        assert (info["max_running_requests"], info["max_top_logprobs"]) == (3, 7)
+        argv = {service: _child_argv(up.pid, service) for service in SERVICES}
+        assert "--max-running-requests=3" in argv["scheduler"] and "--stream-interval=2" in argv["gateway"]
+        assert not any("--stream-interval=2" in arg for arg in argv["scheduler"] + argv["detokenizer"])
+        assert not any("up-test-key" in arg for args in argv.values() for arg in args)
+        stream = httpx.post(f"http://127.0.0.1:{ports['port']}/generate", timeout=60,
+                            headers={"Authorization": "Bearer up-test-key"},
+                            json={"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 6}})
+        events = [line for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert len(events) == 3  # 6 tokens, 2 per event (--stream-interval 2)
+    finally:
+        _stop_up(up, ports, log_path)
