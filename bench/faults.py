@@ -39,10 +39,10 @@ import numpy as np
 import orjson
 import pybase64
 from flatwire_client import FlatwireClient
+from flatwire_wire.control import EMPTY
+from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
+from flatwire_wire.steps import StepMessage
 
-from services.common.arrays import block_offsets, decode_block, request_slice
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
-from services.common.steps import token_offsets
 from tests.procs import ServiceProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,9 +103,9 @@ class Pipeline:
                 raise TimeoutError("the gateway did not become healthy")
             time.sleep(0.2)
 
-    def stats(self) -> scheduler_pb2.SchedulerStats:
+    def stats(self) -> SchedulerStats:
         with grpc.insecure_channel(self.scheduler) as channel:
-            return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+            return SCHEDULER.calls(channel)["GetStats"](EMPTY, timeout=10)
 
     def close(self) -> None:
         for proc in [*self.procs.values(), *self._old]:
@@ -141,7 +141,7 @@ class Tap:
         self.requests: dict[str, Produced] = defaultdict(Produced)
         self.last_step = 0
         self._channel = grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 1 << 30)])
-        self._call = scheduler_pb2_grpc.SchedulerStub(self._channel).StreamSteps(scheduler_pb2.StreamStepsRequest())
+        self._call = SCHEDULER.calls(self._channel)["StreamSteps"](EMPTY)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -152,22 +152,16 @@ class Tap:
         except grpc.RpcError:
             pass  # cancelled, or the scheduler died
 
-    def _record(self, step: scheduler_pb2.StepOutput) -> None:
+    def _record(self, step: StepMessage) -> None:
         self.last_step = max(self.last_step, step.step)
-        arrays = decode_block(step.output) if step.output.rows else None
-        offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts) if arrays else None
-        tokens = list(step.token_ids)
-        for i, (rid, position, count, first) in enumerate(zip(step.rids, step.positions, step.counts,
-                                                              token_offsets(step.counts))):
+        for i, (rid, position) in enumerate(zip(step.rids, step.positions)):
             produced = self.requests[rid]
-            entry = request_slice(arrays, offsets, i) if arrays is not None else None
-            for j in range(count):
-                produced.tokens[position + j] = tokens[first + j]
-                if entry is not None and len(entry.token_logprobs):
-                    k = int(entry.topk[0])
+            entry = step.output.request(i) if step.output is not None else None
+            for j, token in enumerate(step.entry_tokens(i)):
+                produced.tokens[position + j] = token
+                if entry is not None and entry.n:
                     produced.rows[position + j] = (entry.token_logprobs[j:j + 1].tobytes(),
-                                                   entry.topk_values[j * k:(j + 1) * k].tobytes(),
-                                                   entry.topk_ids[j * k:(j + 1) * k].tobytes())
+                                                   entry.topk_values[j].tobytes(), entry.topk_ids[j].tobytes())
         for finish in step.finished:
             self.requests[finish.rid].output_tokens = finish.output_tokens
 

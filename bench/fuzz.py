@@ -35,9 +35,14 @@ from pathlib import Path
 import grpc
 import httpx
 import orjson
+from flatwire_wire.control import EMPTY
+from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
+from flatwire_wire.public import GENERATION, GenerateRequest
+from flatwire_wire.public import SamplingParams as PublicSamplingParams
+from flatwire_wire.rpc import ServiceSpec
+from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, TokenizedRequest
 
 from bench.faults import Pipeline, running
-from services.common.pb import detokenizer_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_TIMEOUT_S = 30.0
@@ -219,16 +224,20 @@ def schema_fuzz(client: httpx.Client, path: str, schema: dict, cases: int, tally
 
 def grpc_methods(pipeline: Pipeline) -> dict[str, list[tuple[str, str, bytes]]]:
     """service -> [(address, method path, a valid request)]."""
-    submit = scheduler_pb2.TokenizedRequest(rid="fuzz", owner="fuzz", input_ids=[9707],
-                                            sampling=scheduler_pb2.SamplingParams(max_new_tokens=1))
+    submit = TokenizedRequest(rid="fuzz", owner="fuzz", input_ids=[9707], sampling=SamplingParams(max_new_tokens=1))
+
+    def valid(spec: ServiceSpec, name: str, request) -> tuple[str, bytes]:
+        return spec.methods[name].path, spec.methods[name].encode_request(request)
+
+    scheduler = [valid(SCHEDULER, "Submit", submit), valid(SCHEDULER, "Abort", AbortRequest(rid="x")),
+                 *(valid(SCHEDULER, name, EMPTY) for name in ("StreamSteps", "GetModelInfo", "GetStats"))]
+    generate = GenerateRequest(text="Hi", sampling=PublicSamplingParams(max_new_tokens=1))
+    gateway = [valid(GENERATION, "Generate", generate), valid(GENERATION, "GetModelInfo", EMPTY)]
     return {
-        "scheduler": [(pipeline.scheduler, f"/flatwire.v1.Scheduler/{name}", valid) for name, valid in (
-            ("Submit", submit.SerializeToString()), ("Abort", scheduler_pb2.AbortRequest(rid="x").SerializeToString()),
-            ("StreamSteps", b""), ("GetModelInfo", b""), ("GetStats", b""))],
-        "detokenizer": [(pipeline.detokenizer, "/flatwire.v1.Detokenizer/StreamOutputs",
-                         detokenizer_pb2.StreamOutputsRequest(owner="fuzz").SerializeToString())],
-        "gateway": [(pipeline.grpc_address, "/flatwire.v1.Generation/Generate", b"\x0a\x02Hi\x1a\x02\x08\x01"),
-                    (pipeline.grpc_address, "/flatwire.v1.Generation/GetModelInfo", b"")],
+        "scheduler": [(pipeline.scheduler, path, data) for path, data in scheduler],
+        "detokenizer": [(pipeline.detokenizer, *valid(DETOKENIZER, "StreamOutputs",
+                                                      StreamOutputsRequest(owner="fuzz")))],
+        "gateway": [(pipeline.grpc_address, path, data) for path, data in gateway],
     }
 
 

@@ -1,10 +1,10 @@
 """Hop benchmark (issue 4, item 2): one StepOutput across a real gRPC hop.
 
-For B requests x k top-k per step: encode (numpy -> encode_block ->
-SerializeToString, as the scheduler does), transport (Scheduler/StreamSteps
+For B requests x k top-k per step: encode (numpy -> LogprobBlock.of_rows ->
+StepMessage -> bytes, as the scheduler does), transport (Scheduler/StreamSteps
 server-streaming on loopback from a child process, many messages, amortised per
-message) and decode (FromString -> decode_block -> per-request slices, as the
-gateway does). Beside it, the same data as SGLang's nested Python lists through
+message) and decode (bytes -> StepMessage -> per-request views of its block, as
+the gateway does). Beside it, the same data as SGLang's nested Python lists through
 pickle (what its ZMQ hops carried; ZMQ itself is not installed here, so only
 serialization is compared), and the prompt-side case of 32768 positions x k=2.
 
@@ -13,6 +13,7 @@ serialization is compared), and the prompt-side case of 32768 positions x k=2.
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing
 import pickle
 import signal
@@ -22,15 +23,17 @@ from typing import Callable
 
 import grpc
 import numpy as np
+from flatwire_wire.control import EMPTY
+from flatwire_wire.logprobs import F32, I32, LogprobBlock, LogprobRows
+from flatwire_wire.scheduler import SCHEDULER
+from flatwire_wire.steps import StepMessage
+from flatwire_wire.steps import decode_step as decode_message
 
 from bench.common import Interleaved, Progress, Table, Timing, fmt_bytes, fmt_ratio, fmt_time, write_results
-from services.common.arrays import F32, I32, LogprobArrays, encode_block
-from services.common.pb import scheduler_pb2
 from services.common.rpc import DEFAULT_MAX_MESSAGE_MB, create_channel, create_server
-from services.gateway.accumulator import MessageRows
 
 VOCAB = 248077  # the Qwen3.5 vocabulary of the default model
-STREAM_METHOD = "/flatwire.v1.Scheduler/StreamSteps"
+STREAM = SCHEDULER.methods["StreamSteps"]
 STREAM_SECONDS = 0.15  # target length of one streamed run; sets the message count
 
 
@@ -78,34 +81,26 @@ def make_step(shape: Shape, seed: int = 0) -> StepArrays:
 
 def encode_step(step: StepArrays, number: int = 0) -> bytes:
     shape = step.shape
-    per_request = np.full(shape.requests, 1, dtype=np.int64)
-    block = encode_block(LogprobArrays(
-        rows=per_request * shape.rows,
-        null_prefix=np.zeros(shape.requests if shape.prompt else 0, dtype=np.int64),
-        token_logprobs=step.token_logprobs,
-        topk=per_request * shape.k,
-        topk_values=step.topk_values.reshape(-1),
-        topk_ids=step.topk_ids.reshape(-1),
-        id_counts=per_request * 0,
-        ids_logprobs=np.zeros(0, dtype=F32),
-    ))
+    no_ids = np.zeros((shape.rows, 0), dtype=F32)
+    block = LogprobBlock.of_rows([
+        LogprobRows(step.token_logprobs[at:at + shape.rows], step.topk_values[at:at + shape.rows],
+                    step.topk_ids[at:at + shape.rows], no_ids)
+        for at in range(0, shape.requests * shape.rows, shape.rows)])
     if shape.prompt:
-        message = scheduler_pb2.StepOutput(step=number, prompt_rids=step.rids, prompt=block)
+        message = StepMessage(step=number, prompt_rids=step.rids, prompt=block)
     else:
-        message = scheduler_pb2.StepOutput(step=number, rids=step.rids, token_ids=step.token_ids.tolist(),
-                                           positions=[number] * len(step.rids), counts=[1] * len(step.rids),
-                                           output=block)
-    return message.SerializeToString()
+        message = StepMessage(step=number, rids=step.rids, token_ids=step.token_ids.tolist(),
+                              positions=[number] * len(step.rids), counts=[1] * len(step.rids), output=block)
+    return message.encoded
 
 
 def decode_step(data: bytes) -> list:
-    """Parse and split per request, as the gateway's dispatch does (MessageRows: numpy views per entry)."""
-    message = scheduler_pb2.StepOutput.FromString(data)
-    if message.prompt_rids:
-        prompt = MessageRows.of(message.prompt)
-        return [(rid, prompt.entry(i)) for i, rid in enumerate(message.prompt_rids)]
-    output = MessageRows.of(message.output)
-    return [(rid, message.token_ids[i], output.entry(i)) for i, rid in enumerate(message.rids)]
+    """Parse and split per request, as the gateway's dispatch does (numpy views of the block per entry)."""
+    message = decode_message(data)
+    if message.prompt is not None:
+        return [(rid, message.prompt.request(i)) for i, rid in enumerate(message.prompt_rids)]
+    assert message.output is not None
+    return [(rid, message.token_ids[i], message.output.request(i)) for i, rid in enumerate(message.rids)]
 
 
 # ---- SGLang: nested Python lists of (logprob, token_id, text) through pickle ----
@@ -151,10 +146,8 @@ async def _stream_steps(request, context):
 async def _serve(conn) -> None:
     server = create_server(DEFAULT_MAX_MESSAGE_MB)
     # Bytes out (no response serializer): the handler chooses when encoding happens.
-    handler = grpc.unary_stream_rpc_method_handler(
-        _stream_steps, request_deserializer=scheduler_pb2.StreamStepsRequest.FromString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "flatwire.v1.Scheduler", {"StreamSteps": handler}),))
+    handler = grpc.unary_stream_rpc_method_handler(_stream_steps, request_deserializer=STREAM.decode_request)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SCHEDULER.name, {"StreamSteps": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     loop = asyncio.get_running_loop()
@@ -170,8 +163,8 @@ def serve(conn) -> None:
 
 async def stream_once(channel: grpc.aio.Channel, shape: Shape, count: int, mode: str) -> float:
     """Seconds per message, first to last arrival (call setup excluded)."""
-    call = channel.unary_stream(STREAM_METHOD, request_serializer=scheduler_pb2.StreamStepsRequest.SerializeToString)(
-        scheduler_pb2.StreamStepsRequest(), metadata=_metadata(shape, count, mode))
+    call = channel.unary_stream(STREAM.path, request_serializer=STREAM.encode_request)(
+        EMPTY, metadata=_metadata(shape, count, mode))
     first = last = 0.0
     received = 0
     async for data in call:
@@ -257,12 +250,13 @@ def prompt_cases(step: StepArrays) -> dict[tuple[str, str], tuple[int, Callable[
 def breakdown_cases(shape: Shape) -> dict[str, Callable[[], object]]:
     """The gateway side of one hop, step by step (where decode + slice goes)."""
     data = encode_step(make_step(shape))
-    message = scheduler_pb2.StepOutput.FromString(data)
-    rows = MessageRows.of(message.output)
+    message = decode_message(data)
+    assert message.output is not None
+    block = message.output
     return {
-        "StepOutput.FromString": lambda: scheduler_pb2.StepOutput.FromString(data),
-        "MessageRows.of (numpy views, offsets)": lambda: MessageRows.of(message.output),
-        f"entry views x {shape.requests}": lambda: [rows.entry(i) for i in range(shape.requests)],
+        "bytes -> StepMessage": lambda: decode_message(data),
+        "first entry (numpy views, offsets)": lambda: dataclasses.replace(block).request(0),
+        f"entry views x {shape.requests}": lambda: [block.request(i) for i in range(shape.requests)],
     }
 
 
@@ -347,9 +341,9 @@ def tables(results: list[HopResult], prompt: dict, slopes: list[dict], target: H
            breakdown: dict[str, Timing]) -> list[Table]:
     hop = Table("One step across a gRPC hop (Scheduler/StreamSteps, loopback, child process)",
                 ["B", "k", "message", "encode", "transport", "decode + slice", "hop (sum)", "streamed (pipelined)"],
-                "encode: numpy -> encode_block -> SerializeToString. transport: pre-serialized messages "
-                "streamed back to back, per message (first to last arrival). decode + slice: FromString -> "
-                "MessageRows.of -> numpy views per entry, as the gateway dispatches. "
+                "encode: numpy -> LogprobBlock.of_rows -> StepMessage bytes. transport: pre-serialized messages "
+                "streamed back to back, per message (first to last arrival). decode + slice: bytes -> "
+                "StepMessage -> numpy views per entry, as the gateway dispatches. "
                 "hop (sum) = encode + transport + decode, no overlap credited. streamed: the server encodes "
                 "each message from numpy and the client decodes and slices each, per message; server and "
                 "client overlap on the two cores.")

@@ -36,20 +36,31 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 import pybase64
+from flatwire_wire.logprobs import F32, I32, LogprobBlock, LogprobRows, RequestLogprobs
+from flatwire_wire.public import GenerateResponse
+from flatwire_wire.scheduler import LogprobParams, SamplingParams
+from flatwire_wire.steps import (
+    DetokenizeParams,
+    Finish,
+    FinishReason,
+    RequestStart,
+    StepMessage,
+    decode_step,
+    encode_step,
+)
 from transformers import AutoTokenizer
 
 from bench.common import Interleaved, Progress, Table, fmt_bytes, fmt_ratio, fmt_time, write_results
-from services.common.arrays import F32, I32, LogprobArrays, encode_block
 from services.common.model_store import resolve_model
-from services.common.pb import arrays_pb2, generate_pb2, scheduler_pb2
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.gateway.accumulator import Accumulator
 from services.gateway.config import GatewayConfig
 from services.gateway.http.meta_info import base_meta_info
-from services.gateway.pipeline import GenerateInput, GenerationState, PipelineClient
+from services.gateway.pipeline import Chunk, GenerateInput, GenerationState, PipelineClient
 from services.gateway.render import LogprobFormat, chat_logprobs, dumps, logprob_meta_info
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.render.packed import packed_response
+from services.gateway.result import RequestResult
 from services.gateway.token_table import TokenTable
 
 SHAPES = [(160, 128), (1000, 32), (1000, 128)]
@@ -109,28 +120,21 @@ def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, interval: i
         topk_ids[:, :, 0] = ids[:, None]  # greedy: the chosen token is the best candidate
     chosen = values[:, :, 0] if k else -rng.exponential(1.5, (tokens, batch)).astype(F32)
     rids = [f"{i:032x}" for i in range(batch)]
-    per_request = np.ones(batch, dtype=np.int64)
-    detokenize = scheduler_pb2.DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True)
+    detokenize = DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True)
     steps = []
     for n in range(0, tokens, interval):
         count = min(interval, tokens - n)
         request_major = slice(n, n + count)  # [count, batch, ...] -> each request's rows, one request after another
-        message = scheduler_pb2.StepOutput(
+        started = [RequestStart(rid=rid, owner=OWNER, detokenize=detokenize, prompt_tokens=8) for rid in rids]
+        finished = [Finish(rid=rid, reason=FinishReason.LENGTH, output_tokens=tokens) for rid in rids]
+        message = StepMessage(
             step=n, rids=rids, token_ids=np.tile(ids[request_major], batch).tolist(), positions=[n] * batch,
-            counts=[count] * batch,
-            output=encode_block(LogprobArrays(
-                rows=per_request * count, null_prefix=np.zeros(0, np.int64),
-                token_logprobs=chosen[request_major].T.reshape(-1), topk=per_request * k,
-                topk_values=values[request_major].transpose(1, 0, 2).reshape(-1),
-                topk_ids=topk_ids[request_major].transpose(1, 0, 2).reshape(-1), id_counts=per_request * 0,
-                ids_logprobs=np.zeros(0, F32))))
-        if n == 0:
-            message.started.extend(scheduler_pb2.RequestStart(rid=rid, owner=OWNER, detokenize=detokenize,
-                                                              prompt_tokens=8) for rid in rids)
-        if n + count == tokens:
-            message.finished.extend(scheduler_pb2.Finish(rid=rid, reason=arrays_pb2.FINISH_REASON_LENGTH,
-                                                         output_tokens=tokens) for rid in rids)
-        steps.append(message.SerializeToString())
+            counts=[count] * batch, started=started if n == 0 else [],
+            finished=finished if n + count == tokens else [],
+            output=LogprobBlock.of_rows([
+                LogprobRows(chosen[request_major, b], values[request_major, b], topk_ids[request_major, b],
+                            np.zeros((count, 0), F32)) for b in range(batch)]))
+        steps.append(message.encoded)
     return Workload(tokens, k, batch, rids, steps, interval)
 
 
@@ -142,9 +146,9 @@ def detokenize(tokenizer, workload: Workload) -> list[bytes]:
     queue = router.subscribe(OWNER)
     sent = []
     for data in workload.steps:
-        owned, _ = manager.process(scheduler_pb2.StepOutput.FromString(data), SCHEDULER)
+        owned, _ = manager.process(decode_step(data), SCHEDULER)
         router.publish(owned)
-        sent.append(queue.get_nowait().SerializeToString())
+        sent.append(encode_step(queue.get_nowait()))
     return sent
 
 
@@ -152,15 +156,14 @@ def accumulate(pipeline: PipelineClient, workload: Workload, received: list[byte
     """The gateway's receiving side: dispatch every message and take the chunks a request's generator would
     (streaming: one per message; otherwise one, the whole output, at the end)."""
     stream = workload.interval == 1
-    inp = GenerateInput(input_ids=list(range(8)), sampling=scheduler_pb2.SamplingParams(max_new_tokens=workload.tokens),
-                        logprob=scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=workload.k,
-                                                            logprob_start_len=-1),
-                        detokenize=scheduler_pb2.DetokenizeParams(), stream=stream)
+    inp = GenerateInput(input_ids=list(range(8)), sampling=SamplingParams(max_new_tokens=workload.tokens),
+                        logprob=LogprobParams(return_logprob=True, top_logprobs_num=workload.k, logprob_start_len=-1),
+                        detokenize=DetokenizeParams(), stream=stream)
     states = [GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
                            outputs=Accumulator(inp.logprob, workload.tokens)) for rid in workload.rids]
     pipeline._requests = {state.rid: state for state in states}
     for n, data in enumerate(received, 1):
-        pipeline._dispatch(scheduler_pb2.StepOutput.FromString(data))
+        pipeline._dispatch(decode_step(data))
         if stream or n == len(received):
             for state in states:
                 pipeline._take_chunk(state)
@@ -191,14 +194,11 @@ def _chat_body(table: TokenTable) -> Callable[[RequestResult], dict]:
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}}
 
 
-def _packed(result: RequestResult) -> generate_pb2.GenerateResponsePacked:
+def _packed(result: RequestResult) -> GenerateResponse:
     # What the public gRPC Generate returns (services/gateway/grpc_api.py) for a finished request.
-    response = generate_pb2.GenerateResponsePacked(
-        rid=result.rid, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-        token_ids=np.asarray(result.output_ids, dtype=I32).tobytes(), text=result.text,
-        finish_reason=arrays_pb2.FINISH_REASON_LENGTH)
-    response.output.CopyFrom(result.output.to_block())
-    return response
+    whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,
+                  result=result, weight_versions=result.weight_versions)
+    return packed_response(whole, result.prompt_tokens, result.completion_tokens)
 
 
 def _nested_client(body: bytes, loads) -> tuple:
@@ -228,9 +228,9 @@ def _b64_client(body: bytes, loads) -> tuple:
 
 
 def _grpc_client(body: bytes, loads) -> tuple:
-    output = generate_pb2.GenerateResponsePacked.FromString(body).output
-    k = output.topk[0]
-    return (np.frombuffer(output.topk_values, F32).reshape(-1, k), np.frombuffer(output.topk_ids, I32).reshape(-1, k))
+    output = GenerateResponse.from_bytes(body).output_logprobs()
+    assert output is not None
+    return output.topk_values, output.topk_ids
 
 
 def formats(table: TokenTable) -> dict[str, Format]:
@@ -242,7 +242,7 @@ def formats(table: TokenTable) -> dict[str, Format]:
         "SGLang flat JSON": Format(_generate_body(LogprobFormat(**flat), table), dumps, _flat_client),
         "SGLang flat base64": Format(_generate_body(LogprobFormat(**flat, return_flat_raw_top_logprobs_b64=True),
                                                     table), dumps, _b64_client),
-        "gRPC raw (GenerateResponsePacked)": Format(_packed, lambda m: m.SerializeToString(), _grpc_client),
+        "gRPC raw (GenerateResponsePacked)": Format(_packed, GenerateResponse.to_bytes, _grpc_client),
     }
 
 
@@ -253,16 +253,17 @@ NO_CLIENT_JSON = {"gRPC raw (GenerateResponsePacked)"}
 def without_topk(result: RequestResult) -> RequestResult:
     """The same response with k=0: its size is the body's fixed part."""
     o = result.output
-    track = LogprobTrack(o.token_ids, o.token_logprobs, o.topk_values[:, :0], o.topk_ids[:, :0], o.ids_logprobs)
+    track = RequestLogprobs(o.token_logprobs, o.topk_values[:, :0], o.topk_ids[:, :0], o.ids_logprobs,
+                            token_ids=o.token_ids)
     return RequestResult(**{**result.__dict__, "output": track})
 
 
 def truncated(result: RequestResult, tokens: int, k: int) -> RequestResult:
     """The first `tokens` positions and `k` candidates of a finished result."""
     o = result.output
-    track = LogprobTrack(o.token_ids[:tokens], o.token_logprobs[:tokens],
-                         np.ascontiguousarray(o.topk_values[:tokens, :k]),
-                         np.ascontiguousarray(o.topk_ids[:tokens, :k]), o.ids_logprobs[:tokens])
+    track = RequestLogprobs(o.token_logprobs[:tokens], np.ascontiguousarray(o.topk_values[:tokens, :k]),
+                            np.ascontiguousarray(o.topk_ids[:tokens, :k]), o.ids_logprobs[:tokens],
+                            token_ids=o.token_ids[:tokens])
     return RequestResult(**{**result.__dict__, "output": track, "output_ids": result.output_ids[:tokens]})
 
 

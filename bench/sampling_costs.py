@@ -16,16 +16,17 @@ import argparse
 
 import numpy as np
 import torch
+from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
 from bench.common import Interleaved, Table, write_results
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
-from services.common.pb import scheduler_pb2
-from services.scheduler.batch_step import run_step
-from services.scheduler.grammar import Grammars
-from services.scheduler.logit_adjust import AdjustedRow, adjust_logits
-from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import Limits, Request, parse_request
+from services.scheduler.model.batch_step import run_step
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.request import Request
+from services.scheduler.sampling.grammar import Grammars
+from services.scheduler.sampling.logit_adjust import AdjustedRow, adjust_logits
+from services.scheduler.submit import Limits, parse_request
 
 PROMPT_TOKENS = 64
 GRAMMAR = "root ::= [a-z ]+ root"  # no end: the matcher never completes
@@ -43,14 +44,14 @@ def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields
     rng = np.random.default_rng(0)
     requests = []
     for i in range(batch):
-        sampling = scheduler_pb2.SamplingParams(max_new_tokens=100_000, temperature=0.0, **fields)
+        sampling = SamplingParams(max_new_tokens=100_000, temperature=0.0, **fields)
         prompt = rng.integers(0, 100_000, PROMPT_TOKENS).tolist()
-        request = parse_request(scheduler_pb2.TokenizedRequest(rid=f"r{i}", input_ids=prompt, sampling=sampling),
+        request = parse_request(TokenizedRequest(rid=f"r{i}", owner="bench", input_ids=prompt, sampling=sampling),
                                 limits, grammars)
         request.slot = runner.cache.allocate()
         requests.append(request)
-    host = run_step(runner, [], requests, runner.logits_chunk_rows)
-    for request, token in zip(requests, host["next_ids"].tolist()):
+    result = run_step(runner, [], requests, runner.logits_chunk_rows)
+    for request, token in zip(requests, result.next_ids.tolist()):
         request.output_ids.append(token)
     return requests
 

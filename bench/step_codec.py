@@ -1,9 +1,9 @@
 """Scheduler step costs (issue 2's closing numbers).
 
 1. Encoding and decoding one StepOutput for B requests at k=128, through the
-   scheduler's own code: output.step_output(...).SerializeToString() from the host
-   arrays one step copies back; StepOutput.FromString + decode_block (+ one slice
-   per request) on the receiving side.
+   scheduler's own code: each request's pending row from the host arrays one step
+   copies back, then output.step_output.step_message(...) and its bytes; on the
+   receiving side flatwire_wire.steps.decode_step (+ one slice per request).
 2. The default model's decode step on this machine (ModelRunner + batch_step, in
    process, no gRPC): batch 1 and 32, greedy without logprobs, greedy with k=128,
    and seeded sampling (temperature 1, top-p 0.9).
@@ -15,16 +15,19 @@ import argparse
 import time
 
 import numpy as np
+from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import StepMessage, decode_step
 
 from bench.common import Progress, Table, fmt_bytes, fmt_time, measure, timing_of, write_results
-from services.common.arrays import block_offsets, decode_block, request_slice
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
-from services.common.pb import scheduler_pb2
-from services.scheduler.batch_step import run_step
-from services.scheduler.model_runner import ModelRunner
-from services.scheduler.output import step_output
-from services.scheduler.request import Limits, Request, parse_request
+from services.scheduler.model.batch_step import run_step
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.output.step_output import step_message
+from services.scheduler.request import Request
+from services.scheduler.step import StepResult
+from services.scheduler.submit import Limits, parse_request
 
 VOCAB = 248077
 
@@ -32,38 +35,35 @@ VOCAB = 248077
 def make_request(i: int, prompt_len: int, k: int, temperature: float = 0.0, seed: int | None = None) -> Request:
     """A request as the scheduler's Submit validates it; it ships every token (as a streaming one)."""
     rng = np.random.default_rng(i)
-    sampling = scheduler_pb2.SamplingParams(max_new_tokens=1 << 30, temperature=temperature,
+    sampling = SamplingParams(max_new_tokens=1 << 30, temperature=temperature,
                                             top_p=0.9 if temperature else 1.0, seed=seed)
-    message = scheduler_pb2.TokenizedRequest(
+    message = TokenizedRequest(
         rid=f"req-{i:04d}", owner="bench", input_ids=rng.integers(0, 240_000, prompt_len).tolist(), sampling=sampling,
-        logprob=scheduler_pb2.LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=-1))
+        logprob=LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=-1))
     return parse_request(message, Limits(VOCAB, 1 << 20, max(k, 1), (), output_interval=1))
 
 
 def codec(batch: int, k: int) -> dict:
     rng = np.random.default_rng(0)
     requests = [make_request(i, 8, k) for i in range(batch)]
-    host = {
-        "next_ids": rng.integers(0, VOCAB, batch).astype(np.int32),
-        "token_logprobs": -rng.random(batch, dtype=np.float32) * 10,
-        "topk_values": -np.sort(rng.random((batch, k), dtype=np.float32) * 10, axis=1),
-        "topk_ids": rng.integers(0, VOCAB, (batch, k)).astype(np.int32),
-        "ids_logprobs": np.zeros((batch, 0), np.float32),
-    }
+    result = StepResult(next_ids=rng.integers(0, VOCAB, batch).astype(np.int32), output=LogprobRows(
+        -rng.random(batch, dtype=np.float32) * 10, -np.sort(rng.random((batch, k), dtype=np.float32) * 10, axis=1),
+        rng.integers(0, VOCAB, (batch, k)).astype(np.int32), np.zeros((batch, 0), np.float32)))
 
     def encode() -> bytes:
-        return step_output(7, [], requests, host, [], [], "default").SerializeToString()
+        for row, request in enumerate(requests):
+            request.pending.add(int(result.next_ids[row]), result.output, row)
+        return step_message(7, [], requests, result, [], [], "default").encoded
 
     wire = encode()
 
-    def decode():
-        message = scheduler_pb2.StepOutput.FromString(wire)
-        return message, decode_block(message.output)
+    def decode() -> StepMessage:
+        return decode_step(wire)
 
     def decode_and_slice():
-        message, arrays = decode()
-        offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
-        return [request_slice(arrays, offsets, i) for i in range(len(message.rids))]
+        message = decode()
+        assert message.output is not None
+        return [message.output.request(i) for i in range(len(message.rids))]
 
     return {"encode": measure(encode, repeats=9), "decode": measure(decode, repeats=9),
             "decode_and_slice": measure(decode_and_slice, repeats=9), "bytes": len(wire)}
@@ -74,14 +74,14 @@ def decode_steps(runner: ModelRunner, batch: int, k: int, temperature: float, st
     requests = [make_request(i, 32, k, temperature, seed=i if temperature else None) for i in range(batch)]
     for slot, request in enumerate(requests):
         request.slot = slot
-    for request, token in zip(requests, run_step(runner, [], requests, 256)["next_ids"].tolist()):
+    for request, token in zip(requests, run_step(runner, [], requests, 256).next_ids.tolist()):
         request.output_ids.append(token)
     per_step = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(steps):
-            host = run_step(runner, requests, [], 256)
-            for request, token in zip(requests, host["next_ids"].tolist()):
+            result = run_step(runner, requests, [], 256)
+            for request, token in zip(requests, result.next_ids.tolist()):
                 request.output_ids.append(token)
         per_step.append((time.perf_counter() - start) / steps)
     return per_step
@@ -100,8 +100,8 @@ def main() -> None:
     for batch in (32,):
         codecs[batch] = codec(batch, 128)
         progress.step(f"codec B={batch} k=128")
-    codec_table = Table("One StepOutput, k=128", ["requests", "encode (step_output + SerializeToString)",
-                                                   "decode (FromString + decode_block)", "+ a slice per request",
+    codec_table = Table("One StepOutput, k=128", ["requests", "encode (step_message + its bytes)",
+                                                   "decode (bytes -> StepMessage)", "+ a slice per request",
                                                    "bytes"])
     for batch, result in codecs.items():
         codec_table.add(batch, fmt_time(result["encode"].median), fmt_time(result["decode"].median),

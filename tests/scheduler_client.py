@@ -1,5 +1,5 @@
 """A test-side scheduler client: submits requests as one owner and collects that
-owner's outputs from the StepOutput stream (as a detokenizer would)."""
+owner's outputs from the step stream (as a detokenizer would)."""
 
 import threading
 import time
@@ -8,44 +8,45 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from flatwire_wire.control import EMPTY
+from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.scheduler import SCHEDULER, SchedulerStats, TokenizedRequest
+from flatwire_wire.steps import Finish, RequestStart, StepMessage
 
-from services.common.arrays import LogprobArrays, block_offsets, decode_block, request_slice
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import message_options
-from services.common.steps import token_offsets
 
 
 @dataclass
 class Collected:
     """Everything the stream said about one request."""
 
-    start: scheduler_pb2.RequestStart | None = None
+    start: RequestStart | None = None
     start_step: int = -1
     token_ids: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # per token: the step number of the message that carried it
     entries: list[tuple[int, int]] = field(default_factory=list)  # (position, count) of each entry
-    output: list[LogprobArrays] = field(default_factory=list)  # one per entry in messages with an output block
-    prompt: LogprobArrays | None = None
-    finish: scheduler_pb2.Finish | None = None
+    output: list[LogprobRows] = field(default_factory=list)  # one per entry in messages with an output block
+    prompt: LogprobRows | None = None
+    prompt_null_prefix: int = 0
+    finish: Finish | None = None
     finish_step: int = -1
     done: threading.Event = field(default_factory=threading.Event)
 
     def topk(self) -> tuple[np.ndarray, np.ndarray]:
         """Output top-k as [tokens, k] values and ids."""
-        k = int(self.output[0].topk[0])
-        return (np.concatenate([o.topk_values for o in self.output]).reshape(-1, k),
-                np.concatenate([o.topk_ids for o in self.output]).reshape(-1, k))
+        return (np.concatenate([o.topk_values for o in self.output]),
+                np.concatenate([o.topk_ids for o in self.output]))
 
 
 class SchedulerClient:
     def __init__(self, address: str):
         self.owner = f"test-{uuid.uuid4().hex[:8]}"
         self.channel = grpc.insecure_channel(address, options=message_options(256))
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.calls = SCHEDULER.calls(self.channel)
         self.requests: dict[str, Collected] = {}
-        self.messages: list[scheduler_pb2.StepOutput] = []  # every step message seen
+        self.messages: list[StepMessage] = []  # every step message seen
         self._lock = threading.Lock()
-        self._stream = self.stub.StreamSteps(scheduler_pb2.StreamStepsRequest())
+        self._stream = self.calls["StreamSteps"](EMPTY)
         self._stream.initial_metadata()  # the server has registered us
         self._thread = threading.Thread(target=self._consume, daemon=True)
         self._thread.start()
@@ -61,9 +62,8 @@ class SchedulerClient:
         rid = rid or uuid.uuid4().hex
         with self._lock:
             self.requests.setdefault(rid, Collected())
-        request = scheduler_pb2.TokenizedRequest(rid=rid, owner=owner or self.owner, stream_interval=stream_interval,
-                                                 **fields)
-        self.stub.Submit(request, timeout=30)
+        request = TokenizedRequest(rid=rid, owner=owner or self.owner, stream_interval=stream_interval, **fields)
+        self.calls["Submit"](request, timeout=30)
         return rid
 
     def wait(self, rid: str, timeout: float = 120) -> Collected:
@@ -80,8 +80,8 @@ class SchedulerClient:
                 raise TimeoutError(f"{rid}: {len(self.requests[rid].token_ids)} of {count} tokens")
             time.sleep(0.005)
 
-    def stats(self) -> scheduler_pb2.SchedulerStats:
-        return self.stub.GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+    def stats(self) -> SchedulerStats:
+        return self.calls["GetStats"](EMPTY, timeout=10)
 
     def _consume(self) -> None:
         try:
@@ -91,7 +91,7 @@ class SchedulerClient:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise
 
-    def _record(self, message: scheduler_pb2.StepOutput) -> None:
+    def _record(self, message: StepMessage) -> None:
         with self._lock:
             self.messages.append(message)
             mine = self.requests
@@ -99,24 +99,18 @@ class SchedulerClient:
                 if start.owner == self.owner:
                     mine[start.rid].start = start
                     mine[start.rid].start_step = message.step
-            output = decode_block(message.output) if message.HasField("output") else None
-            if output is not None:
-                output_offsets = block_offsets(output.rows, output.topk, output.id_counts)
-            tokens = list(message.token_ids)
-            for entry, (rid, position, count, first) in enumerate(zip(
-                    message.rids, message.positions, message.counts, token_offsets(message.counts))):
+            for entry, (rid, position, count) in enumerate(zip(message.rids, message.positions, message.counts)):
                 if rid in mine:
-                    mine[rid].token_ids += tokens[first:first + count]
+                    mine[rid].token_ids += message.entry_tokens(entry)
                     mine[rid].steps += [message.step] * count
                     mine[rid].entries.append((position, count))
-                    if output is not None:
-                        mine[rid].output.append(request_slice(output, output_offsets, entry))
-            if message.prompt_rids:
-                prompt = decode_block(message.prompt)
-                prompt_offsets = block_offsets(prompt.rows, prompt.topk, prompt.id_counts)
+                    if message.output is not None:
+                        mine[rid].output.append(message.output.request(entry))
+            if message.prompt is not None:
                 for row, rid in enumerate(message.prompt_rids):
                     if rid in mine:
-                        mine[rid].prompt = request_slice(prompt, prompt_offsets, row)
+                        mine[rid].prompt = message.prompt.request(row)
+                        mine[rid].prompt_null_prefix = message.prompt.null_prefix[row]
             for finish in message.finished:
                 if finish.rid in mine:
                     mine[finish.rid].finish = finish

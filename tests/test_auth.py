@@ -13,11 +13,14 @@ import httpx
 import openai
 import pytest
 from flatwire_client import FlatwireClient
+from flatwire_wire.control import EMPTY
+from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
+from flatwire_wire.rpc import ServiceSpec
+from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, TokenizedRequest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.auth import SECRET_METADATA, load_internal_secret
-from services.common.pb import detokenizer_pb2, scheduler_pb2
 from services.common.rpc import check_health, message_options
 from tests.procs import ServiceProcess, free_port
 
@@ -66,19 +69,15 @@ def stack(model_dir, log_dir):
         stack.stop()
 
 
-def unary(address: str, method: str, request, response_type, metadata=None):
+def unary(address: str, spec: ServiceSpec, method: str, request, metadata=None):
     with grpc.insecure_channel(address, options=message_options(64)) as channel:
-        call = channel.unary_unary(method, request_serializer=type(request).SerializeToString,
-                                   response_deserializer=response_type.FromString)
-        return call(request, metadata=metadata, timeout=30)
+        return spec.calls(channel)[method](request, metadata=metadata, timeout=30)
 
 
-def first_of_stream(address: str, method: str, request, metadata=None):
+def first_of_stream(address: str, spec: ServiceSpec, method: str, request, metadata=None):
     """Opens a server stream; returns its initial metadata once the server has taken the call."""
     with grpc.insecure_channel(address, options=message_options(64)) as channel:
-        call = channel.unary_stream(method, request_serializer=type(request).SerializeToString,
-                                    response_deserializer=scheduler_pb2.StepOutput.FromString)
-        stream = call(request, metadata=metadata, timeout=30)
+        stream = spec.calls(channel)[method](request, metadata=metadata, timeout=30)
         try:
             metadata = stream.initial_metadata()
             try:
@@ -101,29 +100,20 @@ def code_of(fn, *args, **kwargs) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-SCHEDULER = "/flatwire.v1.Scheduler/"
-
-
 def scheduler_calls(owner: str, rid: str):
     """Every Scheduler method: (name, call taking metadata)."""
-    request = scheduler_pb2.TokenizedRequest(
-        rid=rid, owner=owner, input_ids=[1, 2, 3], sampling=scheduler_pb2.SamplingParams(max_new_tokens=2))
+    request = TokenizedRequest(rid=rid, owner=owner, input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2))
     return {
-        "Submit": lambda address, md: unary(address, SCHEDULER + "Submit", request, scheduler_pb2.SubmitReply, md),
-        "Abort": lambda address, md: unary(address, SCHEDULER + "Abort", scheduler_pb2.AbortRequest(rid=rid),
-                                           scheduler_pb2.AbortReply, md),
-        "StreamSteps": lambda address, md: first_of_stream(address, SCHEDULER + "StreamSteps",
-                                                           scheduler_pb2.StreamStepsRequest(), md),
-        "GetModelInfo": lambda address, md: unary(address, SCHEDULER + "GetModelInfo",
-                                                  scheduler_pb2.ModelInfoRequest(), scheduler_pb2.ModelInfo, md),
-        "GetStats": lambda address, md: unary(address, SCHEDULER + "GetStats", scheduler_pb2.StatsRequest(),
-                                              scheduler_pb2.SchedulerStats, md),
+        "Submit": lambda address, md: unary(address, SCHEDULER, "Submit", request, md),
+        "Abort": lambda address, md: unary(address, SCHEDULER, "Abort", AbortRequest(rid=rid), md),
+        "StreamSteps": lambda address, md: first_of_stream(address, SCHEDULER, "StreamSteps", EMPTY, md),
+        "GetModelInfo": lambda address, md: unary(address, SCHEDULER, "GetModelInfo", EMPTY, md),
+        "GetStats": lambda address, md: unary(address, SCHEDULER, "GetStats", EMPTY, md),
     }
 
 
 def stream_outputs(address: str, metadata, owner: str = "someone-else"):
-    return first_of_stream(address, "/flatwire.v1.Detokenizer/StreamOutputs",
-                           detokenizer_pb2.StreamOutputsRequest(owner=owner), metadata)
+    return first_of_stream(address, DETOKENIZER, "StreamOutputs", StreamOutputsRequest(owner=owner), metadata)
 
 
 @pytest.mark.parametrize("method", ["Submit", "Abort", "StreamSteps", "GetModelInfo", "GetStats"])
@@ -147,10 +137,8 @@ def test_internal_methods_are_served_with_the_secret(stack):
     calls["StreamSteps"](stack.scheduler, good)
     # Submit as a gateway would, read it back from the detokenizer as its owner, then Abort.
     with grpc.insecure_channel(stack.detokenizer, options=message_options(64)) as channel:
-        outputs = channel.unary_stream("/flatwire.v1.Detokenizer/StreamOutputs",
-                                       request_serializer=detokenizer_pb2.StreamOutputsRequest.SerializeToString,
-                                       response_deserializer=scheduler_pb2.StepOutput.FromString)
-        stream = outputs(detokenizer_pb2.StreamOutputsRequest(owner=owner), metadata=good, timeout=60)
+        stream = DETOKENIZER.calls(channel)["StreamOutputs"](StreamOutputsRequest(owner=owner), metadata=good,
+                                                              timeout=60)
         stream.initial_metadata()
         calls["Submit"](stack.scheduler, good)
         seen = set()

@@ -12,8 +12,10 @@ import time
 
 import grpc
 import pytest
+from flatwire_wire.control import EMPTY
+from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
+from flatwire_wire.scheduler import SCHEDULER, LogprobParams, SamplingParams
 
-from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import message_options
 from tests.scheduler_client import SchedulerClient
 
@@ -29,15 +31,15 @@ def scheduler(start_service):
 
 
 def _submit_all(client: SchedulerClient, owner: str | None = None) -> list[str]:
-    logprob = scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=256, logprob_start_len=-1)
-    sampling = scheduler_pb2.SamplingParams(max_new_tokens=TOKENS, ignore_eos=True)
+    logprob = LogprobParams(return_logprob=True, top_logprobs_num=256, logprob_start_len=-1)
+    sampling = SamplingParams(max_new_tokens=TOKENS, ignore_eos=True)
     return [client.submit(input_ids=[1, 2, 3], sampling=sampling, logprob=logprob, owner=owner)
             for _ in range(REQUESTS)]
 
 
 def test_the_scheduler_waits_for_a_slow_subscriber_then_cuts_it(scheduler):
     channel = grpc.insecure_channel(scheduler, options=message_options(256))
-    idle = scheduler_pb2_grpc.SchedulerStub(channel).StreamSteps(scheduler_pb2.StreamStepsRequest())
+    idle = SCHEDULER.calls(channel)["StreamSteps"](EMPTY)
     idle.initial_metadata()  # registered; from now on it reads nothing
     client = SchedulerClient(scheduler)
     try:
@@ -62,8 +64,8 @@ def test_the_detokenizer_stops_reading_for_a_slow_gateway_then_cuts_it(scheduler
     _, detokenizer = start_service("detokenizer", "--schedulers", scheduler, "--max-outbox-messages", "8",
                                    "--stall-timeout-s", str(STALL_S))
     channel = grpc.insecure_channel(detokenizer, options=message_options(256))
-    idle = detokenizer_pb2_grpc.DetokenizerStub(channel).StreamOutputs(
-        detokenizer_pb2.StreamOutputsRequest(owner="gw-idle"))
+    idle = DETOKENIZER.calls(channel)["StreamOutputs"](
+        StreamOutputsRequest(owner="gw-idle"))
     idle.initial_metadata()
     client = SchedulerClient(scheduler)
     try:

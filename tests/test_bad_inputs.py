@@ -8,8 +8,11 @@ import grpc
 import httpx
 import pytest
 from flatwire_client import FlatwireClient
+from flatwire_wire.detokenizer import DETOKENIZER
+from flatwire_wire.public import GENERATION
+from flatwire_wire.rpc import ServiceSpec
+from flatwire_wire.scheduler import SCHEDULER, TokenizedRequest
 
-from services.common.pb import detokenizer_pb2, generate_pb2, scheduler_pb2
 from services.common.rpc import FIELD_METADATA
 from services.gateway.pipeline import PipelineClient, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -175,7 +178,7 @@ def test_scheduler_refusals_are_renamed(detail, fields, expected):
     pipeline = PipelineClient.__new__(PipelineClient)
     pipeline.schedulers = Refusing()
     with pytest.raises(RequestError) as caught:
-        asyncio.run(pipeline._submit(scheduler_pb2.TokenizedRequest(), fields))
+        asyncio.run(pipeline._submit(TokenizedRequest(rid="", owner=""), fields))
     assert caught.value.status == "invalid_argument"
     assert caught.value.field == expected
     assert caught.value.message == expected + detail[detail.index(":"):]
@@ -195,9 +198,8 @@ def test_rename_field_keeps_indexes_and_unrelated_names():
 # -- undecodable gRPC payloads: INVALID_ARGUMENT, no traceback ----------------------------------------------
 
 
-def _methods(module, service: str) -> list[tuple[str, bool]]:
-    descriptor = module.DESCRIPTOR.services_by_name[service]
-    return [(f"/{descriptor.full_name}/{method.name}", method.server_streaming) for method in descriptor.methods]
+def _methods(spec: ServiceSpec) -> list[tuple[str, bool]]:
+    return [(method.path, method.server_streaming) for method in spec.methods.values()]
 
 
 UNDECODABLE = [b"\xff\xff\xff", b"\x0a\x05ab", b"\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80"]
@@ -205,9 +207,9 @@ UNDECODABLE = [b"\xff\xff\xff", b"\x0a\x05ab", b"\x08\x80\x80\x80\x80\x80\x80\x8
 
 def test_undecodable_payloads_are_invalid_argument_without_a_traceback(stack, log_dir):
     targets = [
-        (stack.scheduler_address, _methods(scheduler_pb2, "Scheduler")),
-        (stack.detokenizer_address, _methods(detokenizer_pb2, "Detokenizer")),
-        (stack.grpc_address, _methods(generate_pb2, "Generation")),
+        (stack.scheduler_address, _methods(SCHEDULER)),
+        (stack.detokenizer_address, _methods(DETOKENIZER)),
+        (stack.grpc_address, _methods(GENERATION)),
     ]
     health = ("/grpc.health.v1.Health/Check", False)
     logs = sorted(log_dir.glob("*.log"))

@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
+from flatwire_wire.steps import FinishReason
 
-from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.config import GatewayConfig
 from services.gateway.http import streams
 from services.gateway.metrics import GatewayMetrics
@@ -96,7 +96,7 @@ class FakeEngine:
                 raise RequestError("unavailable", None, f"submit {index} failed")
             await asyncio.sleep(0.01 if mark == -2 else 0)
             result = RequestResult(rid=str(index), prompt_tokens=2, output_ids=[7], text="x",
-                                   finish_reason=FinishReason.FINISH_REASON_LENGTH)
+                                   finish_reason=FinishReason.LENGTH)
             self.in_flight -= 1
             waiting = False
             yield Chunk(token_ids=[7], text="x", rid=str(index), result=result)

@@ -73,18 +73,21 @@ print(json.dumps({{"modules": sorted(m for m in ("torch", "transformers", "fasta
 
 @pytest.mark.slow
 def test_the_package_installs_alone_and_talks_to_the_stack(stack, tmp_path):
-    """pip install ./clients/python into a fresh venv: grpcio, protobuf and numpy only, and it works."""
-    venv, source = tmp_path / "venv", tmp_path / "flatwire-client"
-    shutil.copytree(ROOT / "clients" / "python", source)  # pip builds in the source tree: not in the repository's
+    """pip install ./services/wire ./clients/python into a fresh venv: the wire layer, grpcio, protobuf and numpy
+    only, and it works."""
+    venv, wire, source = tmp_path / "venv", tmp_path / "flatwire-wire", tmp_path / "flatwire-client"
+    # pip builds in the source tree: copies, not the repository's.
+    shutil.copytree(ROOT / "services" / "wire", wire, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(ROOT / "clients" / "python", source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(source)],
+    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(wire), str(source)],
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stdout + install.stderr
     installed = subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], capture_output=True,
                                text=True, check=True)
     names = {package["name"].lower() for package in json.loads(installed.stdout)}
-    assert {"flatwire-client", "grpcio", "protobuf", "numpy"} <= names
+    assert {"flatwire-client", "flatwire-wire", "grpcio", "protobuf", "numpy"} <= names
     assert not names & {"torch", "transformers", "fastapi", "flatwire", "tokenizers"}
     run = subprocess.run([str(python), "-c", SCRIPT.format(prompt=PROMPT), stack.grpc_address, stack.http_url],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -27,10 +27,11 @@ import httpx
 import orjson
 import pytest
 import yaml
+from flatwire_wire.control import EMPTY
+from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
 
 from services.common.auth import SECRET_METADATA
 from services.common.config import env_name
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
@@ -235,13 +236,13 @@ def deployment(services, model_dir, log_dir, tmp_path_factory) -> Iterator[Deplo
             running.stop()
 
 
-def scheduler_stats(deployment: Deployment) -> list[scheduler_pb2.SchedulerStats]:
+def scheduler_stats(deployment: Deployment) -> list[SchedulerStats]:
     secret = (deployment.compose.volume_dir / "internal-secret").read_text().strip()
     stats = []
     for replica in range(deployment.compose.replicas["scheduler"]):
         with grpc.insecure_channel(f"127.0.0.1:{deployment.compose.local_port('scheduler', replica)}") as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            stats.append(stub.GetStats(scheduler_pb2.StatsRequest(), timeout=10,
+            stub = SCHEDULER.calls(channel)
+            stats.append(stub["GetStats"](EMPTY, timeout=10,
                                        metadata=[(SECRET_METADATA, secret)]))
     return stats
 
@@ -254,7 +255,7 @@ def test_declared_services_serve_generate(deployment):
     # With no FLATWIRE_INTERNAL_SECRET, the first service generated one that all of them use.
     with grpc.insecure_channel(f"127.0.0.1:{deployment.compose.local_port('scheduler')}") as channel:
         with pytest.raises(grpc.RpcError) as refused:
-            scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+            SCHEDULER.calls(channel)["GetStats"](EMPTY, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert len(scheduler_stats(deployment)) == SCALE["scheduler"]
 

@@ -9,17 +9,16 @@ import random
 
 import numpy as np
 import pytest
+from flatwire_wire.logprobs import LogprobBlock, LogprobRows
+from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, RequestResume, RequestStart, StepMessage
 from transformers import AutoTokenizer
 
-from services.common.arrays import LogprobArrays, block_offsets, decode_block, encode_block, request_slice
-from services.common.pb import arrays_pb2, scheduler_pb2
 from services.detokenizer.batch_decode import batch_decoder
 from services.detokenizer.decode_status import REPLACEMENT_CHAR
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.detokenizer.stop_strings import StopStrings
 
-Reason = arrays_pb2.FinishReason
 MULTIBYTE = "你好，世界！😀🎉 héllo wörld\n\n日本語のテキスト 👨‍👩‍👧 한국어 done"
 
 
@@ -46,12 +45,12 @@ class CountingTokenizer:
         return self.tokenizer._tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
 
-def params(**fields) -> scheduler_pb2.DetokenizeParams:
-    return scheduler_pb2.DetokenizeParams(**fields)
+def params(**fields) -> DetokenizeParams:
+    return DetokenizeParams(**fields)
 
 
-def run(manager, requests: dict[str, tuple[list[int], scheduler_pb2.DetokenizeParams]],
-        finish_reason=Reason.FINISH_REASON_LENGTH, owner="gw"):
+def run(manager, requests: dict[str, tuple[list[int], DetokenizeParams]],
+        finish_reason=FinishReason.LENGTH, owner="gw"):
     """Stream every request one token per step, all in the same steps; returns (deltas, finishes, aborts).
 
     Each request ends with `finish_reason` on its last token; requests the detokenizer
@@ -60,17 +59,18 @@ def run(manager, requests: dict[str, tuple[list[int], scheduler_pb2.DetokenizePa
     deltas = {rid: [] for rid in requests}
     finishes, aborts = {}, []
     for step in range(max(len(ids) for ids, _ in requests.values())):
-        message = scheduler_pb2.StepOutput(step=step)
+        message = StepMessage(step=step)
         for rid, (ids, detokenize) in requests.items():
             if step == 0:
-                message.started.add(rid=rid, owner=owner, detokenize=detokenize, prompt_tokens=3)
+                message.started.append(RequestStart(rid=rid, owner=owner, detokenize=detokenize, prompt_tokens=3))
             if step < len(ids):
                 message.rids.append(rid)
                 message.token_ids.append(ids[step])
                 message.positions.append(step)
                 message.counts.append(1)
             if step == len(ids) - 1:
-                message.finished.add(rid=rid, reason=finish_reason, matched_token=ids[step], output_tokens=len(ids))
+                message.finished.append(Finish(rid=rid, reason=finish_reason, matched_token=ids[step],
+                                               output_tokens=len(ids)))
         owned, step_aborts = manager.process(message, "scheduler:1")
         aborts += step_aborts
         for index, rid in enumerate(message.rids):
@@ -93,7 +93,7 @@ def test_streamed_deltas_concatenate_to_the_full_decode(tokenizer):
     deltas, finishes, _ = run(DetokenizerManager(tokenizer), requests)
     for rid, (ids, _) in requests.items():
         assert "".join(deltas[rid]) == tokenizer.decode(ids), rid
-        assert finishes[rid].reason == Reason.FINISH_REASON_LENGTH
+        assert finishes[rid].reason == FinishReason.LENGTH
     assert "".join(deltas["multibyte"]) == MULTIBYTE
 
 
@@ -136,10 +136,10 @@ def test_stop_token_is_not_text_unless_no_stop_trim(tokenizer):
     ids = tokenizer.encode("the end") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {
         "trim": (ids, params()), "keep": (ids, params(no_stop_trim=True)),
-    }, finish_reason=Reason.FINISH_REASON_STOP_TOKEN)
+    }, finish_reason=FinishReason.STOP_TOKEN)
     assert "".join(deltas["trim"]) == "the end"
     assert "".join(deltas["keep"]) == "the end<|im_end|>"
-    assert finishes["trim"].reason == Reason.FINISH_REASON_STOP_TOKEN and not aborts
+    assert finishes["trim"].reason == FinishReason.STOP_TOKEN and not aborts
 
 
 def test_stop_string_spanning_tokens_trims_and_stops_the_request(tokenizer):
@@ -155,17 +155,17 @@ def test_stop_string_spanning_tokens_trims_and_stops_the_request(tokenizer):
     assert "".join(deltas["keep"]).startswith("Hello world, this is where we stop he")
     assert "never" not in "".join(deltas["keep"])
     for rid in ("trim", "keep"):
-        assert finishes[rid].reason == Reason.FINISH_REASON_STOP_STRING
+        assert finishes[rid].reason == FinishReason.STOP_STRING
         assert finishes[rid].matched_stop == stop
     assert sorted((a.rid, a.reason, a.matched_stop) for a in aborts) == [
-        ("keep", Reason.FINISH_REASON_STOP_STRING, stop), ("trim", Reason.FINISH_REASON_STOP_STRING, stop)]
+        ("keep", FinishReason.STOP_STRING, stop), ("trim", FinishReason.STOP_STRING, stop)]
 
 
 def test_stop_string_in_the_last_token_overrides_length(tokenizer):
     ids = tokenizer.encode("one two three")
     deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {"r": (ids, params(stop=[" three"]))})
     assert "".join(deltas["r"]) == "one two"
-    assert finishes["r"].reason == Reason.FINISH_REASON_STOP_STRING and not aborts
+    assert finishes["r"].reason == FinishReason.STOP_STRING and not aborts
 
 
 def test_stop_strings_first_match_and_partial_holdback():
@@ -182,15 +182,14 @@ def test_stop_strings_first_match_and_partial_holdback():
     assert StopStrings.of(["world"], no_stop_trim=True).partial_len("worl", 4) == 0
 
 
-def _block(rows: int, k: int, seed: int) -> arrays_pb2.LogprobBlock:
+def _block(rows: int, k: int, seed: int) -> LogprobBlock:
+    """`rows` requests of one row each."""
     rng = np.random.default_rng(seed)
-    values = rng.standard_normal(rows * k).astype("<f4")
-    values[::7] = -np.inf
-    return encode_block(LogprobArrays(
-        rows=np.ones(rows, dtype=np.int64), null_prefix=np.zeros(rows, dtype=np.int64),
-        token_logprobs=rng.standard_normal(rows).astype("<f4"), topk=np.full(rows, k, dtype=np.int64),
-        topk_values=values, topk_ids=rng.integers(0, 1000, rows * k).astype("<i4"),
-        id_counts=np.zeros(rows, dtype=np.int64), ids_logprobs=np.zeros(0, dtype="<f4")))
+    values = rng.standard_normal((rows, k)).astype("<f4")
+    values[:, ::3] = -np.inf
+    ids = rng.integers(0, 1000, (rows, k)).astype("<i4")
+    return LogprobBlock.of_rows([LogprobRows(rng.standard_normal(1).astype("<f4"), values[i:i + 1], ids[i:i + 1],
+                                             np.zeros((1, 0), "<f4")) for i in range(rows)])
 
 
 def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
@@ -199,19 +198,17 @@ def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
         queues = {owner: router.subscribe(owner) for owner in ("gw-a", "gw-b")}
         token = tokenizer.encode(" fox")[0]
         owners = {"a1": "gw-a", "b1": "gw-b", "a2": "gw-a", "x1": "gw-gone"}
-        step = scheduler_pb2.StepOutput(step=1, rids=list(owners), token_ids=[token] * 4, positions=[0] * 4,
-                                        counts=[1] * 4, output=_block(4, 5, 1), prompt_rids=["b1", "a2"],
-                                        prompt=_block(2, 3, 2))
+        step = StepMessage(step=1, rids=list(owners), token_ids=[token] * 4, positions=[0] * 4, counts=[1] * 4,
+                           output=_block(4, 5, 1), prompt_rids=["b1", "a2"], prompt=_block(2, 3, 2))
         for rid, owner in owners.items():
-            step.started.add(rid=rid, owner=owner)
-        step.finished.add(rid="a2", reason=Reason.FINISH_REASON_LENGTH, output_tokens=1)
+            step.started.append(RequestStart(rid=rid, owner=owner, detokenize=params(), prompt_tokens=3))
+        step.finished.append(Finish(rid="a2", reason=FinishReason.LENGTH, output_tokens=1))
         owned, _ = manager.process(step, "scheduler:1")
         router.publish(owned)
-        output, prompt = decode_block(step.output), decode_block(step.prompt)
+        output, prompt = step.output, step.prompt
 
-        def joined(arrays, keep, name):
-            offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
-            return b"".join(getattr(request_slice(arrays, offsets, i), name).tobytes() for i in keep)
+        def joined(block, keep, name):
+            return b"".join(getattr(block.request(i), name).tobytes() for i in keep)
 
         got = {owner: queue.get_nowait() for owner, queue in queues.items()}
         assert all(queue.empty() for queue in queues.values())
@@ -222,10 +219,9 @@ def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
             assert list(message.texts) == [" fox"] * len(keep)
             assert list(message.prompt_rids) == [step.prompt_rids[i] for i in keep_prompt]
             assert [f.rid for f in message.finished] == (["a2"] if owner == "gw-a" else [])
-            mine = decode_block(message.output)
             for name in ("token_logprobs", "topk_values", "topk_ids"):
-                assert getattr(mine, name).tobytes() == joined(output, keep, name)
-                assert getattr(decode_block(message.prompt), name).tobytes() == joined(prompt, keep_prompt, name)
+                assert joined(message.output, range(len(keep)), name) == joined(output, keep, name)
+                assert joined(message.prompt, range(len(keep_prompt)), name) == joined(prompt, keep_prompt, name)
         # The owner with no subscriber keeps being decoded, its outputs waiting for it to (re)connect.
         assert manager.requests["x1"].status.decode_ids == [token]
         assert list(router.subscribe("gw-gone").get_nowait().rids) == ["x1"]
@@ -236,16 +232,15 @@ def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
 # -- positions: replays, gaps and resumes ------------------------------------------------------------------
 
 
-def _steps(rid: str, ids: list[int], owner: str = "gw") -> list[scheduler_pb2.StepOutput]:
+def _steps(rid: str, ids: list[int], owner: str = "gw") -> list[StepMessage]:
     """One request streamed one token per step, as the scheduler sends it; LENGTH on the last."""
     steps = []
     for position, token in enumerate(ids):
-        step = scheduler_pb2.StepOutput(step=position + 1, rids=[rid], token_ids=[token], positions=[position],
-                                        counts=[1])
+        step = StepMessage(step=position + 1, rids=[rid], token_ids=[token], positions=[position], counts=[1])
         if position == 0:
-            step.started.add(rid=rid, owner=owner, detokenize=params(), prompt_tokens=3)
+            step.started.append(RequestStart(rid=rid, owner=owner, detokenize=params(), prompt_tokens=3))
         if position == len(ids) - 1:
-            step.finished.add(rid=rid, reason=Reason.FINISH_REASON_LENGTH, output_tokens=len(ids))
+            step.finished.append(Finish(rid=rid, reason=FinishReason.LENGTH, output_tokens=len(ids)))
         steps.append(step)
     return steps
 
@@ -282,14 +277,14 @@ def test_a_resumed_request_gets_the_same_deltas_as_without_the_restart(tokenizer
     steps = _steps("r", ids)
     undisturbed, _, _ = _feed(DetokenizerManager(tokenizer), steps)
     # A new detokenizer: the scheduler resumes the request from its first resumed_at ids, then replays the rest.
-    head = scheduler_pb2.StepOutput()
-    head.resumed.add(start=steps[0].started[0], output_ids=ids[:resumed_at])
-    first = scheduler_pb2.StepOutput()
-    first.CopyFrom(steps[resumed_at])
-    del first.started[:]  # the start came with the resume
+    head = StepMessage()
+    head.resumed.append(RequestResume(start=steps[0].started[0], output_ids=ids[:resumed_at]))
+    resumed = steps[resumed_at]  # its start came with the resume:
+    first = StepMessage(step=resumed.step, rids=resumed.rids, token_ids=resumed.token_ids, positions=resumed.positions,
+                        counts=resumed.counts, finished=resumed.finished)
     restarted, finishes, _ = _feed(DetokenizerManager(tokenizer), [head, first, *steps[resumed_at + 1:]])
     assert restarted == undisturbed
-    assert [f.reason for f in finishes] == [Reason.FINISH_REASON_LENGTH]
+    assert [f.reason for f in finishes] == [FinishReason.LENGTH]
 
 
 def test_a_gap_fails_the_request_and_aborts_it(tokenizer):
@@ -297,7 +292,7 @@ def test_a_gap_fails_the_request_and_aborts_it(tokenizer):
     manager = DetokenizerManager(tokenizer)
     texts, finishes, aborts = _feed(manager, [steps[0], steps[1], steps[3]])
     assert sorted(texts) == [0, 1]
-    assert [(f.reason, f.output_tokens) for f in finishes] == [(Reason.FINISH_REASON_ERROR, 2)]
+    assert [(f.reason, f.output_tokens) for f in finishes] == [(FinishReason.ERROR, 2)]
     assert "2..2" in finishes[0].message
     assert [a.rid for a in aborts] == ["r"] and not manager.requests
 
@@ -312,14 +307,13 @@ def test_entries_of_several_tokens_decode_as_one_delta_and_route_whole(tokenizer
         texts = {rid: "" for rid in ids}
         for position in range(0, max(map(len, ids.values())), 7):
             entries = {rid: seq[position:position + 7] for rid, seq in ids.items() if position < len(seq)}
-            message = scheduler_pb2.StepOutput(rids=list(entries), positions=[position] * len(entries),
-                                               counts=[len(e) for e in entries.values()],
-                                               token_ids=[t for e in entries.values() for t in e])
+            message = StepMessage(rids=list(entries), positions=[position] * len(entries),
+                                  counts=[len(e) for e in entries.values()],
+                                  token_ids=[t for e in entries.values() for t in e])
             if position == 0:
                 for rid in ids:
-                    message.started.add(rid=rid, owner=f"gw-{rid}", detokenize=params())
-            message.finished.extend(scheduler_pb2.Finish(rid=rid, reason=Reason.FINISH_REASON_LENGTH,
-                                                         output_tokens=len(ids[rid]))
+                    message.started.append(RequestStart(rid=rid, owner=f"gw-{rid}", detokenize=params()))
+            message.finished.extend(Finish(rid=rid, reason=FinishReason.LENGTH, output_tokens=len(ids[rid]))
                                     for rid in entries if position + 7 >= len(ids[rid]))
             owned, _ = manager.process(message, "scheduler:1")
             router.publish(owned)

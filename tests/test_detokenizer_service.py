@@ -5,14 +5,13 @@ import uuid
 
 import grpc
 import pytest
+from flatwire_wire.detokenizer import DetokenizerClient
+from flatwire_wire.scheduler import LogprobParams, SamplingParams, SchedulerClient, TokenizedRequest
+from flatwire_wire.steps import DetokenizeParams, FinishReason, StepMessage
 from transformers import AutoTokenizer
 
-from services.common.arrays import block_offsets, decode_block, request_slice
-from services.common.pb import arrays_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
-from services.common.steps import token_offsets
 
-Reason = arrays_pb2.FinishReason
 TIMEOUT_S = 120
 
 
@@ -32,29 +31,29 @@ class Peers:
 
     def __init__(self, scheduler_address: str, detokenizer_address: str):
         self.channels = [create_channel(scheduler_address, 256), create_channel(detokenizer_address, 256)]
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channels[0])
-        self.detokenizer = detokenizer_pb2_grpc.DetokenizerStub(self.channels[1])
+        self.scheduler = SchedulerClient(self.channels[0])
+        self.detokenizer = DetokenizerClient(self.channels[1])
 
     async def owner_stream(self, owner: str):
-        call = self.detokenizer.StreamOutputs(detokenizer_pb2.StreamOutputsRequest(owner=owner))
+        call = self.detokenizer.stream_outputs(owner)
         await call.wait_for_connection()  # the detokenizer answers once the owner is routed to
         return call
 
     async def scheduler_stream(self):
-        call = self.scheduler.StreamSteps(scheduler_pb2.StreamStepsRequest())
+        call = self.scheduler.stream_steps()
         # Answered after the stream was opened on the same connection: the subscriber is registered.
-        await self.scheduler.GetModelInfo(scheduler_pb2.ModelInfoRequest())
+        await self.scheduler.model_info()
         return call
 
     async def submit(self, owner: str, prompt: list[int], max_new_tokens: int = 16, seed: int = 1,
                      top_k: int = 0, prompt_logprobs: bool = False, stream_interval: int = 1, **detokenize) -> str:
         rid = f"detok-test-{uuid.uuid4().hex[:8]}"
-        await self.scheduler.Submit(scheduler_pb2.TokenizedRequest(
+        await self.scheduler.submit(TokenizedRequest(
             rid=rid, owner=owner, input_ids=prompt, stream_interval=stream_interval,
-            sampling=scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed),
-            logprob=scheduler_pb2.LogprobParams(return_logprob=top_k > 0, top_logprobs_num=top_k,
-                                                logprob_start_len=0 if prompt_logprobs else -1),
-            detokenize=scheduler_pb2.DetokenizeParams(**detokenize)), timeout=30)
+            sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed),
+            logprob=LogprobParams(return_logprob=top_k > 0, top_logprobs_num=top_k,
+                                  logprob_start_len=0 if prompt_logprobs else -1),
+            detokenize=DetokenizeParams(**detokenize)), timeout=30)
         return rid
 
     async def close(self):
@@ -62,7 +61,7 @@ class Peers:
             await channel.close()
 
 
-async def until_finished(call, rids: set[str]) -> list[scheduler_pb2.StepOutput]:
+async def until_finished(call, rids: set[str]) -> list[StepMessage]:
     """The stream's messages up to the one where the last of `rids` finished."""
     pending, messages = set(rids), []
 
@@ -81,11 +80,9 @@ def per_request(messages) -> dict[str, dict]:
     """rid -> its token ids, texts and finish, in stream order."""
     out: dict[str, dict] = {}
     for message in messages:
-        tokens = list(message.token_ids)
-        for rid, count, first, text in zip(message.rids, message.counts, token_offsets(message.counts),
-                                           message.texts or [""] * len(message.rids)):
+        for i, (rid, text) in enumerate(zip(message.rids, message.texts or [""] * len(message.rids))):
             entry = out.setdefault(rid, {"ids": [], "text": "", "finish": None})
-            entry["ids"] += tokens[first:first + count]
+            entry["ids"] += message.entry_tokens(i)
             entry["text"] += text
         for finish in message.finished:
             out.setdefault(finish.rid, {"ids": [], "text": "", "finish": None})["finish"] = finish
@@ -117,7 +114,7 @@ def test_texts_concatenate_to_the_decode_of_the_output_ids(scheduler_address, de
 
     rids, got = run(scenario, scheduler_address, detokenizer_address)
     for rid in rids:
-        assert got[rid]["finish"].reason in (Reason.FINISH_REASON_LENGTH, Reason.FINISH_REASON_STOP_TOKEN)
+        assert got[rid]["finish"].reason in (FinishReason.LENGTH, FinishReason.STOP_TOKEN)
         assert got[rid]["ids"], rid
         assert got[rid]["text"] == tokenizer.decode(got[rid]["ids"], skip_special_tokens=True)
 
@@ -136,12 +133,10 @@ def test_top_k_bytes_arrive_exactly_as_the_scheduler_sent_them(scheduler_address
         out: dict[str, bytes] = {}
         for message in messages:
             block = getattr(message, block_field)
-            if not block.rows:
+            if block is None:
                 continue
-            arrays = decode_block(block)
-            offsets = block_offsets(arrays.rows, arrays.topk, arrays.id_counts)
             for i, rid in enumerate(getattr(message, rid_field)):
-                part = request_slice(arrays, offsets, i)
+                part = block.request(i)
                 out[rid] = out.get(rid, b"") + b"".join(
                     a.tobytes() for a in (part.token_logprobs, part.topk_values, part.topk_ids))
         return out
@@ -201,14 +196,14 @@ def test_a_stop_string_ends_the_request_and_the_scheduler_stops_it(scheduler_add
         return rid, routed, await until_finished(direct, {rid, later})
 
     rid, routed, steps = run(stopped_run, scheduler_address, detokenizer_address)
-    assert routed[rid]["finish"].reason == Reason.FINISH_REASON_STOP_STRING
+    assert routed[rid]["finish"].reason == FinishReason.STOP_STRING
     assert routed[rid]["finish"].matched_stop == stop
     assert routed[rid]["text"] == expected
     assert len(routed[rid]["ids"]) == 8, "the step that completed the match is the last one forwarded"
 
     ended_at = next(n for n, m in enumerate(steps) if rid in {f.rid for f in m.finished})
     finish = next(f for f in steps[ended_at].finished if f.rid == rid)
-    assert finish.reason == Reason.FINISH_REASON_STOP_STRING and finish.matched_stop == stop
+    assert finish.reason == FinishReason.STOP_STRING and finish.matched_stop == stop
     generated = sum(list(m.rids).count(rid) for m in steps)
     assert generated < max_new_tokens
     assert not any(rid in m.rids for m in steps[ended_at + 1:])
@@ -216,7 +211,7 @@ def test_a_stop_string_ends_the_request_and_the_scheduler_stops_it(scheduler_add
 
 def test_subscribing_without_an_owner_is_rejected(scheduler_address, detokenizer_address):
     async def scenario(peers: Peers):
-        call = peers.detokenizer.StreamOutputs(detokenizer_pb2.StreamOutputsRequest())
+        call = peers.detokenizer.stream_outputs("")
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await call.read()
         return error.value
@@ -241,5 +236,5 @@ def test_requests_of_a_gateway_that_went_away_are_aborted(start_service, schedul
         return rid, per_request(finished)[rid]
 
     rid, seen = run(scenario, scheduler_address, detokenizer)
-    assert seen["finish"].reason == Reason.FINISH_REASON_ABORT
+    assert seen["finish"].reason == FinishReason.ABORT
     assert len(seen["ids"]) < 100_000

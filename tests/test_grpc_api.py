@@ -1,14 +1,19 @@
 """The gateway's public gRPC API, through the project's Python client, against the real pipeline."""
 
+import dataclasses
+
 import grpc
 import httpx
 import numpy as np
 import pybase64
 import pytest
 from flatwire_client import FlatwireClient
+from flatwire_wire import public
+from flatwire_wire.logprobs import LogprobBlock, RequestLogprobs
+from flatwire_wire.pb import generate_pb2  # the published messages, as a client in another language reads them
+from flatwire_wire.steps import FinishReason
 
-from services.common.pb import arrays_pb2, generate_pb2
-from services.gateway.result import LogprobTrack
+from services.gateway.grpc_api import REQUEST_FIELDS, SAMPLING_FIELDS, generate_fields
 
 PROMPT = "gRPC clients get the arrays raw"
 K = 8
@@ -84,13 +89,31 @@ def test_bad_requests_are_invalid_argument(client, options, field):
 def test_minus_inf_survives_the_public_message():
     """-inf candidates (masked ids) reach gRPC clients as -inf, in both views."""
     values = np.array([[-0.5, -np.inf], [-1.0, -np.inf]], dtype=np.float32)
-    track = LogprobTrack(token_ids=np.array([3, 4], dtype=np.int32), token_logprobs=values[:, 0].copy(),
-                         topk_values=values, topk_ids=np.array([[3, 7], [4, 8]], dtype=np.int32),
-                         ids_logprobs=np.zeros((2, 0), dtype=np.float32))
-    wire = generate_pb2.GenerateResponsePacked(output=track.to_block()).SerializeToString()
+    track = RequestLogprobs(token_ids=np.array([3, 4], dtype=np.int32), token_logprobs=values[:, 0].copy(),
+                            topk_values=values, topk_ids=np.array([[3, 7], [4, 8]], dtype=np.int32),
+                            ids_logprobs=np.zeros((2, 0), dtype=np.float32))
+    wire = public.GenerateResponse(output=LogprobBlock.of_request(track)).to_bytes()
     typed = generate_pb2.GenerateResponse.FromString(wire)
     assert np.array(typed.output.topk_values, dtype=np.float32).tobytes() == values.tobytes()
     assert list(typed.output.topk_ids) == [3, 7, 4, 8]
+
+
+def test_every_public_request_field_reaches_generate():
+    """The public request is converted field by field: each field has a conversion, and a request that sets
+    every one of them gives /generate each of them (so a field added to generate.proto cannot be dropped)."""
+    assert set(REQUEST_FIELDS) == {f.name for f in dataclasses.fields(public.GenerateRequest)} - {"sampling"}
+    assert set(SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(public.SamplingParams)}
+    sampling = public.SamplingParams(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=7,
+                                     stop_token_ids=[1], ignore_eos=True, frequency_penalty=0.5, presence_penalty=0.5,
+                                     repetition_penalty=1.5, min_new_tokens=2, logit_bias={4: 1.0}, json_schema="{}",
+                                     regex="a", ebnf="root ::= \"a\"")
+    request = public.GenerateRequest(text="t", input_ids=[1], sampling=sampling, return_logprob=True,
+                                     top_logprobs_num=2, logprob_start_len=0, token_ids_logprob=[3], stop=["x"],
+                                     skip_special_tokens=False, no_stop_trim=True, stream=True)
+    fields = generate_fields(request)
+    assert set(fields["sampling_params"]) == {f.name for f in dataclasses.fields(public.SamplingParams)} | {
+        "stop", "skip_special_tokens", "no_stop_trim"}
+    assert set(fields) - {"sampling_params"} == set(REQUEST_FIELDS) - {"stop", "skip_special_tokens", "no_stop_trim"}
 
 
 def _delimited(data: bytes) -> list[generate_pb2.GenerateResponsePacked]:
@@ -122,14 +145,14 @@ def test_generate_answers_protobuf_to_a_client_that_accepts_it(client, stack):
     assert np.frombuffer(whole.token_ids, "<i4").tolist() == want.token_ids.tolist()
     assert whole.output.topk_values == want.output.topk_values.tobytes()
     assert whole.output.topk_ids == want.output.topk_ids.tobytes()
-    assert whole.finish_reason == arrays_pb2.FINISH_REASON_LENGTH and whole.completion_tokens == 10
+    assert whole.finish_reason == FinishReason.LENGTH and whole.completion_tokens == 10
     typed = generate_pb2.GenerateResponse.FromString(reply.content)  # the typed twin reads the same bytes
     assert list(typed.token_ids) == want.token_ids.tolist()
 
     streamed = httpx.post(f"{stack.http_url}/generate", json={**body, "stream": True}, headers=accept, timeout=120)
     messages = _delimited(streamed.content)
-    assert len(messages) == 10 and messages[-1].finish_reason == arrays_pb2.FINISH_REASON_LENGTH
-    assert all(m.finish_reason == arrays_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert len(messages) == 10 and messages[-1].finish_reason == FinishReason.LENGTH
+    assert all(m.finish_reason == FinishReason.UNSPECIFIED for m in messages[:-1])
     assert b"".join(m.token_ids for m in messages) == whole.token_ids
     assert b"".join(m.output.topk_values for m in messages) == whole.output.topk_values
     assert "".join(m.text for m in messages) == whole.text

@@ -8,8 +8,8 @@ import grpc
 import httpx
 import orjson
 import pytest
-
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
+from flatwire_wire.control import EMPTY
+from flatwire_wire.scheduler import SCHEDULER
 
 LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
@@ -17,8 +17,8 @@ LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def scheduler(stack):
     with grpc.insecure_channel(stack.scheduler_address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        yield lambda: stub.GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+        stub = SCHEDULER.calls(channel)
+        yield lambda: stub["GetStats"](EMPTY, timeout=10)
 
 
 def wait_for(predicate, what: str, timeout: float = 60.0):

@@ -2,20 +2,17 @@
 
 import time
 
-from services.common.pb import scheduler_pb2
-from services.scheduler.journal import StepJournal
+from flatwire_wire.steps import Finish, RequestStart, StepMessage
+
+from services.scheduler.output.journal import StepJournal
 
 
 def _step(number: int, entries: dict[str, int], started=(), finished=(), padding: int = 0):
     """entries: rid -> position; the token is 100 + position."""
-    step = scheduler_pb2.StepOutput(step=number, rids=list(entries), positions=list(entries.values()),
-                                    token_ids=[100 + p for p in entries.values()], counts=[1] * len(entries),
-                                    texts=["x" * padding])
-    for rid in started:
-        step.started.add(rid=rid, owner="gw")
-    for rid, tokens in finished:
-        step.finished.add(rid=rid, output_tokens=tokens)
-    return step
+    return StepMessage(step=number, rids=list(entries), positions=list(entries.values()),
+                       token_ids=[100 + p for p in entries.values()], counts=[1] * len(entries), texts=["x" * padding],
+                       started=[RequestStart(rid=rid, owner="gw") for rid in started],
+                       finished=[Finish(rid=rid, output_tokens=tokens) for rid, tokens in finished])
 
 
 def test_replay_is_the_retained_steps_after_a_head_resuming_older_requests():
@@ -56,12 +53,11 @@ def test_coalesced_entries_resume_from_the_first_retained_entry():
     """Entries of several tokens: the ids before the first retained entry are resumed, the entries kept whole."""
     padding = 1000
     journal = StepJournal(window_s=60, window_bytes=2 * padding + 200)
-    first = scheduler_pb2.StepOutput(step=1, rids=["a"], positions=[0], counts=[3], token_ids=[100, 101, 102])
-    first.started.add(rid="a", owner="gw")
-    journal.record(first)
+    journal.record(StepMessage(step=1, rids=["a"], positions=[0], counts=[3], token_ids=[100, 101, 102],
+                               started=[RequestStart(rid="a", owner="gw")]))
     for number, position in ((2, 3), (3, 5), (4, 7)):
-        journal.record(scheduler_pb2.StepOutput(step=number, rids=["a"], positions=[position], counts=[2],
-                                                token_ids=[100 + position, 101 + position], texts=["x" * padding]))
+        journal.record(StepMessage(step=number, rids=["a"], positions=[position], counts=[2],
+                                   token_ids=[100 + position, 101 + position], texts=["x" * padding]))
     head, *steps = journal.replay()
     assert [s.step for s in steps] == [3, 4]
     assert [list(r.output_ids) for r in head.resumed] == [[100, 101, 102, 103, 104]]

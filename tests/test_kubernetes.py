@@ -30,10 +30,11 @@ import kubernetes_validate
 import pytest
 import yaml
 from flatwire_client import FlatwireClient
+from flatwire_wire.control import EMPTY
+from flatwire_wire.scheduler import SCHEDULER
 
 from services.common.auth import SECRET_METADATA
 from services.common.config import env_name, parse_config
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import check_health
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway import schedulers
@@ -484,8 +485,8 @@ class Cluster:
         counts = []
         for address in self.schedulers:
             with grpc.insecure_channel(address) as channel:
-                stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                    scheduler_pb2.StatsRequest(), timeout=10,
+                stats = SCHEDULER.calls(channel)["GetStats"](
+                    EMPTY, timeout=10,
                     metadata=[(SECRET_METADATA, self.secrets["internal-secret"])])
             counts.append(stats.finished)
         return counts

@@ -19,8 +19,8 @@ import grpc
 import httpx
 import pytest
 from flatwire_client import FlatwireClient
+from flatwire_wire import public
 
-from services.common.pb import generate_pb2, scheduler_pb2
 from services.common.rpc import message_options
 from services.gateway.config import GatewayConfig
 from tests.conftest import Stack
@@ -301,13 +301,10 @@ def test_the_public_grpc_server_refuses_a_message_past_the_request_limit(stack):
     nothing kept."""
     pid = stack.gateway.proc.pid
     before = rss_mb(pid)
-    request = generate_pb2.GenerateRequest(text="a" * (40 << 20), sampling=scheduler_pb2.SamplingParams(
-        max_new_tokens=2))
+    request = public.GenerateRequest(text="a" * (40 << 20), sampling=public.SamplingParams(max_new_tokens=2))
     with grpc.insecure_channel(stack.grpc_address, options=message_options(1024)) as channel:
-        generate = channel.unary_stream("/flatwire.v1.Generation/Generate",
-                                        request_serializer=generate_pb2.GenerateRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as refused:
-            list(generate(request, timeout=60))
+            list(public.GENERATION.calls(channel)["Generate"](request, timeout=60))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
     assert "larger than max" in refused.value.details()
     assert settled_rss_mb(pid) - before < 20

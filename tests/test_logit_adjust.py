@@ -4,6 +4,7 @@ processors: on random logits, and through the scheduler over gRPC against transf
 import numpy as np
 import pytest
 import torch
+from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -12,8 +13,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from services.common.pb import scheduler_pb2
-from services.scheduler.logit_adjust import AdjustedRow, LogitAdjustment, SlotPenalties, adjust_logits
+from services.scheduler.sampling.logit_adjust import AdjustedRow, LogitAdjustment, SlotPenalties, adjust_logits
 
 VOCAB = 1000
 
@@ -114,8 +114,8 @@ def test_a_slot_taken_again_forgets_its_previous_request():
 
 
 def sampling(new_tokens: int, frequency=0.0, presence=0.0, repetition=1.0, min_new_tokens=0, stop_ids=frozenset(),
-             bias=None) -> scheduler_pb2.SamplingParams:
-    return scheduler_pb2.SamplingParams(
+             bias=None) -> SamplingParams:
+    return SamplingParams(
         max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=sorted(stop_ids),
         frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=repetition,
         min_new_tokens=min_new_tokens, logit_bias=bias or {})
@@ -134,7 +134,7 @@ def test_batched_adjusted_greedy_matches_transformers(scheduler_client, referenc
     cases["logit_bias"] = dict(bias={plain[0]: -100.0, plain[2]: -3.0, 7: 1.5})
     cases["everything"] = dict(cases["everything"], stop_ids={plain[0]}, bias={plain[0]: 2.0})
     rids = {name: scheduler_client.submit(input_ids=prompt, sampling=sampling(new_tokens, **case),
-                                logprob=scheduler_pb2.LogprobParams(return_logprob=True, logprob_start_len=-1))
+                                logprob=LogprobParams(return_logprob=True, logprob_start_len=-1))
             for name, case in cases.items()}
     with torch.no_grad():
         raw = torch.log_softmax(reference_model(torch.tensor([prompt + plain])).logits[0], dim=-1)

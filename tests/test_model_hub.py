@@ -7,9 +7,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from flatwire_wire.control import EMPTY
+from flatwire_wire.scheduler import SCHEDULER
 
 from services.common.model_store import model_name, resolve_model
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from tests.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
 from tests.procs import ROOT
 
@@ -72,5 +73,5 @@ def test_neither_a_directory_nor_a_hub_id(tmp_path):
 def test_scheduler_serves_a_hub_model_by_its_id(start_service, hf_home):
     _, address = start_service("scheduler", "--model", HUB_MODEL_ID, env=offline_env(HF_HOME=str(hf_home)))
     with grpc.insecure_channel(address) as channel:
-        info = scheduler_pb2_grpc.SchedulerStub(channel).GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
+        info = SCHEDULER.calls(channel)["GetModelInfo"](EMPTY, timeout=10)
     assert info.model == HUB_MODEL_ID and info.vocab_size > 0

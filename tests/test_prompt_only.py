@@ -2,8 +2,7 @@
 clients ask for them; and the output-length defaults each API documents."""
 
 import grpc
-
-from services.common.pb import generate_pb2, generate_pb2_grpc, scheduler_pb2
+from flatwire_wire.public import GENERATION, GenerateRequest, GenerateResponse, SamplingParams
 
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
 
@@ -47,15 +46,15 @@ def test_completions_echo_scores_the_prompt_with_max_tokens_0(openai_client, ser
 
 def test_grpc_max_new_tokens_0_is_explicit_and_unset_is_128(stack):
     with grpc.insecure_channel(stack.grpc_address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
+        stub = GENERATION.calls(channel)
 
-        def call(**sampling) -> generate_pb2.GenerateResponse:
-            request = generate_pb2.GenerateRequest(input_ids=PROMPT_IDS, return_logprob=True, logprob_start_len=0,
-                                                   sampling=scheduler_pb2.SamplingParams(ignore_eos=True, **sampling))
-            *_, last = stub.Generate(request, timeout=120)
+        def call(**sampling) -> GenerateResponse:
+            request = GenerateRequest(input_ids=PROMPT_IDS, return_logprob=True, logprob_start_len=0,
+                                      sampling=SamplingParams(ignore_eos=True, **sampling))
+            *_, last = stub["Generate"](request, timeout=120)
             return last
 
         scored = call(max_new_tokens=0)
         # Every position but the first (nothing precedes it) has a row.
-        assert scored.completion_tokens == 0 and len(scored.prompt.token_logprobs) == len(PROMPT_IDS) - 1
+        assert scored.completion_tokens == 0 and scored.prompt_logprobs(PROMPT_IDS).n == len(PROMPT_IDS) - 1
         assert call().completion_tokens == 128

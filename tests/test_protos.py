@@ -27,7 +27,7 @@ def test_check_notices_a_stale_stub(tmp_path, monkeypatch):
     gen_protos.generate(stubs)
     (stubs / "arrays_pb2.py").write_text((stubs / "arrays_pb2.py").read_text() + "# edited\n")
     monkeypatch.setattr(gen_protos, "ROOT", tmp_path)
-    monkeypatch.setattr(gen_protos, "OUTS", (stubs,))
+    monkeypatch.setattr(gen_protos, "OUT", stubs)
     monkeypatch.setattr(sys, "argv", ["gen_protos.py", "--check"])
     try:
         gen_protos.main()

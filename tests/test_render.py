@@ -10,12 +10,12 @@ import numpy as np
 import orjson
 import pybase64
 import pytest
+from flatwire_wire.logprobs import F32, I32, RequestLogprobs
+from flatwire_wire.steps import FinishReason
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from services.common.arrays import F32, I32
-from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.render import LogprobFormat, chat_logprobs, completion_logprobs, dumps, logprob_meta_info
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.result import RequestResult
 from services.gateway.token_table import TokenTable
 
 K = 6
@@ -34,13 +34,13 @@ def byte_ids(table) -> dict[int, int]:
     return {byte: table.tokenizer.convert_tokens_to_ids(spelled[byte]) for byte in (0xE4, 0xE5, 0xB8)}
 
 
-def _track(rng, rows: int, ids_pool: np.ndarray, null_prefix: int = 0) -> LogprobTrack:
+def _track(rng, rows: int, ids_pool: np.ndarray, null_prefix: int = 0) -> RequestLogprobs:
     values = -np.sort(rng.exponential(2.0, (rows, K)).astype(F32), axis=1)
     values.flat[rng.choice(values.size, 3, replace=False)] = -np.inf
     # Values with nine significant digits: the float32 text must not be rounded short.
     values[:, 1] = np.nextafter(values[:, 1], np.float32(0))
     ids = rng.choice(ids_pool, (rows, K)).astype(I32)
-    return LogprobTrack(
+    return RequestLogprobs(
         token_ids=ids[:, 0].copy(),
         token_logprobs=values[:, 0].copy(),
         topk_values=values,
@@ -63,7 +63,7 @@ def result(table, byte_ids) -> RequestResult:
     output.topk_values[5, 2] = -np.inf
     prompt = _track(rng, 4, pool, null_prefix=1)
     return RequestResult(rid="r", prompt_tokens=5, output_ids=output.token_ids.tolist(), text="",
-                         finish_reason=FinishReason.FINISH_REASON_LENGTH, output=output, prompt=prompt,
+                         finish_reason=FinishReason.LENGTH, output=output, prompt=prompt,
                          token_ids_logprob=TOKEN_IDS_LOGPROB)
 
 
@@ -176,7 +176,7 @@ def test_fields_follow_the_flags(result, table):
     assert "output_top_logprobs" not in output_b64 and "output_top_logprobs_val_flat" not in output_b64
     assert output_b64["output_top_logprobs_shape"] == [9, K] and output_b64["output_top_logprobs_null_prefix"] == 0
     no_prompt = RequestResult(rid="r", prompt_tokens=5, output_ids=[], text="",
-                              finish_reason=FinishReason.FINISH_REASON_LENGTH,
+                              finish_reason=FinishReason.LENGTH,
                               output=result.output)
     meta = _client(logprob_meta_info(no_prompt, FLAT_FORMATS["flat JSON"], table))
     assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs_shape"] == [0, K]
@@ -188,9 +188,10 @@ def test_json_floats_parse_back_to_the_same_float32(table):
     bits = np.random.default_rng(3).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
     values = bits.view(F32)
     values = values[np.isfinite(values)][:20_000].reshape(-1, 4)
-    track = LogprobTrack(token_ids=np.zeros(len(values), I32), token_logprobs=values[:, 0].copy(), topk_values=values,
-                         topk_ids=np.zeros(values.shape, I32), ids_logprobs=np.zeros((len(values), 0), F32))
-    result = RequestResult("r", 1, [], "", "length", output=track)
+    track = RequestLogprobs(token_ids=np.zeros(len(values), I32), token_logprobs=values[:, 0].copy(),
+                            topk_values=values, topk_ids=np.zeros(values.shape, I32),
+                            ids_logprobs=np.zeros((len(values), 0), F32))
+    result = RequestResult("r", 1, [], "", FinishReason.LENGTH, output=track)
     json_meta = _client(logprob_meta_info(result, LogprobFormat(return_flat_raw_output_top_logprobs=True), table))
     _same_f32(_floats(json_meta["output_top_logprobs_val_flat"]).reshape(values.shape), values)
     nested = _client(logprob_meta_info(result, LogprobFormat(), table))
@@ -211,8 +212,7 @@ def test_chat_without_candidates_keeps_selected_logprobs(result, table):
     content = _client(chat_logprobs(result.output, table, candidates=False))["content"]
     assert [entry["top_logprobs"] for entry in content] == [[]] * 9
     _same_f32(_floats([entry["logprob"] for entry in content]), result.output.token_logprobs)
-    stream_chunk = LogprobTrack(*(getattr(result.output, f)[3:5] for f in
-                                  ("token_ids", "token_logprobs", "topk_values", "topk_ids", "ids_logprobs")))
+    stream_chunk = result.output.view(3, 5, result.output.token_ids[3:5])
     chunk = _client(chat_logprobs(stream_chunk, table))["content"]
     assert chunk == _client(chat_logprobs(result.output, table))["content"][3:5]
 
@@ -238,8 +238,8 @@ def test_completions_echo_offsets_and_best_of_colliding_texts(result, table):
 
 
 def test_empty_tracks_render(table):
-    empty = LogprobTrack.empty(K, 0)
-    result = RequestResult("r", 1, [], "", "length", output=empty)
+    empty = RequestLogprobs.empty(K, 0)
+    result = RequestResult("r", 1, [], "", FinishReason.LENGTH, output=empty)
     for fmt in [LogprobFormat(), *FLAT_FORMATS.values()]:
         meta = _client(logprob_meta_info(result, fmt, table))
         assert meta["output_token_logprobs"] == []

@@ -13,8 +13,9 @@ import time
 import grpc
 import httpx
 import pytest
+from flatwire_wire.control import EMPTY
+from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
 
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from tests.procs import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
@@ -48,9 +49,9 @@ class Scheduler:
         self.proc.proc.wait(timeout=30)
         self.proc.stop()  # closes the log
 
-    def stats(self) -> scheduler_pb2.SchedulerStats:
+    def stats(self) -> SchedulerStats:
         with grpc.insecure_channel(self.address) as channel:
-            return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+            return SCHEDULER.calls(channel)["GetStats"](EMPTY, timeout=10)
 
 
 class Cluster:

@@ -20,15 +20,18 @@ import numpy as np
 import pytest
 import torch
 from flatwire_client import FlatwireClient, HttpClient
+from flatwire_wire.control import PauseMode
+from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
+from flatwire_wire.steps import StepMessage
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from services.common.auth import AccessKeys
-from services.common.pb import scheduler_pb2
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Continue, Engine, Pause, SetWeightVersion, UpdateWeights
-from services.scheduler.request import Limits, parse_request
-from services.scheduler.synthetic import SyntheticRunner
+from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
+from services.scheduler.engine.engine import Engine
+from services.scheduler.model.synthetic import SyntheticRunner
+from services.scheduler.submit import Limits, parse_request
 from tests.procs import ServiceProcess, free_port
 
 ADMIN_KEY = f"admin-{secrets.token_hex(8)}"
@@ -56,7 +59,7 @@ class Harness:
     """An Engine whose loop body the test runs one pass at a time, and what it published."""
 
     def __init__(self, runner: SyntheticRunner):
-        self.published: list[scheduler_pb2.StepOutput] = []
+        self.published: list[StepMessage] = []
         self.engine = Engine(runner, SchedulerConfig(max_running_requests=4), publish=self.published.append)
         self.limits = Limits(runner.vocab_size, runner.max_context, 8, tuple(runner.eos_token_ids), 50)
 
@@ -64,12 +67,12 @@ class Harness:
         self.engine._iterate(*self.engine._drain_inbox(block=False))
 
     def submit(self, rid: str, max_new_tokens: int) -> None:
-        self.engine.submit(parse_request(scheduler_pb2.TokenizedRequest(
-            rid=rid, input_ids=prompt(1), sampling=scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens)),
+        self.engine.submit(parse_request(TokenizedRequest(
+            rid=rid, input_ids=prompt(1), sampling=SamplingParams(max_new_tokens=max_new_tokens)),
             self.limits))
 
     def running(self) -> list[str]:
-        return [request.rid for request in self.engine._running]
+        return [request.rid for request in self.engine.scheduler.running]
 
     def run_out(self, most_steps: int = 100) -> None:
         """Iterate until no request runs; a request that never ends fails the test."""
@@ -128,7 +131,7 @@ def test_engine_paused_in_place_steps_nothing_and_ships_pending_output_before_a_
     for _ in range(3):
         harness.iterate()
     assert harness.shipped("kept") == []  # 3 tokens pending: it ships its 20 at once, unless something changes
-    harness.engine.control(Pause(mode=scheduler_pb2.PAUSE_MODE_IN_PLACE))
+    harness.engine.control(Pause(mode=PauseMode.IN_PLACE))
     harness.iterate()
     steps = harness.engine.stats.steps
     harness.iterate()

@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 import torch
-
-from services.common.pb import arrays_pb2, scheduler_pb2
+from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams
+from flatwire_wire.steps import FinishReason
 
 VOCAB_SAMPLE = 240_000  # prompt ids drawn below the special tokens
 TIE = 1e-5  # reference_model candidates closer than this may swap places in the top-k
 
 
-def greedy(max_new_tokens: int) -> scheduler_pb2.SamplingParams:
-    return scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -51,7 +51,7 @@ def test_batched_greedy_matches_transformers(scheduler_client, reference_model):
         ids, k, start, token_ids = specs[name]
         return scheduler_client.submit(
             input_ids=ids, sampling=greedy(new_tokens),
-            logprob=scheduler_pb2.LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=start,
+            logprob=LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=start,
                                                 token_ids_logprob=token_ids))
 
     rids = {"a": submit("a")}
@@ -72,7 +72,7 @@ def test_batched_greedy_matches_transformers(scheduler_client, reference_model):
         expected = reference_model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
                                             do_sample=False)[0, len(ids):]
         assert result.token_ids == expected.tolist(), name
-        reason = arrays_pb2.FINISH_REASON_LENGTH if len(expected) == new_tokens else arrays_pb2.FINISH_REASON_STOP_TOKEN
+        reason = FinishReason.LENGTH if len(expected) == new_tokens else FinishReason.STOP_TOKEN
         assert result.finish.reason == reason
         if not k:
             assert result.prompt is None
@@ -85,14 +85,14 @@ def test_batched_greedy_matches_transformers(scheduler_client, reference_model):
         np.testing.assert_allclose(token_logprobs, output_rows.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0],
                                    atol=1e-4, rtol=0)
         if token_ids:
-            ids_logprobs = np.stack([o.ids_logprobs for o in result.output])
+            ids_logprobs = np.concatenate([o.ids_logprobs for o in result.output])
             np.testing.assert_allclose(ids_logprobs, output_rows[:, token_ids], atol=1e-4, rtol=0)
 
         first = max(start, 1)
         prompt_rows = ref[first - 1:len(ids) - 1]
         got = result.prompt
-        assert got.rows.tolist() == [len(ids) - first]
-        assert got.null_prefix.tolist() == [int(start == 0)]
+        assert got.n == len(ids) - first
+        assert result.prompt_null_prefix == int(start == 0)
         assert_topk_matches(got.topk_values.reshape(-1, k), got.topk_ids.reshape(-1, k), prompt_rows)
         np.testing.assert_allclose(got.token_logprobs, prompt_rows.gather(1, torch.tensor(ids[first:])[:, None])[:, 0],
                                    atol=1e-4, rtol=0)
@@ -109,7 +109,7 @@ def test_seeded_sampling_reproducible_across_batches(scheduler_client, params):
     ids = prompt(5, 9)
 
     def sampled(seed):
-        return scheduler_pb2.SamplingParams(max_new_tokens=12, seed=seed, **params)
+        return SamplingParams(max_new_tokens=12, seed=seed, **params)
 
     solo = scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=sampled(7))).token_ids
     # Same seed while other requests share the steps (prefilling and decoding around it).
@@ -131,7 +131,7 @@ def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(sched
     its tokens and logprob rows are those of the same request streamed a token per step. An abort ships the
     tokens it had not shipped yet with its Finish."""
     ids = prompt(7, 9)
-    logprob = scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=5, logprob_start_len=-1,
+    logprob = LogprobParams(return_logprob=True, top_logprobs_num=5, logprob_start_len=-1,
                                           token_ids_logprob=[11, 12])
     streamed = scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob))
     coalesced = scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=greedy(120), logprob=logprob,
@@ -147,8 +147,8 @@ def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(sched
 
     rid = scheduler_client.submit(input_ids=ids, sampling=greedy(2000), logprob=logprob, stream_interval=0)
     scheduler_client.wait_tokens(rid, 50)
-    scheduler_client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=10)
+    scheduler_client.calls["Abort"](AbortRequest(rid=rid), timeout=10)
     aborted = scheduler_client.wait(rid)
-    assert aborted.finish.reason == arrays_pb2.FINISH_REASON_ABORT
+    assert aborted.finish.reason == FinishReason.ABORT
     assert len(aborted.token_ids) == aborted.finish.output_tokens > 50  # nothing held back
     assert [p for p, _ in aborted.entries] == list(range(0, 50 * len(aborted.entries), 50))

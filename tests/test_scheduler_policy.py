@@ -6,13 +6,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import FinishReason
 from transformers import AutoModelForCausalLM
 
-from services.common.pb import arrays_pb2, scheduler_pb2
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine
-from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import Limits, parse_request
+from services.scheduler.engine.engine import Engine
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.submit import Limits, parse_request
 from tests.scheduler_client import SchedulerClient
 
 SLOTS, BUDGET, CONTEXT, CHUNK = 2, 16, 64, 7
@@ -28,8 +29,8 @@ def client(start_service):
     client.close()
 
 
-def greedy(max_new_tokens: int) -> scheduler_pb2.SamplingParams:
-    return scheduler_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -60,12 +61,12 @@ def test_admission_policy(model_dir):
     engine = Engine(runner, SchedulerConfig(max_running_requests=3, max_tokens_per_step=BUDGET), publish=print)
     limits = Limits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), output_interval=50)
     for i, n in enumerate([4, 10, 12, 30, 3]):
-        engine.submit(parse_request(scheduler_pb2.TokenizedRequest(
+        engine.submit(parse_request(TokenizedRequest(
             rid=f"r{i}", input_ids=prompt(i, n), sampling=greedy(3)), limits))
     engine._drain_inbox(block=False)
 
     def admitted():
-        return [r.prompt_len for r in engine._admit()]
+        return [r.prompt_len for r in engine.scheduler.admit()]
 
     assert admitted() == [4, 10]  # 4 + 10 + 12 > 16
     assert admitted() == [12]  # 12 + 30 > 16
@@ -78,20 +79,20 @@ def test_admission_policy(model_dir):
 
 def test_context_limit_ends_with_length(client):
     result = client.wait(client.submit(input_ids=prompt(50, CONTEXT - 4), sampling=greedy(100)))
-    assert len(result.token_ids) == 4 and result.finish.reason == arrays_pb2.FINISH_REASON_LENGTH
+    assert len(result.token_ids) == 4 and result.finish.reason == FinishReason.LENGTH
 
 
 def test_prompt_logprobs_across_logit_chunks(client, model_dir):
     ids = prompt(80, 30)
     result = client.wait(client.submit(
         input_ids=ids, sampling=greedy(1),
-        logprob=scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=4, logprob_start_len=0,
+        logprob=LogprobParams(return_logprob=True, top_logprobs_num=4, logprob_start_len=0,
                                             token_ids_logprob=[5, 6])))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     got = result.prompt
-    assert got.rows.tolist() == [len(ids) - 1] and got.null_prefix.tolist() == [1]
+    assert got.n == len(ids) - 1 and result.prompt_null_prefix == 1
     np.testing.assert_allclose(got.token_logprobs, reference.gather(1, torch.tensor(ids[1:])[:, None])[:, 0],
                                atol=1e-4, rtol=0)
     np.testing.assert_allclose(got.topk_values.reshape(-1, 4), reference.topk(4).values, atol=1e-4, rtol=0)
@@ -106,12 +107,12 @@ def test_abort_of_a_waiting_request(client):
     while client.stats().waiting != 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    client.stub.Abort(scheduler_pb2.AbortRequest(rid=waiting))
+    client.calls["Abort"](AbortRequest(rid=waiting))
     aborted = client.wait(waiting)
-    assert aborted.finish.reason == arrays_pb2.FINISH_REASON_ABORT and aborted.token_ids == []
+    assert aborted.finish.reason == FinishReason.ABORT and aborted.token_ids == []
     assert aborted.start is not None and aborted.start_step <= aborted.finish_step
     for rid in running:
-        client.stub.Abort(scheduler_pb2.AbortRequest(rid=rid))
+        client.calls["Abort"](AbortRequest(rid=rid))
         client.wait(rid)
     stats = client.stats()
     assert (stats.running, stats.waiting, stats.kv_slots_used, stats.kv_slots_total) == (0, 0, 0, SLOTS)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.scheduler.sampler import SamplingBatch, sample
+from services.scheduler.sampling.sampler import SamplingBatch, sample
 
 PROBS = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
 DRAWS = 40_000

@@ -13,13 +13,16 @@ import openai
 import pytest
 import torch
 from flatwire_client import FlatwireClient, HttpClient
+from flatwire_wire import public
+from flatwire_wire.public import GENERATION, GenerateRequest
+from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import FinishReason
 from transformers import AutoTokenizer
 
-from services.common.pb import arrays_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
-from services.scheduler.batch_step import run_step
-from services.scheduler.grammar import Grammars, TokenMask
-from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import InvalidTokenizedRequest, Limits, parse_request
+from services.scheduler.model.batch_step import run_step
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.sampling.grammar import Grammars, TokenMask
+from services.scheduler.submit import InvalidTokenizedRequest, Limits, parse_request
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}
@@ -80,8 +83,8 @@ def limits(tokenizer) -> Limits:
     return Limits(len(tokenizer), 4096, 20, (STOP,), 50)
 
 
-def tokenized(**sampling) -> scheduler_pb2.TokenizedRequest:
-    return scheduler_pb2.TokenizedRequest(rid="r", input_ids=[1, 2, 3], sampling=scheduler_pb2.SamplingParams(
+def tokenized(**sampling) -> TokenizedRequest:
+    return TokenizedRequest(rid="r", input_ids=[1, 2, 3], sampling=SamplingParams(
         max_new_tokens=8, **sampling))
 
 
@@ -113,19 +116,21 @@ def test_logprobs_stay_raw(model_dir, grammars):
     limits = Limits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 50)
     requests = []
     for sampling in (dict(regex="[0-9]+"), {}):
-        request = parse_request(scheduler_pb2.TokenizedRequest(
-            rid=f"r{len(requests)}", input_ids=[9707, 11, 1879], logprob=scheduler_pb2.LogprobParams(
+        request = parse_request(TokenizedRequest(
+            rid=f"r{len(requests)}", input_ids=[9707, 11, 1879], logprob=LogprobParams(
                 return_logprob=True, top_logprobs_num=5, logprob_start_len=-1),
-            sampling=scheduler_pb2.SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
+            sampling=SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
         request.slot = runner.cache.allocate()
         requests.append(request)
-    host = run_step(runner, [], requests, 256)
-    assert np.array_equal(host["topk_ids"][0], host["topk_ids"][1])
-    assert np.allclose(host["topk_values"][0], host["topk_values"][1], atol=1e-5)  # rows of one batch
-    constrained, free = host["next_ids"].tolist()
-    assert free == host["topk_ids"][1][0]
+    result = run_step(runner, [], requests, 256)
+    rows = result.output
+    assert rows is not None
+    assert np.array_equal(rows.topk_ids[0], rows.topk_ids[1])
+    assert np.allclose(rows.topk_values[0], rows.topk_values[1], atol=1e-5)  # rows of one batch
+    constrained, free = result.next_ids.tolist()
+    assert free == rows.topk_ids[1][0]
     assert constrained != free
-    assert host["token_logprobs"][0] < host["topk_values"][0][0]  # a raw logprob below the best one
+    assert rows.token_logprobs[0] < rows.topk_values[0][0]  # a raw logprob below the best one
 
 
 # -- through the stack --------------------------------------------------------------------------------------
@@ -223,12 +228,12 @@ def test_openai_refusals(http, served_model, openai_client):
 
 def test_public_grpc_api(stack):
     with grpc.insecure_channel(stack.grpc_address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        [reply] = stub.Generate(generate_pb2.GenerateRequest(text="Code:", sampling=scheduler_pb2.SamplingParams(
+        stub = GENERATION.calls(channel)
+        [reply] = stub["Generate"](GenerateRequest(text="Code:", sampling=public.SamplingParams(
             max_new_tokens=64, temperature=1, seed=2, regex=REGEX)))
-        assert reply.finish_reason == arrays_pb2.FINISH_REASON_STOP_TOKEN and re.fullmatch(REGEX, reply.text)
+        assert reply.finish_reason == FinishReason.STOP_TOKEN and re.fullmatch(REGEX, reply.text)
         with pytest.raises(grpc.RpcError) as refused:
-            list(stub.Generate(generate_pb2.GenerateRequest(text="Code:", sampling=scheduler_pb2.SamplingParams(
+            list(stub["Generate"](GenerateRequest(text="Code:", sampling=public.SamplingParams(
                 max_new_tokens=4, regex="[a-"))))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("sampling.regex:")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from flatwire_wire.codec import WireValueError
 
 log = logging.getLogger("flatwire.rpc")
 _CACHE_LIMIT = 4096  # wrapped handlers kept (one per method; the bound only guards against odd handlers)
@@ -45,6 +46,8 @@ def tolerant(deserializer):
     def deserialize(raw: bytes):
         try:
             return deserializer(raw)
+        except WireValueError as exc:  # it decodes, but its twin cannot hold it (an unknown enum number)
+            return Undecodable(f"{exc} in {name}")
         except Exception:  # DecodeError, or whatever a custom deserializer raises on bad bytes
             return Undecodable(f"request: {len(raw)} bytes that do not decode as {name}")
 

@@ -5,10 +5,10 @@ of a step decoded with two batched tokenizer calls (surrogate windows, read
 windows) per distinct (skip_special_tokens, spaces_between_special_tokens) pair,
 usually one. Work per step is proportional to the requests in it.
 
-Each request's tokens are taken in position order, exactly once: an entry that
-starts before the next expected position (a replay after the step stream was cut;
-a replay repeats entries whole) is skipped, one that starts past it (which a
-consistent replay never leaves) fails the request. An entry of several tokens (a
+Each request's tokens are taken in position order, exactly once (flatwire_wire.steps
+entry_order): an entry held already (a replay after the step stream was cut; a replay
+repeats entries whole) is skipped, one that starts past the next expected position or
+straddles it (which a consistent replay never leaves) fails the request. An entry of several tokens (a
 request that does not stream) is decoded as one piece: its text is one delta. The
 tokens a request resumed from its output ids (RequestResume) misses here are
 decoded one per step, as the original steps did, so its text deltas are the same
@@ -18,14 +18,13 @@ to the character as if nothing had happened.
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.common.pb import arrays_pb2, scheduler_pb2
-from services.common.steps import token_offsets
+from flatwire_wire.scheduler import AbortRequest
+from flatwire_wire.steps import EntryOrder, Finish, FinishReason, RequestStart, StepMessage, entry_order, lost_output
+
 from services.detokenizer.batch_decode import batch_decoder
 from services.detokenizer.decode_status import DecodeStatus
 from services.detokenizer.router import OwnedStep
 from services.detokenizer.stop_strings import StopStrings
-
-Reason = arrays_pb2.FinishReason
 
 
 @dataclass
@@ -40,7 +39,7 @@ class DecodingRequest:
     next_position: int = 0  # of the next output token to decode
 
     @classmethod
-    def of(cls, start: scheduler_pb2.RequestStart, scheduler: str) -> "DecodingRequest":
+    def of(cls, start: RequestStart, scheduler: str) -> "DecodingRequest":
         params = start.detokenize
         return cls(start.owner, scheduler, params.skip_special_tokens, params.spaces_between_special_tokens,
                    StopStrings.of(params.stop, params.no_stop_trim), params.min_new_tokens)
@@ -51,7 +50,7 @@ class _Entry:
     index: int  # position in the step's rids
     rid: str
     state: DecodingRequest
-    finish: scheduler_pb2.Finish | None  # the scheduler's, when the request ended this step
+    finish: Finish | None  # the scheduler's, when the request ended this step
 
 
 class DetokenizerManager:
@@ -62,46 +61,48 @@ class DetokenizerManager:
         # Finish for them arrives (steps already in flight still carry them).
         self.stopped: dict[str, str] = {}
 
-    def expand(self, step: scheduler_pb2.StepOutput) -> list[scheduler_pb2.StepOutput]:
+    def expand(self, step: StepMessage) -> list[StepMessage]:
         """The step, preceded by one step per position of the tokens its resumed requests miss here."""
         behind = [resume for resume in step.resumed if resume.start.rid not in self.requests
                   or self.requests[resume.start.rid].next_position < len(resume.output_ids)]
         if not behind:
             return [step]
-        steps = [scheduler_pb2.StepOutput(started=[resume.start for resume in behind])]  # known ones: ignored
+        steps = [StepMessage(started=[resume.start for resume in behind])]  # known ones: ignored
         for position in range(max(len(resume.output_ids) for resume in behind)):
             level = [resume for resume in behind if position < len(resume.output_ids)]
-            steps.append(scheduler_pb2.StepOutput(rids=[resume.start.rid for resume in level],
-                                                  token_ids=[resume.output_ids[position] for resume in level],
-                                                  positions=[position] * len(level), counts=[1] * len(level)))
+            steps.append(StepMessage(rids=[resume.start.rid for resume in level],
+                                     token_ids=[resume.output_ids[position] for resume in level],
+                                     positions=[position] * len(level), counts=[1] * len(level)))
         return [*steps, step]
 
-    def process(self, step: scheduler_pb2.StepOutput, scheduler: str) -> tuple[OwnedStep, list]:
-        """One scheduler step -> (the step with texts and owners, AbortRequests to send to `scheduler`)."""
+    def process(self, step: StepMessage, scheduler: str) -> tuple[OwnedStep, list[AbortRequest]]:
+        """One scheduler step -> (the step with texts and owners, aborts to send to `scheduler`)."""
         for start in step.started:
             if start.rid not in self.requests:  # a replayed start of a request known here changes nothing
                 self.requests[start.rid] = DecodingRequest.of(start, scheduler)
         scheduler_finish = {finish.rid: finish for finish in step.finished}
         owned = OwnedStep(step, texts=[""] * len(step.rids), owners=[None] * len(step.rids))
-        entries, aborts = [], []
-        tokens = list(step.token_ids)
-        for index, (rid, position, count, first) in enumerate(zip(step.rids, step.positions, step.counts,
-                                                                   token_offsets(step.counts))):
+        entries: list[_Entry] = []
+        aborts: list[AbortRequest] = []
+        for index, (rid, position, count) in enumerate(zip(step.rids, step.positions, step.counts)):
             state = self.requests.get(rid)
-            if state is None or position < state.next_position:  # ended here, never announced, or replayed
+            if state is None:  # ended here already, or never announced
                 continue
-            if position > state.next_position:
-                owned.finished.append((state.owner, self._fail(
-                    rid, f"detokenizer: output positions {state.next_position}..{position - 1} of the request "
-                         f"never arrived from scheduler {scheduler}")))
-                aborts.append(scheduler_pb2.AbortRequest(rid=rid))
+            order = entry_order(position, count, state.next_position)
+            if order is EntryOrder.HELD:
+                continue
+            if order is not EntryOrder.NEXT:
+                why = lost_output(order, position, count, state.next_position)
+                owned.finished.append((state.owner, self._fail(rid, f"detokenizer: {why} from scheduler {scheduler}")))
+                aborts.append(AbortRequest(rid=rid))
                 continue
             state.next_position += count
             finish = scheduler_finish.get(rid)
+            tokens = step.entry_tokens(index)
             # Like SGLang, the stop token is not part of the text unless no_stop_trim.
-            if finish and finish.reason == Reason.FINISH_REASON_STOP_TOKEN and not state.stops.no_stop_trim:
-                count -= 1
-            state.status.decode_ids.extend(tokens[first:first + count])
+            if finish and finish.reason == FinishReason.STOP_TOKEN and not state.stops.no_stop_trim:
+                tokens = tokens[:-1]
+            state.status.decode_ids.extend(tokens)
             owned.owners[index] = state.owner
             entries.append(_Entry(index, rid, state, finish))
 
@@ -112,11 +113,10 @@ class DetokenizerManager:
             if match:
                 end = state.stops.text_end(text, match)
                 if finish is None:  # still generating: tell the scheduler to stop it
-                    aborts.append(scheduler_pb2.AbortRequest(rid=entry.rid, reason=Reason.FINISH_REASON_STOP_STRING,
-                                                             matched_stop=match.stop))
+                    aborts.append(AbortRequest(rid=entry.rid, reason=FinishReason.STOP_STRING, matched_stop=match.stop))
                     self.stopped[entry.rid] = scheduler
-                finish = scheduler_pb2.Finish(rid=entry.rid, reason=Reason.FINISH_REASON_STOP_STRING,
-                                              matched_stop=match.stop, output_tokens=state.next_position)
+                finish = Finish(rid=entry.rid, reason=FinishReason.STOP_STRING, matched_stop=match.stop,
+                                output_tokens=state.next_position)
             elif finish:
                 end = len(text)
             else:
@@ -151,7 +151,7 @@ class DetokenizerManager:
 
     def fail(self, rids, why: str) -> OwnedStep:
         """Fail those of `rids` running here (FINISH_REASON_ERROR to their owners)."""
-        owned = OwnedStep(scheduler_pb2.StepOutput())
+        owned = OwnedStep(StepMessage())
         for rid in [rid for rid in rids if rid in self.requests]:
             owned.finished.append((self.requests[rid].owner, self._fail(rid, why)))
         return owned
@@ -163,10 +163,9 @@ class DetokenizerManager:
             del self.requests[rid]
         return requests
 
-    def _fail(self, rid: str, why: str) -> scheduler_pb2.Finish:
+    def _fail(self, rid: str, why: str) -> Finish:
         state = self.requests.pop(rid)
-        return scheduler_pb2.Finish(rid=rid, reason=Reason.FINISH_REASON_ERROR, message=why,
-                                    output_tokens=state.next_position)
+        return Finish(rid=rid, reason=FinishReason.ERROR, message=why, output_tokens=state.next_position)
 
     def _decode(self, entries: list[_Entry]) -> list[tuple[int, str, int]]:
         """Per entry: (confirmed length before this step, whole text, streamable length)."""

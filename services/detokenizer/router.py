@@ -9,8 +9,8 @@ get an outbox too: a restarted detokenizer replays requests whose gateways are a
 to reconnect. Past that, outputs of owners that never subscribed here are dropped
 (they are some other detokenizer's).
 
-The top-k buffers are sliced per owner with select_requests (byte slicing, and no
-copy at all when one owner has every request); no element is touched.
+The top-k buffers are sliced per owner by StepMessage.slice (byte slicing, and copied whole
+when one owner has every request); no element is touched.
 """
 
 import asyncio
@@ -18,26 +18,24 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.common.arrays import select_requests
-from services.common.pb import scheduler_pb2
-from services.common.steps import token_offsets
+from flatwire_wire.steps import Finish, StepMessage
 
 
 @dataclass
 class OwnedStep:
     """A scheduler step as the detokenizer annotated it: a text and an owner per entry."""
 
-    step: scheduler_pb2.StepOutput  # as the scheduler sent it
+    step: StepMessage  # as the scheduler sent it
     texts: list[str] = field(default_factory=list)  # per entry of step.rids
     owners: list[str | None] = field(default_factory=list)  # per entry of step.rids; None: dropped
     prompt_owners: list[str | None] = field(default_factory=list)  # per entry of step.prompt_rids
-    finished: list[tuple[str, scheduler_pb2.Finish]] = field(default_factory=list)  # (owner, finish)
+    finished: list[tuple[str, Finish]] = field(default_factory=list)  # (owner, finish)
 
 
 class Router:
     def __init__(self, adopt_for_s: float = 0.0):
         self._adopt_until = time.monotonic() + adopt_for_s
-        self._outboxes: dict[str, asyncio.Queue] = {}  # of StepOutput; None ends the stream reading it
+        self._outboxes: dict[str, asyncio.Queue] = {}  # of StepMessage; None ends the stream reading it
         self._away_since: dict[str, float] = {}  # owners with an outbox and no subscriber -> since when
 
     def subscribe(self, owner: str) -> asyncio.Queue:
@@ -97,11 +95,10 @@ class Router:
         finished: dict[str, list] = defaultdict(list)
         for owner, finish in owned.finished:
             finished[owner].append(finish)
-        entries = _Entries(owned.step)
         for owner in rows.keys() | prompt_rows.keys() | started.keys() | finished.keys():
             if (outbox := self._outbox(owner)) is not None:
-                outbox.put_nowait(_slice(owned, entries, rows.get(owner, []), prompt_rows.get(owner, []),
-                                         started[owner], finished[owner]))
+                outbox.put_nowait(_slice(owned, rows.get(owner, []), prompt_rows.get(owner, []), started[owner],
+                                         finished[owner]))
 
 
 def _indices_by_owner(owners: list[str | None]) -> dict[str, list[int]]:
@@ -112,37 +109,6 @@ def _indices_by_owner(owners: list[str | None]) -> dict[str, list[int]]:
     return indices
 
 
-class _Entries:
-    """A step's tokens and where each entry starts, read once for all its owners."""
-
-    def __init__(self, step: scheduler_pb2.StepOutput):
-        self.tokens = list(step.token_ids)
-        self.counts = list(step.counts)
-        self.starts = token_offsets(self.counts)
-
-    def tokens_of(self, keep: list[int]) -> list[int]:
-        if len(keep) == len(self.counts):  # every entry (kept in order: _indices_by_owner)
-            return self.tokens
-        return [token for i in keep for token in self.tokens[self.starts[i]:self.starts[i] + self.counts[i]]]
-
-
-def _slice(owned: OwnedStep, entries: _Entries, keep: list[int], keep_prompt: list[int], started: list,
-           finished: list) -> scheduler_pb2.StepOutput:
-    step = owned.step
-    message = scheduler_pb2.StepOutput(
-        step=step.step,
-        weight_version=step.weight_version,
-        started=started,
-        rids=[step.rids[i] for i in keep],
-        token_ids=entries.tokens_of(keep) if keep else [],
-        positions=[step.positions[i] for i in keep],
-        counts=[entries.counts[i] for i in keep],
-        texts=[owned.texts[i] for i in keep],
-        prompt_rids=[step.prompt_rids[i] for i in keep_prompt],
-        finished=finished,
-    )
-    if keep and step.output.rows:
-        message.output.CopyFrom(select_requests(step.output, keep))
-    if keep_prompt:
-        message.prompt.CopyFrom(select_requests(step.prompt, keep_prompt))
-    return message
+def _slice(owned: OwnedStep, keep: list[int], keep_prompt: list[int], started: list, finished: list) -> StepMessage:
+    texts = owned.texts if len(keep) == len(owned.texts) else [owned.texts[i] for i in keep]
+    return owned.step.slice(keep, keep_prompt, started, finished, texts)

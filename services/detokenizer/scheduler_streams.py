@@ -13,10 +13,11 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import grpc
+from flatwire_wire.scheduler import AbortRequest, SchedulerClient
+from flatwire_wire.steps import StepMessage
 
 from services.common.discovery import resolve
 from services.common.follow import follow_stream
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
 from services.detokenizer.config import DetokenizerConfig
 
@@ -25,8 +26,8 @@ ABORT_TIMEOUT_S = 10.0
 
 
 class SchedulerStreams:
-    def __init__(self, config: DetokenizerConfig, on_step: Callable[[scheduler_pb2.StepOutput, str], Awaitable[None]],
-                 on_failure: Callable[[scheduler_pb2.StepOutput, str], None], on_lost: Callable[[str], None],
+    def __init__(self, config: DetokenizerConfig, on_step: Callable[[StepMessage, str], Awaitable[None]],
+                 on_failure: Callable[[StepMessage, str], None], on_lost: Callable[[str], None],
                  on_restarted: Callable[[str], None]):
         self.config = config
         self._on_step = on_step
@@ -35,7 +36,7 @@ class SchedulerStreams:
         self._on_restarted = on_restarted
         self._instances: dict[str, str] = {}  # replica -> instance id last subscribed to
         self._tasks: dict[str, asyncio.Task] = {}
-        self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
+        self._clients: dict[str, SchedulerClient] = {}
         self._connected: set[str] = set()
         self._unresolved: set[str] = set(config.schedulers)
         self._pending_aborts: set[asyncio.Task] = set()
@@ -57,16 +58,16 @@ class SchedulerStreams:
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    def abort(self, scheduler: str, request: scheduler_pb2.AbortRequest) -> None:
+    def abort(self, scheduler: str, request: AbortRequest) -> None:
         """Fire and forget: the step loop must not wait on a round trip."""
-        if stub := self._stubs.get(scheduler):
-            task = asyncio.create_task(self._abort(scheduler, stub, request))
+        if client := self._clients.get(scheduler):
+            task = asyncio.create_task(self._abort(scheduler, client, request))
             self._pending_aborts.add(task)
             task.add_done_callback(self._pending_aborts.discard)
 
-    async def _abort(self, scheduler: str, stub, request: scheduler_pb2.AbortRequest) -> None:
+    async def _abort(self, scheduler: str, client: SchedulerClient, request: AbortRequest) -> None:
         try:
-            await stub.Abort(request, timeout=ABORT_TIMEOUT_S)
+            await client.abort(request, timeout=ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it finished meanwhile
                 log.warning("abort of %s on %s failed: %s %s", request.rid, scheduler, exc.code(), exc.details())
@@ -88,17 +89,17 @@ class SchedulerStreams:
     async def _follow(self, address: str) -> None:
         channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
                                  internal_secret=self.config.internal_secret)
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        self._stubs[address] = stub
+        client = SchedulerClient(channel)
+        self._clients[address] = client
 
         @asynccontextmanager
         async def subscribe():
-            call = stub.StreamSteps(scheduler_pb2.StreamStepsRequest())
+            call = client.stream_steps()
             try:
                 # A unary round trip on the same connection, answered after the stream was opened,
                 # means the scheduler has registered this subscriber: from now on no request it
                 # accepts can be missed.
-                info = await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=10)
+                info = await client.model_info(timeout=10)
                 if self._instances.setdefault(address, info.instance_id) != info.instance_id:
                     self._instances[address] = info.instance_id
                     self._on_restarted(address)
@@ -114,5 +115,5 @@ class SchedulerStreams:
             await follow_stream(f"scheduler {address}", subscribe, lambda step: self._on_step(step, address),
                                 lambda step: self._on_failure(step, address), self.config.reconnect_max_s)
         finally:
-            self._stubs.pop(address, None)
+            self._clients.pop(address, None)
             await channel.close()

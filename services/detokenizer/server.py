@@ -17,6 +17,9 @@ import time
 import uuid
 
 import grpc
+from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
+from flatwire_wire.scheduler import AbortRequest
+from flatwire_wire.steps import StepMessage
 from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
@@ -25,7 +28,6 @@ from services.common.config import parse_config
 from services.common.discovery import INSTANCE_METADATA, subscription_health_name
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
-from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from services.common.rpc import add_health, create_server
 from services.common.signals import stop_requested
 from services.detokenizer.config import DetokenizerConfig
@@ -34,18 +36,20 @@ from services.detokenizer.router import Router
 from services.detokenizer.scheduler_streams import SchedulerStreams
 
 log = logging.getLogger("flatwire.detokenizer")
-SERVICE_NAME = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
+SERVICE_NAME = DETOKENIZER.name
 HEALTH_POLL_S = 0.1
 BACKPRESSURE_POLL_S = 0.002
 WATCH_INTERVAL_S = 0.5
 
 
-class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
+class DetokenizerService:
+    """The Detokenizer service (flatwire_wire.detokenizer.DetokenizerServicer)."""
+
     def __init__(self, router: Router):
         self.router = router
         self.instance_id = uuid.uuid4().hex
 
-    async def StreamOutputs(self, request, context):
+    async def stream_outputs(self, request: StreamOutputsRequest, context):
         if not request.owner:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "owner: required (the subscribing gateway's id)")
         queue = self.router.subscribe(request.owner)
@@ -70,7 +74,7 @@ class Pipeline:
         self.streams = SchedulerStreams(config, self.on_step, self.on_step_failed, self.on_lost, self.on_restarted)
         self._lost_since: dict[str, float] = {}  # scheduler -> when its stream broke
 
-    async def on_step(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
+    async def on_step(self, step: StepMessage, scheduler: str) -> None:
         self._lost_since.pop(scheduler, None)
         for part in self.manager.expand(step):
             owned, aborts = self.manager.process(part, scheduler)
@@ -93,14 +97,13 @@ class Pipeline:
                 return
             await asyncio.sleep(BACKPRESSURE_POLL_S)
 
-    def on_step_failed(self, step: scheduler_pb2.StepOutput, scheduler: str) -> None:
+    def on_step_failed(self, step: StepMessage, scheduler: str) -> None:
         """Processing the step raised (a bug): its requests' state here is in doubt, so they fail and stop."""
-        rids = {*step.rids, *step.prompt_rids, *(finish.rid for finish in step.finished),
-                *(resume.start.rid for resume in step.resumed)}
-        owned = self.manager.fail(rids, f"detokenizer: failed to process a step of scheduler {scheduler}")
+        owned = self.manager.fail(step.touched_rids(), f"detokenizer: failed to process a step of scheduler "
+                                                       f"{scheduler}")
         self.router.publish(owned)
         for _, finish in owned.finished:
-            self.streams.abort(scheduler, scheduler_pb2.AbortRequest(rid=finish.rid))
+            self.streams.abort(scheduler, AbortRequest(rid=finish.rid))
 
     def on_lost(self, scheduler: str) -> None:
         """Its stream broke: keep its requests, the resubscription replays what they miss."""
@@ -136,7 +139,7 @@ class Pipeline:
             log.warning("gateway %s gone for %.0fs: aborting its %d requests", owner, self.config.owner_grace_s,
                         len(requests))
         for rid, scheduler in requests:
-            self.streams.abort(scheduler, scheduler_pb2.AbortRequest(rid=rid))
+            self.streams.abort(scheduler, AbortRequest(rid=rid))
         self.router.forget(owner)
 
 
@@ -165,7 +168,7 @@ async def serve(config: DetokenizerConfig) -> None:
 
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerService(router), server)
+    DETOKENIZER.add_to(server, DetokenizerService(router))
     health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)

@@ -7,35 +7,20 @@ LogprobBlock (numpy slices of whole buffers). Reading hands out views of the buf
 so nothing is joined, and no Python object per token is kept until the request ends
 (the garbage collector has nothing to chase).
 
-Tokens are taken by position: an entry already held (a replay after a hop restarted)
-is dropped; one past the next expected, one that overlaps what is held (a replay that
-changed the entries' bounds), or one without the logprob rows the request asked for
-(lost beyond the scheduler's replay window) raises OutputLost.
+Tokens are taken by position (flatwire_wire.steps entry_order): an entry already held
+(a replay after a hop restarted) is dropped; one past the next expected, one that
+overlaps what is held (a replay that changed the entries' bounds), or one without the
+logprob rows the request asked for (lost beyond the scheduler's replay window) raises
+OutputLost.
 """
 
-from dataclasses import dataclass
-
 import numpy as np
+from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs
+from flatwire_wire.public import WeightVersionSpan
+from flatwire_wire.scheduler import LogprobParams
+from flatwire_wire.steps import EntryOrder, entry_order, lost_output
 
-from services.common.arrays import I32, BlockOffsets, LogprobArrays, block_offsets, decode_block, request_slice
-from services.common.pb import arrays_pb2, scheduler_pb2
-from services.gateway.result import LogprobTrack, VersionSpan, version_spans
-
-
-@dataclass
-class MessageRows:
-    """A message's LogprobBlock as numpy views, and where each entry's rows are."""
-
-    arrays: LogprobArrays
-    offsets: BlockOffsets
-
-    @classmethod
-    def of(cls, block: arrays_pb2.LogprobBlock) -> "MessageRows":
-        arrays = decode_block(block)
-        return cls(arrays, block_offsets(arrays.rows, arrays.topk, arrays.id_counts))
-
-    def entry(self, i: int) -> LogprobArrays:
-        return request_slice(self.arrays, self.offsets, i)
+from services.gateway.result import version_spans
 
 
 class OutputLost(Exception):
@@ -43,34 +28,32 @@ class OutputLost(Exception):
 
 
 class Accumulator:
-    def __init__(self, logprob: scheduler_pb2.LogprobParams, max_tokens: int):
+    def __init__(self, logprob: LogprobParams, max_tokens: int):
         self.token_ids: list[int] = []
         self._texts: list[str] = []  # one delta per entry
-        self._rows = (LogprobTrack.allocate(max_tokens, logprob.top_logprobs_num, len(logprob.token_ids_logprob))
+        self._rows = (RequestLogprobs.allocate(max_tokens, logprob.top_logprobs_num, len(logprob.token_ids_logprob))
                       if logprob.return_logprob else None)
         self._read = 0  # tokens already handed out
         self._texts_read = 0
-        self.weight_versions: list[VersionSpan] = []  # which weights made the tokens held
+        self.weight_versions: list[WeightVersionSpan] = []  # which weights made the tokens held
 
-    def add(self, position: int, token_ids: list[int], text: str, rows: MessageRows | None, i: int,
+    def add(self, position: int, token_ids: list[int], text: str, rows: LogprobBlock | None, i: int,
             weight_version: str) -> bool:
-        """Take entry i of a message, made by the weights labelled `weight_version`: `token_ids` from `position`
-        on; False when it is held already."""
+        """Take entry i of a message (its rows: request i of `rows`), made by the weights labelled
+        `weight_version`: `token_ids` from `position` on; False when it is held already."""
         have, count = len(self.token_ids), len(token_ids)
-        if position < have:
-            if position + count > have:
-                raise OutputLost(f"output tokens {position}..{position + count - 1} arrived again with other bounds")
+        order = entry_order(position, count, have)
+        if order is EntryOrder.HELD:
             return False
-        if position > have:
-            raise OutputLost(f"output tokens {have}..{position - 1} never arrived")
+        if order is not EntryOrder.NEXT:
+            raise OutputLost(lost_output(order, position, count, have))
         if self._rows is not None:
-            entry = rows.entry(i) if rows is not None else None
-            if entry is None or entry.rows[0] != count:
+            if rows is None or rows.rows[i] != count:
                 raise OutputLost(f"the logprobs of output tokens {position}..{position + count - 1} are no longer "
                                  "retained")
-            if position + count > len(self._rows.token_logprobs):
-                raise OutputLost(f"more output tokens than the {len(self._rows.token_logprobs)} asked for arrived")
-            self._rows.put(position, entry)
+            if position + count > self._rows.n:
+                raise OutputLost(f"more output tokens than the {self._rows.n} asked for arrived")
+            self._rows.put(position, rows.request(i))
         self.token_ids.extend(token_ids)
         self._texts.append(text)
         version_spans(self.weight_versions, weight_version, position, count)
@@ -84,16 +67,16 @@ class Accumulator:
     def read_any(self) -> bool:
         return self._read > 0
 
-    def take(self) -> tuple[list[int], str, LogprobTrack | None]:
+    def take(self) -> tuple[list[int], str, RequestLogprobs | None]:
         """Tokens, text and logprob rows that arrived since the previous take."""
         start, self._read = self._read, len(self.token_ids)
         texts, self._texts_read = self._texts[self._texts_read:], len(self._texts)
-        return self.token_ids[start:], "".join(texts), self._track(start, self._read)
+        return self.token_ids[start:], "".join(texts), self._logprobs(start, self._read)
 
-    def whole(self) -> tuple[list[int], str, LogprobTrack | None]:
-        return list(self.token_ids), "".join(self._texts), self._track(0, len(self.token_ids))
+    def whole(self) -> tuple[list[int], str, RequestLogprobs | None]:
+        return list(self.token_ids), "".join(self._texts), self._logprobs(0, len(self.token_ids))
 
-    def _track(self, start: int, end: int) -> LogprobTrack | None:
+    def _logprobs(self, start: int, end: int) -> RequestLogprobs | None:
         if self._rows is None:
             return None
         return self._rows.view(start, end, np.asarray(self.token_ids[start:end], dtype=I32))

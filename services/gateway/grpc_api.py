@@ -1,21 +1,33 @@
-"""flatwire's public gRPC API (protos/flatwire/v1/generate.proto).
+"""flatwire's public gRPC API (protos/flatwire/v1/generate.proto), in the wire layer's twins (flatwire_wire.public).
 
-Responses are written through GenerateResponsePacked, the bytes twin of the
-published GenerateResponse: the top-k arrays go out as the raw little-endian
-buffers the scheduler produced, while clients in other languages read them as
-packed `repeated float` / `repeated sfixed32`.
+A request is checked as /generate checks its JSON: each of its fields is converted to /generate's by the tables
+below, which name every public field (an unnamed one raises, and the tests fill them all). Responses go out as
+GenerateResponsePacked, the bytes twin of the published GenerateResponse: the top-k arrays are the raw
+little-endian buffers the scheduler produced, while clients in other languages read them as packed
+`repeated float` / `repeated sfixed32`.
 
 The rollout-control methods go to every scheduler replica and answer per replica
 (rollout.py); ADMIN_METHODS need the admin key when the gateway has one.
 """
 
 import asyncio
+import dataclasses
+from collections.abc import Callable
 from functools import cached_property
+from typing import Any
 
 import grpc
+from flatwire_wire import public
+from flatwire_wire.control import (
+    AbortAllRequest,
+    ContinueGenerationRequest,
+    Empty,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+)
 
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
-from services.common.pb import generate_pb2, scheduler_pb2
 from services.gateway.http.generate import generate_input
 from services.gateway.http.prompts import encode_checked
 from services.gateway.pipeline import GenerateInput, PipelineClient, RequestError
@@ -25,7 +37,7 @@ from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.packed import packed_response
 from services.gateway.rollout import control_response
 
-SERVICE_NAME = "flatwire.v1.Generation"
+SERVICE_NAME = public.GENERATION.name
 ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in (
     "UpdateWeightsFromDisk", "PushWeights", "PauseGeneration", "ContinueGeneration", "AbortAll",
     "UpdateWeightVersion"))
@@ -42,38 +54,56 @@ GRPC_FIELDS = {"sampling_params": "sampling", "sampling_params.stop": "stop",
                "sampling_params.skip_special_tokens": "skip_special_tokens",
                "sampling_params.no_stop_trim": "no_stop_trim"}
 
+Convert = Callable[[str, Any], dict]  # (field name, value) -> /generate fields
 
-def generate_fields(request: generate_pb2.GenerateRequest) -> dict:
-    """The public GenerateRequest as /generate's JSON fields, defaults as the proto documents them."""
-    sampling = request.sampling
-    options = {"stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
-               "stop": list(request.stop), "no_stop_trim": request.no_stop_trim}
-    for name in ("max_new_tokens", "temperature", "top_p", "min_p", "seed"):  # unset: /generate's default
-        if sampling.HasField(name):
-            options[name] = getattr(sampling, name)
-    if sampling.HasField("top_k") and sampling.top_k > 0:  # unset or <= 0: no limit
-        options["top_k"] = sampling.top_k
-    for name in ("frequency_penalty", "presence_penalty", "min_new_tokens"):
-        if getattr(sampling, name):  # 0: off
-            options[name] = getattr(sampling, name)
-    if sampling.HasField("repetition_penalty"):
-        options["repetition_penalty"] = sampling.repetition_penalty
-    if sampling.logit_bias:
-        options["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
-    if constraint := sampling.WhichOneof("constraint"):  # json_schema, regex or ebnf
-        options[constraint] = getattr(sampling, constraint)
-    if request.HasField("skip_special_tokens"):
-        options["skip_special_tokens"] = request.skip_special_tokens
-    fields = {"sampling_params": options, "return_logprob": request.return_logprob,
-              "top_logprobs_num": request.top_logprobs_num, "token_ids_logprob": list(request.token_ids_logprob),
-              "stream": request.stream}
-    if request.HasField("logprob_start_len"):
-        fields["logprob_start_len"] = request.logprob_start_len
-    if request.text:
-        fields["text"] = request.text
-    if request.input_ids:
-        fields["input_ids"] = list(request.input_ids)
+
+def _as_is(name: str, value: Any) -> dict:
+    return {name: value}
+
+
+def _if_set(name: str, value: Any) -> dict:
+    """An optional field: unset leaves /generate's default."""
+    return {} if value is None else {name: value}
+
+
+def _if_nonzero(name: str, value: Any) -> dict:
+    return {name: value} if value else {}
+
+
+# Each field of the public SamplingParams -> /generate's sampling_params.
+SAMPLING_FIELDS: dict[str, Convert] = {
+    "max_new_tokens": _if_set, "temperature": _if_set, "top_p": _if_set, "min_p": _if_set, "seed": _if_set,
+    "top_k": lambda name, value: {name: value} if value is not None and value > 0 else {},  # <= 0: no limit
+    "stop_token_ids": _as_is, "ignore_eos": _as_is,
+    "frequency_penalty": _if_nonzero, "presence_penalty": _if_nonzero, "min_new_tokens": _if_nonzero,  # 0: off
+    "repetition_penalty": _if_set,
+    "logit_bias": lambda name, value: {name: {str(token): bias for token, bias in value.items()}} if value else {},
+    "json_schema": _if_set, "regex": _if_set, "ebnf": _if_set,  # the oneof constraint: at most one is set
+}
+# Each field of the public GenerateRequest but `sampling` -> /generate's top level, or its sampling_params
+# (SAMPLING_OPTIONS).
+REQUEST_FIELDS: dict[str, Convert] = {
+    "text": _if_nonzero, "input_ids": _if_nonzero, "return_logprob": _as_is, "top_logprobs_num": _as_is,
+    "logprob_start_len": _if_set, "token_ids_logprob": _as_is, "stream": _as_is,
+    "stop": _as_is, "skip_special_tokens": _if_set, "no_stop_trim": _as_is,
+}
+SAMPLING_OPTIONS = ("stop", "skip_special_tokens", "no_stop_trim")
+
+
+def _converted(value: Any, table: dict[str, Convert], skip: tuple[str, ...] = ()) -> dict:
+    """A twin's fields through `table`; a field the table does not name is a bug (KeyError), not dropped."""
+    fields: dict = {}
+    for name in (f.name for f in dataclasses.fields(value) if f.name not in skip):
+        fields |= table[name](name, getattr(value, name))
     return fields
+
+
+def generate_fields(request: public.GenerateRequest) -> dict:
+    """The public GenerateRequest as /generate's JSON fields, defaults as the proto documents them."""
+    fields = _converted(request, REQUEST_FIELDS, skip=("sampling",))
+    options = _converted(request.sampling, SAMPLING_FIELDS)
+    options |= {name: fields.pop(name) for name in SAMPLING_OPTIONS if name in fields}
+    return {"sampling_params": options, **fields}
 
 
 LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="sampling.max_new_tokens",
@@ -97,7 +127,7 @@ class GenerationService:
     def limits(self) -> ModelLimits:
         return model_limits(self.pipeline.model_info, self.pipeline.config)
 
-    def to_input(self, request: generate_pb2.GenerateRequest) -> GenerateInput:
+    def to_input(self, request: public.GenerateRequest) -> GenerateInput:
         """Blocking (validation, tokenization): generate() runs it in a worker thread."""
         req = self.validate(request)
         input_ids = list(request.input_ids)
@@ -109,7 +139,7 @@ class GenerationService:
                 raise _refusal(exc) from None
         return self.checked_input(req, input_ids)
 
-    def validate(self, request: generate_pb2.GenerateRequest) -> GenerateRequest:
+    def validate(self, request: public.GenerateRequest) -> GenerateRequest:
         """The request as /generate's model, through /generate's checks; errors name this API's fields."""
         try:
             return parse_data(GenerateRequest, generate_fields(request), self.limits)
@@ -126,7 +156,7 @@ class GenerationService:
         inp.fields = {"input_ids": req.prompt_field, "logprob": ""}  # `sampling` is this API's name too
         return inp
 
-    async def generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def generate(self, request: public.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             # Off the event loop: tokenizing a long text takes seconds that HTTP and other streams must not wait.
             inp = await asyncio.to_thread(self.to_input, request)
@@ -148,65 +178,40 @@ class GenerationService:
             if len(request.text) + sum(map(len, request.stop)) + 4 * len(request.input_ids) >= BIG_REQUEST_BYTES:
                 trim_soon()  # its decoded message and tokens are freed by now, or soon: hand the memory back
 
-    async def get_model_info(self, request, context) -> scheduler_pb2.ModelInfo:
-        info = scheduler_pb2.ModelInfo()
-        info.CopyFrom(self.pipeline.model_info)
-        info.model = self.pipeline.model_name
-        info.weight_version = self.pipeline.schedulers.weight_version()
-        return info
+    async def get_model_info(self, request: Empty, context) -> public.ModelInfo:
+        info = self.pipeline.model_info
+        assert info is not None, "the gateway serves once it knows the model"
+        return public.ModelInfo(model=self.pipeline.model_name, vocab_size=info.vocab_size,
+                                max_context=info.max_context, eos_token_ids=info.eos_token_ids,
+                                max_top_logprobs=info.max_top_logprobs, device=info.device, dtype=info.dtype,
+                                weight_version=self.pipeline.schedulers.weight_version())
 
-    async def abort(self, request: generate_pb2.AbortGenerationRequest, context) -> generate_pb2.ControlResponse:
+    async def abort(self, request: public.AbortGenerationRequest, context) -> public.ControlResponse:
         stopped = self.pipeline.abort(request.rid)
-        return generate_pb2.ControlResponse(success=True, message="aborted" if stopped else
-                                            f"no running request {request.rid!r} on this gateway")
+        return public.ControlResponse(success=True, message="aborted" if stopped else
+                                      f"no running request {request.rid!r} on this gateway")
 
-    async def _everywhere(self, call) -> generate_pb2.ControlResponse:
+    async def _everywhere(self, call) -> public.ControlResponse:
         return control_response(await self.pipeline.schedulers.control(call))
 
-    async def update_weights_from_disk(self, request, context) -> generate_pb2.ControlResponse:
-        return await self._everywhere(lambda stub: stub.UpdateWeightsFromDisk(request))
+    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.update_weights_from_disk(request))
 
-    async def push_weights(self, request_iterator, context) -> generate_pb2.ControlResponse:
-        return control_response(await self.pipeline.schedulers.push_weights(request_iterator))
+    async def push_weights(self, chunks, context) -> public.ControlResponse:
+        return control_response(await self.pipeline.schedulers.push_weights(chunks))
 
-    async def pause_generation(self, request, context) -> generate_pb2.ControlResponse:
-        return await self._everywhere(lambda stub: stub.PauseGeneration(request))
+    async def pause_generation(self, request: PauseGenerationRequest, context) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.pause_generation(request))
 
-    async def continue_generation(self, request, context) -> generate_pb2.ControlResponse:
-        return await self._everywhere(lambda stub: stub.ContinueGeneration(request))
+    async def continue_generation(self, request: ContinueGenerationRequest, context) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.continue_generation(request))
 
-    async def abort_all(self, request, context) -> generate_pb2.ControlResponse:
-        return await self._everywhere(lambda stub: stub.AbortAll(request))
+    async def abort_all(self, request: AbortAllRequest, context) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.abort_all(request))
 
-    async def update_weight_version(self, request, context) -> generate_pb2.ControlResponse:
-        return await self._everywhere(lambda stub: stub.UpdateWeightVersion(request))
+    async def update_weight_version(self, request: UpdateWeightVersionRequest, context) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.update_weight_version(request))
 
 
 def add_generation_service(server: grpc.aio.Server, pipeline: PipelineClient) -> None:
-    service = GenerationService(pipeline)
-    respond = generate_pb2.ControlResponse.SerializeToString
-
-    def control(method, request_type) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request_type.FromString,
-                                                   response_serializer=respond)
-
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            service.generate,
-            request_deserializer=generate_pb2.GenerateRequest.FromString,
-            response_serializer=generate_pb2.GenerateResponsePacked.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.get_model_info,
-            request_deserializer=scheduler_pb2.ModelInfoRequest.FromString,
-            response_serializer=scheduler_pb2.ModelInfo.SerializeToString),
-        "Abort": control(service.abort, generate_pb2.AbortGenerationRequest),
-        "UpdateWeightsFromDisk": control(service.update_weights_from_disk, scheduler_pb2.UpdateWeightsFromDiskRequest),
-        "PushWeights": grpc.stream_unary_rpc_method_handler(
-            service.push_weights, request_deserializer=scheduler_pb2.WeightsChunk.FromString,
-            response_serializer=respond),
-        "PauseGeneration": control(service.pause_generation, scheduler_pb2.PauseGenerationRequest),
-        "ContinueGeneration": control(service.continue_generation, scheduler_pb2.ContinueGenerationRequest),
-        "AbortAll": control(service.abort_all, scheduler_pb2.AbortAllRequest),
-        "UpdateWeightVersion": control(service.update_weight_version, scheduler_pb2.UpdateWeightVersionRequest),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    public.GENERATION.add_to(server, GenerationService(pipeline))

@@ -24,18 +24,19 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from flatwire_wire.detokenizer import DetokenizerClient
+from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs
+from flatwire_wire.public import WeightVersionSpan
+from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, StepMessage
 
-from services.common.arrays import I32
 from services.common.discovery import INSTANCE_METADATA
 from services.common.follow import follow_stream
-from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
-from services.common.pb.arrays_pb2 import FinishReason
 from services.common.rpc import FIELD_METADATA, create_channel
-from services.common.steps import token_offsets
-from services.gateway.accumulator import Accumulator, MessageRows, OutputLost
+from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.protocol.parse import rename_field
-from services.gateway.result import LogprobTrack, RequestResult, VersionSpan
+from services.gateway.result import RequestResult
 from services.gateway.schedulers import SchedulerPool
 
 log = logging.getLogger("flatwire.gateway")
@@ -66,9 +67,9 @@ class RequestError(Exception):
 @dataclass
 class GenerateInput:
     input_ids: list[int]
-    sampling: scheduler_pb2.SamplingParams
-    logprob: scheduler_pb2.LogprobParams
-    detokenize: scheduler_pb2.DetokenizeParams
+    sampling: SamplingParams
+    logprob: LogprobParams
+    detokenize: DetokenizeParams
     stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
     rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
@@ -83,10 +84,10 @@ class Chunk:
     token_ids: list[int]
     text: str
     rid: str = ""  # the request's id (meta_info.id while streaming)
-    output: LogprobTrack | None = None  # rows of token_ids, when return_logprob
-    prompt: LogprobTrack | None = None  # in the first chunk, when prompt logprobs were asked
+    output: RequestLogprobs | None = None  # rows of token_ids, when return_logprob
+    prompt: RequestLogprobs | None = None  # in the first chunk, when prompt logprobs were asked
     result: RequestResult | None = None  # the whole request, on the last chunk
-    weight_versions: list[VersionSpan] = field(default_factory=list)  # of the request's tokens so far
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)  # of the request's tokens so far
 
 
 @dataclass
@@ -96,7 +97,7 @@ class GenerationState:
     started_at: float
     outputs: Accumulator
     scheduler: str = ""
-    prompt: LogprobTrack | None = None
+    prompt: RequestLogprobs | None = None
     prompt_sent: bool = False
     result: RequestResult | None = None
     failure: str | None = None  # why the request failed (a server-side fault)
@@ -124,7 +125,7 @@ class PipelineClient:
         self.schedulers = SchedulerPool(config, on_replica_lost=self._fail_requests_on,
                                         delivering=lambda address: address in self._connected_detokenizers,
                                         follow_detokenizer=self._follow_detokenizer)
-        self.model_info: scheduler_pb2.ModelInfo | None = None
+        self.model_info: ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, GenerationState] = {}
         self._reserved = 0  # generations admitted (PipelineClient.admit) that have not started yet
@@ -214,7 +215,7 @@ class PipelineClient:
         state = GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
                              outputs=Accumulator(inp.logprob, inp.sampling.max_new_tokens))
         self._requests[rid] = state
-        request = scheduler_pb2.TokenizedRequest(
+        request = TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0)
         try:
@@ -250,7 +251,7 @@ class PipelineClient:
             self.schedulers.abort(state.scheduler, state.rid)
         return True
 
-    async def _submit(self, request: scheduler_pb2.TokenizedRequest, fields: dict[str, str]) -> str:
+    async def _submit(self, request: TokenizedRequest, fields: dict[str, str]) -> str:
         try:
             return await self.schedulers.submit(request)
         except grpc.aio.AioRpcError as exc:
@@ -271,7 +272,7 @@ class PipelineClient:
         else:
             token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
             versions = result.weight_versions if result is not None else [
-                VersionSpan(span.version, span.start, span.end) for span in state.outputs.weight_versions]
+                WeightVersionSpan(span.version, span.start, span.end) for span in state.outputs.weight_versions]
             chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=result,
                           weight_versions=versions)
         if state.prompt is not None and not state.prompt_sent:
@@ -291,8 +292,7 @@ class PipelineClient:
             channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
                                      internal_secret=self.config.internal_secret)
             try:
-                call = detokenizer_pb2_grpc.DetokenizerStub(channel).StreamOutputs(
-                    detokenizer_pb2.StreamOutputsRequest(owner=self.owner))
+                call = DetokenizerClient(channel).stream_outputs(self.owner)
                 instance = dict(await call.initial_metadata()).get(INSTANCE_METADATA)
                 if instance is not None and self._detokenizer_instances.get(address) == instance:
                     # The same process after a cut: what was in transit is lost and will not be replayed
@@ -307,42 +307,36 @@ class PipelineClient:
                 self._connected_detokenizers.discard(address)
                 await channel.close()
 
-        async def handle(step: scheduler_pb2.StepOutput) -> None:
+        async def handle(step: StepMessage) -> None:
             self._dispatch(step)
 
-        def failed(step: scheduler_pb2.StepOutput) -> None:
-            for rid in {*step.rids, *step.prompt_rids, *(finish.rid for finish in step.finished)}:
+        def failed(step: StepMessage) -> None:
+            for rid in step.touched_rids():
                 if state := self._requests.get(rid):
                     self._fail(state, "the gateway failed to take its outputs")
 
         await follow_stream(f"detokenizer {address}", subscribe, handle, failed, DETOKENIZER_RECONNECT_MAX_S)
 
-    def _dispatch(self, step: scheduler_pb2.StepOutput) -> None:
+    def _dispatch(self, step: StepMessage) -> None:
         """Work per message and per request in it; the arrays are copied with numpy, entry by entry."""
         woken: set[str] = set()
-        if step.rids:
-            rows = MessageRows.of(step.output) if step.output.rows else None
-            tokens = list(step.token_ids)
-            texts = step.texts or [""] * len(step.rids)
-            for i, (rid, position, count, first, text) in enumerate(zip(
-                    step.rids, step.positions, step.counts, token_offsets(step.counts), texts)):
-                state = self._requests.get(rid)
-                if state is None or state.ended:
-                    continue
-                try:
-                    if (state.outputs.add(position, tokens[first:first + count], text, rows, i, step.weight_version)
-                            and state.inp.stream):
-                        woken.add(rid)
-                except OutputLost as exc:
-                    self._fail(state, str(exc))
-        if step.prompt_rids:
-            rows = MessageRows.of(step.prompt)
-            for i, rid in enumerate(step.prompt_rids):
-                state = self._requests.get(rid)
-                if state is not None and state.prompt is None:  # a second one is a replay
-                    state.prompt = _prompt_track(state, rows, i)
-                    if state.inp.stream:
-                        woken.add(rid)
+        texts = step.texts or [""] * len(step.rids)
+        for i, (rid, position, text) in enumerate(zip(step.rids, step.positions, texts)):
+            state = self._requests.get(rid)
+            if state is None or state.ended:
+                continue
+            try:
+                if (state.outputs.add(position, step.entry_tokens(i), text, step.output, i, step.weight_version)
+                        and state.inp.stream):
+                    woken.add(rid)
+            except OutputLost as exc:
+                self._fail(state, str(exc))
+        for i, rid in enumerate(step.prompt_rids):
+            state = self._requests.get(rid)
+            if state is not None and state.prompt is None and step.prompt is not None:  # a second one: a replay
+                state.prompt = _prompt_logprobs(state, step.prompt, i)
+                if state.inp.stream:
+                    woken.add(rid)
         for finish in step.finished:
             state = self._requests.get(finish.rid)
             if state is not None and not state.ended:
@@ -351,12 +345,12 @@ class PipelineClient:
         for rid in woken:
             self._requests[rid].wakeup.set()
 
-    def _finish(self, state: GenerationState, finish: scheduler_pb2.Finish, weight_version: str) -> None:
+    def _finish(self, state: GenerationState, finish: Finish, weight_version: str) -> None:
         """`weight_version`: of the message that brought the finish, the version in force when the request ended."""
-        if finish.reason == FinishReason.FINISH_REASON_ERROR:
+        if finish.reason == FinishReason.ERROR:
             return self._fail(state, finish.message)
         held = len(state.outputs.token_ids)
-        if finish.reason != FinishReason.FINISH_REASON_ABORT:
+        if finish.reason != FinishReason.ABORT:
             if held != finish.output_tokens:
                 return self._fail(state, f"output incomplete: {held} of its {finish.output_tokens} tokens arrived")
             logprob = state.inp.logprob
@@ -375,13 +369,13 @@ class PipelineClient:
             output=output,
             # A request that ended without a token (aborted while waiting) was served, if at all, by the version
             # in force when it ended.
-            weight_versions=state.outputs.weight_versions or [VersionSpan(weight_version, 0, 0)],
+            weight_versions=state.outputs.weight_versions or [WeightVersionSpan(weight_version, 0, 0)],
         )
-        if finish.reason == FinishReason.FINISH_REASON_STOP_TOKEN:
+        if finish.reason == FinishReason.STOP_TOKEN:
             result.matched_stop = finish.matched_token
-        elif finish.reason == FinishReason.FINISH_REASON_STOP_STRING:
+        elif finish.reason == FinishReason.STOP_STRING:
             result.matched_stop = finish.matched_stop
-        elif finish.reason == FinishReason.FINISH_REASON_ABORT:
+        elif finish.reason == FinishReason.ABORT:
             result.error = finish.message or "aborted"
         state.result = result
 
@@ -411,12 +405,10 @@ class PipelineClient:
                 self._fail(state, why)
 
 
-def _prompt_track(state: GenerationState, rows: MessageRows, i: int) -> LogprobTrack:
+def _prompt_logprobs(state: GenerationState, block: LogprobBlock, i: int) -> RequestLogprobs:
     """Request i's prompt logprobs: rows for positions [start + null_prefix, L)."""
-    logprob, ids = state.inp.logprob, state.inp.input_ids
-    entry = rows.entry(i)
-    start, null_prefix = max(logprob.logprob_start_len, 0), int(entry.null_prefix[0])
-    track = LogprobTrack.of_request(entry, np.asarray(ids[start + null_prefix:], dtype=I32),
-                                    logprob.top_logprobs_num, len(logprob.token_ids_logprob))
-    track.null_token_ids = np.asarray(ids[start:start + null_prefix], dtype=I32)
-    return track
+    ids = state.inp.input_ids
+    start, null_prefix = max(state.inp.logprob.logprob_start_len, 0), block.null_prefix[i]
+    logprobs = block.request_logprobs(i, np.asarray(ids[start + null_prefix:], dtype=I32))
+    logprobs.null_token_ids = np.asarray(ids[start:start + null_prefix], dtype=I32)
+    return logprobs

@@ -5,15 +5,15 @@ forward to every replica (SchedulerPool.control, push_weights) and answer with t
 success only when every replica succeeded, each replica's reply kept.
 """
 
-from services.common.pb import generate_pb2, scheduler_pb2
+from flatwire_wire.control import ControlReply
+from flatwire_wire.public import ControlResponse
 
 
-def control_response(replies: dict[str, scheduler_pb2.ControlReply]) -> generate_pb2.ControlResponse:
+def control_response(replies: dict[str, ControlReply]) -> ControlResponse:
     if not replies:
-        return generate_pb2.ControlResponse(success=False, message="no scheduler replica is known")
+        return ControlResponse(success=False, message="no scheduler replica is known")
     if len(replies) == 1:
         message = next(iter(replies.values())).message
     else:
         message = "; ".join(f"{address}: {reply.message}" for address, reply in sorted(replies.items()))
-    return generate_pb2.ControlResponse(success=all(reply.success for reply in replies.values()), message=message,
-                                        replicas=replies)
+    return ControlResponse(success=all(reply.success for reply in replies.values()), message=message, replicas=replies)

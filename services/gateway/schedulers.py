@@ -28,10 +28,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from flatwire_wire.control import ControlReply, WeightsChunk
+from flatwire_wire.scheduler import AbortRequest, ModelInfo, SchedulerClient, TokenizedRequest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.discovery import resolve, subscription_health_name
-from services.common.pb import scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import create_channel
 from services.gateway.config import GatewayConfig
 
@@ -47,7 +48,7 @@ PUSH_QUEUE_CHUNKS = 4  # PushWeights chunks waiting for a replica that reads slo
 class Replica:
     address: str
     channel: grpc.aio.Channel
-    stub: scheduler_pb2_grpc.SchedulerStub
+    client: SchedulerClient
     healthy: bool = False  # in rotation
     problem: str | None = "not checked yet"  # why its path is broken; None while it works
     whole_at: float = field(default_factory=time.monotonic)  # when its path was last found working
@@ -120,23 +121,23 @@ class SchedulerPool:
         return {a: {"in_rotation": r.healthy, "problem": r.problem, "outstanding": len(r.outstanding)}
                 for a, r in self.replicas.items()}
 
-    async def model_info(self) -> scheduler_pb2.ModelInfo:
+    async def model_info(self) -> ModelInfo:
         """From the first replica that answers (waits for one)."""
         while True:
             for replica in list(self.replicas.values()):
                 try:
-                    return await replica.stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=5)
+                    return await replica.client.model_info(timeout=5)
                 except grpc.aio.AioRpcError:
                     continue
             await asyncio.sleep(0.2)
             await self._refresh()
 
-    async def submit(self, request: scheduler_pb2.TokenizedRequest) -> str:
+    async def submit(self, request: TokenizedRequest) -> str:
         """Submit to the least-loaded replica in rotation (once an RPC slot is free); returns its address."""
         async with self._rpc_slots:
             return await self._submit(request)
 
-    async def _submit(self, request: scheduler_pb2.TokenizedRequest) -> str:
+    async def _submit(self, request: TokenizedRequest) -> str:
         tried: set[str] = set()
         full: grpc.aio.AioRpcError | None = None  # a replica's refusal: its waiting list is full
         while True:
@@ -150,7 +151,7 @@ class SchedulerPool:
             replica = min(candidates, key=lambda r: len(r.outstanding))
             replica.outstanding.add(request.rid)
             try:
-                await replica.stub.Submit(request, timeout=self.config.hop_timeout_s)
+                await replica.client.submit(request, timeout=self.config.hop_timeout_s)
                 return replica.address
             except grpc.aio.AioRpcError as exc:
                 replica.outstanding.discard(request.rid)
@@ -179,7 +180,7 @@ class SchedulerPool:
         while (replica := self.replicas.get(address)) is not None and time.monotonic() < deadline:
             try:
                 async with self._rpc_slots:
-                    await replica.stub.Abort(scheduler_pb2.AbortRequest(rid=rid), timeout=ABORT_TIMEOUT_S)
+                    await replica.client.abort(AbortRequest(rid=rid), timeout=ABORT_TIMEOUT_S)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # it finished meanwhile, or the scheduler restarted
@@ -190,32 +191,29 @@ class SchedulerPool:
 
     # -- rollout control --------------------------------------------------------------------------------
 
-    async def control(self, call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
-                      ) -> dict[str, scheduler_pb2.ControlReply]:
+    async def control(self, call: Callable[[SchedulerClient], Awaitable[ControlReply]]) -> dict[str, ControlReply]:
         """`call` on every replica at once; per address, its reply (a failed one when it did not answer)."""
         replicas = list(self.replicas.values())
         replies = await asyncio.gather(*(self._control(replica, call) for replica in replicas))
         return {replica.address: reply for replica, reply in zip(replicas, replies)}
 
-    async def push_weights(self, chunks: AsyncIterator[scheduler_pb2.WeightsChunk]
-                           ) -> dict[str, scheduler_pb2.ControlReply]:
+    async def push_weights(self, chunks: AsyncIterator[WeightsChunk]) -> dict[str, ControlReply]:
         """One PushWeights stream to every replica, each chunk forwarded to all as it arrives: a few chunks in
         memory, the pace of the slowest replica. A replica that answers early (it refused) stops taking chunks;
         a client that goes away cancels every replica's call, which then applies nothing."""
         replicas = list(self.replicas.values())
         queues: list[asyncio.Queue] = [asyncio.Queue(PUSH_QUEUE_CHUNKS) for _ in replicas]
 
-        async def chunks_of(queue: asyncio.Queue) -> AsyncIterator[scheduler_pb2.WeightsChunk]:
+        async def chunks_of(queue: asyncio.Queue) -> AsyncIterator[WeightsChunk]:
             while (chunk := await queue.get()) is not None:
                 yield chunk
 
-        def push(queue: asyncio.Queue) -> Callable[[scheduler_pb2_grpc.SchedulerStub],
-                                                   Awaitable[scheduler_pb2.ControlReply]]:
-            return lambda stub: stub.PushWeights(chunks_of(queue))
+        def push(queue: asyncio.Queue) -> Callable[[SchedulerClient], Awaitable[ControlReply]]:
+            return lambda client: client.push_weights(chunks_of(queue))
 
         calls = [asyncio.ensure_future(self._control(replica, push(queue))) for replica, queue in zip(replicas, queues)]
 
-        async def forward(item: scheduler_pb2.WeightsChunk | None) -> None:
+        async def forward(item: WeightsChunk | None) -> None:
             async def one(queue: asyncio.Queue, call: asyncio.Future) -> None:
                 put = asyncio.ensure_future(queue.put(item))
                 await asyncio.wait({put, call}, return_when=asyncio.FIRST_COMPLETED)
@@ -232,17 +230,16 @@ class SchedulerPool:
                 call.cancel()
         return {replica.address: reply for replica, reply in zip(replicas, replies)}
 
-    async def _control(self, replica: Replica,
-                       call: Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
-                       ) -> scheduler_pb2.ControlReply:
+    async def _control(self, replica: Replica, call: Callable[[SchedulerClient], Awaitable[ControlReply]]
+                       ) -> ControlReply:
         # A long bound: an update waits for the running requests to finish first.
         try:
-            reply = await asyncio.wait_for(call(replica.stub), self.config.control_timeout_s)
+            reply = await asyncio.wait_for(call(replica.client), self.config.control_timeout_s)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             why = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
                    else f"no answer in {self.config.control_timeout_s:g} s (--control-timeout-s)")
-            return scheduler_pb2.ControlReply(success=False, weight_version=replica.weight_version,
-                                              message=f"scheduler {replica.address} did not answer: {why}")
+            return ControlReply(success=False, weight_version=replica.weight_version,
+                                message=f"scheduler {replica.address} did not answer: {why}")
         replica.weight_version = reply.weight_version
         return reply
 
@@ -257,7 +254,7 @@ class SchedulerPool:
                 if address not in self.replicas:
                     channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
                                              internal_secret=self.config.internal_secret)
-                    self.replicas[address] = Replica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+                    self.replicas[address] = Replica(address, channel, SchedulerClient(channel))
         for address in set(self.replicas) - seen:
             replica = self.replicas.pop(address)
             self._lose(replica, f"scheduler {address} no longer resolves")
@@ -286,7 +283,7 @@ class SchedulerPool:
     async def _check(self, replica: Replica) -> None:
         timeout = self.config.health_timeout_s
         try:
-            info = await replica.stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=timeout)
+            info = await replica.client.model_info(timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             return self._take_out(replica, f"scheduler {replica.address} is not answering ({exc.code().name})")
         replica.max_running_requests = info.max_running_requests

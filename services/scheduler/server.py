@@ -1,6 +1,7 @@
 """The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats, and rollout control.
 
-Handlers run on the asyncio loop; the model runs in the engine thread. Each step
+Its handlers take and return the wire layer's twins (flatwire_wire.scheduler.SCHEDULER converts them). They run
+on the asyncio loop; the model runs in the engine thread. Each step
 message is handed back to the loop with call_soon_threadsafe, recorded in the step
 journal and broadcast to every StreamSteps subscriber's queue. A new subscriber gets
 the journal's replay first, in the same loop callback that registers it, so no step
@@ -13,6 +14,7 @@ once the engine applied it.
 """
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -20,42 +22,47 @@ import uuid
 from collections.abc import Callable
 
 import grpc
+from flatwire_wire.control import (
+    EMPTY,
+    AbortAllRequest,
+    ContinueGenerationRequest,
+    ControlReply,
+    Empty,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+)
+from flatwire_wire.scheduler import SCHEDULER, AbortRequest, ModelInfo, SchedulerStats, TokenizedRequest
+from flatwire_wire.steps import FinishReason, StepMessage
 
 from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import keep_big_blocks
 from services.common.model_store import model_name, resolve_model
-from services.common.pb import arrays_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import (
-    AbortAll,
-    Continue,
-    Control,
-    Engine,
-    Pause,
-    QueueFull,
-    SetWeightVersion,
-    StepRunner,
-    UpdateWeights,
-)
-from services.scheduler.grammar import Grammars
-from services.scheduler.journal import StepJournal
-from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import InvalidTokenizedRequest, Limits, parse_request
-from services.scheduler.synthetic import SyntheticRunner
-from services.scheduler.weights import ServedWeights, StagedWeights, WeightsRefused
+from services.scheduler.engine.control import AbortAll, Continue, Control, Pause, SetWeightVersion, UpdateWeights
+from services.scheduler.engine.engine import Engine, QueueFull
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.model.synthetic import SyntheticRunner
+from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
+from services.scheduler.output.journal import StepJournal
+from services.scheduler.sampling.grammar import Grammars
+from services.scheduler.step import StepRunner
+from services.scheduler.submit import InvalidTokenizedRequest, Limits, parse_request
 
 SYNTHETIC_HAS_NO_WEIGHTS = "this scheduler runs --engine synthetic: it has no weights to update"
 log = logging.getLogger("flatwire.scheduler")
-SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+SERVICE_NAME = SCHEDULER.name
 BACKPRESSURE_POLL_S = 0.001
 CUT = object()  # queued to a subscriber that fell too far behind: its stream ends with UNAVAILABLE
 
 
-class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerService:
+    """The Scheduler service (flatwire_wire.scheduler.SchedulerServicer)."""
+
     def __init__(self, config: SchedulerConfig, model_name: str, runner: StepRunner,
                  weights: ServedWeights | None = None, grammars: Grammars | None = None):
         """`weights`: the model's, for updates in place (None: --engine synthetic has none); `grammars`: compiles
@@ -63,7 +70,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.limits = Limits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                              max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
                              output_interval=config.output_interval)
-        self.model_info = scheduler_pb2.ModelInfo(
+        self.model_info = ModelInfo(
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
@@ -107,10 +114,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._subscribers.discard(queue)
         self._queues = tuple(self._subscribers)
 
-    def _publish_threadsafe(self, message: scheduler_pb2.StepOutput) -> None:
+    def _publish_threadsafe(self, message: StepMessage) -> None:
         self._loop.call_soon_threadsafe(self._broadcast, message)
 
-    def _broadcast(self, message: scheduler_pb2.StepOutput | None) -> None:
+    def _broadcast(self, message: StepMessage | None) -> None:
         if message is not None:
             self.journal.record(message)
         for subscriber in self._subscribers:
@@ -120,9 +127,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Finish every StepOutput stream with OK (shutdown), rather than cutting it."""
         self._broadcast(None)
 
-    async def Submit(self, request, context):
+    async def submit(self, request: TokenizedRequest, context) -> Empty:
         try:
-            if request.sampling.WhichOneof("constraint"):  # compiling a grammar blocks: not on the event loop
+            if request.sampling.constraint:  # compiling a grammar blocks: not on the event loop
                 parsed = await asyncio.to_thread(parse_request, request, self.limits, self.grammars)
             else:
                 parsed = parse_request(request, self.limits)
@@ -136,17 +143,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if not accepted:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running",
                                 trailing_metadata=((FIELD_METADATA, "rid"),))
-        return scheduler_pb2.SubmitReply()
+        return EMPTY
 
-    async def Abort(self, request, context):
-        if request.reason not in (arrays_pb2.FINISH_REASON_UNSPECIFIED, arrays_pb2.FINISH_REASON_ABORT,
-                                  arrays_pb2.FINISH_REASON_STOP_STRING):
+    async def abort(self, request: AbortRequest, context) -> Empty:
+        if request.reason not in (FinishReason.UNSPECIFIED, FinishReason.ABORT, FinishReason.STOP_STRING):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reason: must be ABORT or STOP_STRING")
-        if not self.engine.abort(request.rid, request.reason, request.matched_stop):
+        if not self.engine.abort(request):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"rid: no running request {request.rid!r}")
-        return scheduler_pb2.AbortReply()
+        return EMPTY
 
-    async def StreamSteps(self, request, context):
+    async def stream_steps(self, request: Empty, context):
         queue: asyncio.Queue = asyncio.Queue()
         for message in self.journal.replay():
             queue.put_nowait(message)
@@ -162,30 +168,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._unsubscribe(queue)
 
-    async def GetModelInfo(self, request, context):
-        info = scheduler_pb2.ModelInfo()
-        info.CopyFrom(self.model_info)
-        info.weight_version = self.engine.weight_version
-        return info
+    async def get_model_info(self, request: Empty, context) -> ModelInfo:
+        return dataclasses.replace(self.model_info, weight_version=self.engine.weight_version)
 
-    async def GetStats(self, request, context):
+    async def get_stats(self, request: Empty, context) -> SchedulerStats:
         return self.engine.stats
 
     # -- rollout control --------------------------------------------------------------------------------
 
-    async def UpdateWeightsFromDisk(self, request, context):
+    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> ControlReply:
         def read(weights: ServedWeights) -> StagedWeights:
             return weights.read_checkpoint(request.model_path, request.load_format)
 
-        version = request.weight_version if request.HasField("weight_version") else None
-        return await self._update_weights(read, request.abort_all_requests, version)
+        return await self._update_weights(read, request.abort_all_requests, request.weight_version)
 
-    async def PushWeights(self, request_iterator, context):
+    async def push_weights(self, chunks, context) -> ControlReply:
         if self.weights is None:  # refused before a byte is buffered
             return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
         first, parts, size = None, [], 0
         limit = self.weights.max_push_bytes
-        async for chunk in request_iterator:
+        async for chunk in chunks:
             if first is None:
                 first = chunk
             size += len(chunk.safetensors)
@@ -197,29 +199,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return self._refused("PushWeights got no chunk")
         data = b"".join(parts)
         parts.clear()
-        version = first.weight_version if first.HasField("weight_version") else None
         return await self._update_weights(lambda weights: weights.read_safetensors(data), first.abort_all_requests,
-                                          version)
+                                          first.weight_version)
 
-    async def PauseGeneration(self, request, context):
-        if request.mode not in scheduler_pb2.PauseMode.values():
-            return self._refused(f"mode: unknown pause mode {request.mode}")
+    async def pause_generation(self, request: PauseGenerationRequest, context) -> ControlReply:
         return await self._control(Pause(mode=request.mode))
 
-    async def ContinueGeneration(self, request, context):
+    async def continue_generation(self, request: ContinueGenerationRequest, context) -> ControlReply:
         return await self._control(Continue())
 
-    async def AbortAll(self, request, context):
+    async def abort_all(self, request: AbortAllRequest, context) -> ControlReply:
         return await self._control(AbortAll())
 
-    async def UpdateWeightVersion(self, request, context):
+    async def update_weight_version(self, request: UpdateWeightVersionRequest, context) -> ControlReply:
         if not request.new_version:
             return self._refused("new_version: must not be empty")
-        abort = request.abort_all_requests if request.HasField("abort_all_requests") else True  # SGLang's default
+        abort = True if request.abort_all_requests is None else request.abort_all_requests  # SGLang's default
         return await self._control(SetWeightVersion(version=request.new_version, abort_all_requests=abort))
 
     async def _update_weights(self, read: Callable[[ServedWeights], StagedWeights], abort_all_requests: bool,
-                              version: str | None) -> scheduler_pb2.ControlReply:
+                              version: str | None) -> ControlReply:
         """`read(weights)` (blocking: a worker thread) checks and stages the new weights; the engine swaps them in.
         A call whose client leaves after that still applies (SGLang's too)."""
         if self.weights is None:
@@ -233,12 +232,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return await self._control(UpdateWeights(install=staged.install, description=staged.description,
                                                      abort_all_requests=abort_all_requests, weight_version=version))
 
-    async def _control(self, command: Control) -> scheduler_pb2.ControlReply:
+    async def _control(self, command: Control) -> ControlReply:
         return await asyncio.wrap_future(self.engine.control(command))
 
-    def _refused(self, message: str) -> scheduler_pb2.ControlReply:
+    def _refused(self, message: str) -> ControlReply:
         """SGLang answers a refused control call with success false and the reason, not an error status."""
-        return scheduler_pb2.ControlReply(success=False, message=message, weight_version=self.engine.weight_version)
+        return ControlReply(success=False, message=message, weight_version=self.engine.weight_version)
 
 
 async def serve(config: SchedulerConfig) -> None:
@@ -261,7 +260,7 @@ async def serve(config: SchedulerConfig) -> None:
     service = SchedulerService(config, model_name(config.model, model_dir), runner, weights, grammars)
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    SCHEDULER.add_to(server, service)
     health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)

@@ -1,6 +1,6 @@
 """flatwire-client: flatwire's gRPC and HTTP APIs with every token's top-k logprobs as numpy arrays.
 
-Depends on grpcio, protobuf and numpy only. See README.md.
+Depends on flatwire's wire layer (flatwire-wire: grpcio, protobuf and numpy) only. See README.md.
 """
 
 from flatwire_client.grpc_client import AsyncFlatwireClient, AsyncGenerationStream, FlatwireClient, GenerationStream

@@ -13,14 +13,22 @@ from typing import Any
 
 import grpc
 import numpy as np
+from flatwire_wire.control import (
+    EMPTY,
+    AbortAllRequest,
+    ContinueGenerationRequest,
+    PauseGenerationRequest,
+    PauseMode,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+    WeightsChunk,
+)
+from flatwire_wire.public import GENERATION, AbortGenerationRequest, ControlResponse, ModelInfo
 
-from flatwire_client.pb import generate_pb2, scheduler_pb2
 from flatwire_client.requests import Options
 from flatwire_client.results import ChunkStream, Generation, generation
 
-SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-PAUSE_MODES = {"abort": scheduler_pb2.PAUSE_MODE_ABORT, "in_place": scheduler_pb2.PAUSE_MODE_IN_PLACE,
-               "retract": scheduler_pb2.PAUSE_MODE_RETRACT}
+PAUSE_MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.IN_PLACE, "retract": PauseMode.RETRACT}
 PUSH_CHUNK_BYTES = 4 * 1024 * 1024  # within the gateway's --max-request-mb (32 by default)
 
 
@@ -36,7 +44,7 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
 
 @dataclass
 class _Methods:
-    """The public API's callables on a channel (blocking or grpc.aio: the same calls)."""
+    """The public API's callables on a channel (blocking or grpc.aio: the same calls), in the wire layer's twins."""
 
     generate: Any
     model_info: Any
@@ -50,26 +58,11 @@ class _Methods:
 
 
 def _methods(channel) -> _Methods:
-    def control(name: str, request_type) -> Any:
-        return channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=request_type.SerializeToString,
-                                   response_deserializer=generate_pb2.ControlResponse.FromString)
-    return _Methods(
-        generate=channel.unary_stream(f"/{SERVICE}/Generate",
-                                      request_serializer=generate_pb2.GenerateRequest.SerializeToString,
-                                      response_deserializer=generate_pb2.GenerateResponsePacked.FromString),
-        model_info=channel.unary_unary(f"/{SERVICE}/GetModelInfo",
-                                       request_serializer=scheduler_pb2.ModelInfoRequest.SerializeToString,
-                                       response_deserializer=scheduler_pb2.ModelInfo.FromString),
-        abort=control("Abort", generate_pb2.AbortGenerationRequest),
-        update_weights_from_disk=control("UpdateWeightsFromDisk", scheduler_pb2.UpdateWeightsFromDiskRequest),
-        push_weights=channel.stream_unary(f"/{SERVICE}/PushWeights",
-                                          request_serializer=scheduler_pb2.WeightsChunk.SerializeToString,
-                                          response_deserializer=generate_pb2.ControlResponse.FromString),
-        pause_generation=control("PauseGeneration", scheduler_pb2.PauseGenerationRequest),
-        continue_generation=control("ContinueGeneration", scheduler_pb2.ContinueGenerationRequest),
-        abort_all=control("AbortAll", scheduler_pb2.AbortAllRequest),
-        update_weight_version=control("UpdateWeightVersion", scheduler_pb2.UpdateWeightVersionRequest),
-    )
+    calls = GENERATION.calls(channel)
+    return _Methods(generate=calls["Generate"], model_info=calls["GetModelInfo"], abort=calls["Abort"],
+                    update_weights_from_disk=calls["UpdateWeightsFromDisk"], push_weights=calls["PushWeights"],
+                    pause_generation=calls["PauseGeneration"], continue_generation=calls["ContinueGeneration"],
+                    abort_all=calls["AbortAll"], update_weight_version=calls["UpdateWeightVersion"])
 
 
 def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
@@ -86,7 +79,7 @@ def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
 
 
 def _weight_chunks(weights: Mapping[str, Any] | str | os.PathLike, abort_all_requests: bool,
-                   weight_version: str | None, chunk_bytes: int) -> Iterator[scheduler_pb2.WeightsChunk]:
+                   weight_version: str | None, chunk_bytes: int) -> Iterator[WeightsChunk]:
     """A safetensors file (read as it is sent) or a dict of tensors, as PushWeights chunks; options in the first."""
     if isinstance(weights, Mapping):
         data = memoryview(_safetensors_bytes(weights))
@@ -99,20 +92,15 @@ def _weight_chunks(weights: Mapping[str, Any] | str | os.PathLike, abort_all_req
         parts = read(weights)
     first = True
     for part in parts:
-        chunk = scheduler_pb2.WeightsChunk(safetensors=part)
-        if first:
-            chunk.abort_all_requests = abort_all_requests
-            if weight_version is not None:
-                chunk.weight_version = weight_version
-            first = False
-        yield chunk
+        yield WeightsChunk(safetensors=part, abort_all_requests=abort_all_requests and first,
+                           weight_version=weight_version if first else None)
+        first = False
 
 
 def _from_disk(model_path: str, load_format: str | None, abort_all_requests: bool,
-               weight_version: str | None) -> scheduler_pb2.UpdateWeightsFromDiskRequest:
-    return scheduler_pb2.UpdateWeightsFromDiskRequest(model_path=str(model_path), load_format=load_format or "",
-                                                      abort_all_requests=abort_all_requests,
-                                                      weight_version=weight_version)
+               weight_version: str | None) -> UpdateWeightsFromDiskRequest:
+    return UpdateWeightsFromDiskRequest(model_path=str(model_path), load_format=load_format or "",
+                                        abort_all_requests=abort_all_requests, weight_version=weight_version)
 
 
 class GenerationStream(ChunkStream):
@@ -147,8 +135,8 @@ class FlatwireClient:
     def close(self) -> None:
         self._channel.close()
 
-    def model_info(self) -> scheduler_pb2.ModelInfo:
-        return self._calls.model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
+    def model_info(self) -> ModelInfo:
+        return self._calls.model_info(EMPTY, metadata=self._metadata)
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float | None = None,
                  **options) -> Generation:
@@ -161,43 +149,43 @@ class FlatwireClient:
         request = Options(**options).grpc_request(text, input_ids, stream=True)
         return GenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata), input_ids)
 
-    def abort(self, rid: str, timeout: float | None = None) -> generate_pb2.ControlResponse:
+    def abort(self, rid: str, timeout: float | None = None) -> ControlResponse:
         """Stop this gateway's request `rid` (a response's rid): it ends with finish_reason "abort"."""
-        return self._calls.abort(generate_pb2.AbortGenerationRequest(rid=rid), timeout=timeout,
+        return self._calls.abort(AbortGenerationRequest(rid=rid), timeout=timeout,
                                  metadata=self._metadata)
 
     # -- rollout control (admin) --
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  abort_all_requests: bool = False, weight_version: str | None = None,
-                                 timeout: float | None = None) -> generate_pb2.ControlResponse:
+                                 timeout: float | None = None) -> ControlResponse:
         return self._calls.update_weights_from_disk(
             _from_disk(model_path, load_format, abort_all_requests, weight_version), timeout=timeout,
             metadata=self._admin_metadata)
 
     def push_weights(self, weights: Mapping[str, Any] | str | os.PathLike, abort_all_requests: bool = False,
                      weight_version: str | None = None, chunk_bytes: int = PUSH_CHUNK_BYTES,
-                     timeout: float | None = None) -> generate_pb2.ControlResponse:
+                     timeout: float | None = None) -> ControlResponse:
         """Named tensors (any subset of the model's; torch or numpy) or a .safetensors file, to every replica."""
         return self._calls.push_weights(_weight_chunks(weights, abort_all_requests, weight_version, chunk_bytes),
                                         timeout=timeout, metadata=self._admin_metadata)
 
-    def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> generate_pb2.ControlResponse:
+    def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> ControlResponse:
         """mode "abort" (SGLang's default), "in_place" or "retract" (as in_place)."""
-        return self._calls.pause_generation(scheduler_pb2.PauseGenerationRequest(mode=PAUSE_MODES[mode]),
+        return self._calls.pause_generation(PauseGenerationRequest(mode=PAUSE_MODES[mode]),
                                             timeout=timeout, metadata=self._admin_metadata)
 
-    def continue_generation(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
-        return self._calls.continue_generation(scheduler_pb2.ContinueGenerationRequest(), timeout=timeout,
+    def continue_generation(self, timeout: float | None = None) -> ControlResponse:
+        return self._calls.continue_generation(ContinueGenerationRequest(), timeout=timeout,
                                                metadata=self._admin_metadata)
 
-    def abort_all(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
-        return self._calls.abort_all(scheduler_pb2.AbortAllRequest(), timeout=timeout, metadata=self._admin_metadata)
+    def abort_all(self, timeout: float | None = None) -> ControlResponse:
+        return self._calls.abort_all(AbortAllRequest(), timeout=timeout, metadata=self._admin_metadata)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True,
-                              timeout: float | None = None) -> generate_pb2.ControlResponse:
+                              timeout: float | None = None) -> ControlResponse:
         return self._calls.update_weight_version(
-            scheduler_pb2.UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
+            UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
             timeout=timeout, metadata=self._admin_metadata)
 
 
@@ -232,8 +220,8 @@ class AsyncFlatwireClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def model_info(self) -> scheduler_pb2.ModelInfo:
-        return await self._calls.model_info(scheduler_pb2.ModelInfoRequest(), metadata=self._metadata)
+    async def model_info(self) -> ModelInfo:
+        return await self._calls.model_info(EMPTY, metadata=self._metadata)
 
     async def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                        timeout: float | None = None, **options) -> Generation:
@@ -248,40 +236,40 @@ class AsyncFlatwireClient:
         return AsyncGenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata),
                                      input_ids)
 
-    async def abort(self, rid: str, timeout: float | None = None) -> generate_pb2.ControlResponse:
-        return await self._calls.abort(generate_pb2.AbortGenerationRequest(rid=rid), timeout=timeout,
+    async def abort(self, rid: str, timeout: float | None = None) -> ControlResponse:
+        return await self._calls.abort(AbortGenerationRequest(rid=rid), timeout=timeout,
                                        metadata=self._metadata)
 
     # -- rollout control (admin): FlatwireClient's, awaited --
 
     async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                        abort_all_requests: bool = False, weight_version: str | None = None,
-                                       timeout: float | None = None) -> generate_pb2.ControlResponse:
+                                       timeout: float | None = None) -> ControlResponse:
         return await self._calls.update_weights_from_disk(
             _from_disk(model_path, load_format, abort_all_requests, weight_version), timeout=timeout,
             metadata=self._admin_metadata)
 
     async def push_weights(self, weights: Mapping[str, Any] | str | os.PathLike, abort_all_requests: bool = False,
                            weight_version: str | None = None, chunk_bytes: int = PUSH_CHUNK_BYTES,
-                           timeout: float | None = None) -> generate_pb2.ControlResponse:
+                           timeout: float | None = None) -> ControlResponse:
         return await self._calls.push_weights(
             _weight_chunks(weights, abort_all_requests, weight_version, chunk_bytes), timeout=timeout,
             metadata=self._admin_metadata)
 
-    async def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> generate_pb2.ControlResponse:
-        return await self._calls.pause_generation(scheduler_pb2.PauseGenerationRequest(mode=PAUSE_MODES[mode]),
+    async def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> ControlResponse:
+        return await self._calls.pause_generation(PauseGenerationRequest(mode=PAUSE_MODES[mode]),
                                                   timeout=timeout, metadata=self._admin_metadata)
 
-    async def continue_generation(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
-        return await self._calls.continue_generation(scheduler_pb2.ContinueGenerationRequest(), timeout=timeout,
+    async def continue_generation(self, timeout: float | None = None) -> ControlResponse:
+        return await self._calls.continue_generation(ContinueGenerationRequest(), timeout=timeout,
                                                      metadata=self._admin_metadata)
 
-    async def abort_all(self, timeout: float | None = None) -> generate_pb2.ControlResponse:
-        return await self._calls.abort_all(scheduler_pb2.AbortAllRequest(), timeout=timeout,
+    async def abort_all(self, timeout: float | None = None) -> ControlResponse:
+        return await self._calls.abort_all(AbortAllRequest(), timeout=timeout,
                                            metadata=self._admin_metadata)
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True,
-                                    timeout: float | None = None) -> generate_pb2.ControlResponse:
+                                    timeout: float | None = None) -> ControlResponse:
         return await self._calls.update_weight_version(
-            scheduler_pb2.UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
+            UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
             timeout=timeout, metadata=self._admin_metadata)

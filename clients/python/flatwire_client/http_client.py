@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from flatwire_client.pb import generate_pb2
+from flatwire_wire.public import GenerateResponse
+
 from flatwire_client.requests import Options
 from flatwire_client.results import ChunkStream, Generation, generation
 
@@ -58,7 +59,7 @@ class HttpGenerationStream(ChunkStream):
             data = read(size)
             if len(data) < size:
                 raise http.client.IncompleteRead(data, size - len(data))
-            yield self._take(generate_pb2.GenerateResponsePacked.FromString(data))
+            yield self._take(GenerateResponse.from_bytes(data))
         if not self.chunks or self.chunks[-1].finish_reason is None:
             raise http.client.IncompleteRead(b"", None)
 
@@ -103,7 +104,7 @@ class HttpClient:
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
         response = self._post(text, input_ids, False, options)
-        return generation(generate_pb2.GenerateResponsePacked.FromString(response.read()), input_ids)
+        return generation(GenerateResponse.from_bytes(response.read()), input_ids)
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None,
                **options) -> HttpGenerationStream:

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from flatwire_client.pb import generate_pb2, scheduler_pb2
+from flatwire_wire.public import GenerateRequest, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,18 @@ class Options:
     def wants_logprobs(self) -> bool:
         return self.return_logprob or self.top_logprobs_num > 0 or bool(self.token_ids_logprob)
 
-    def grpc_request(self, text: str | None, input_ids: list[int] | None, stream: bool) -> generate_pb2.GenerateRequest:
-        sampling = scheduler_pb2.SamplingParams(
+    def grpc_request(self, text: str | None, input_ids: list[int] | None, stream: bool) -> GenerateRequest:
+        sampling = SamplingParams(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_p=self.min_p, seed=self.seed, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens, logit_bias=self.logit_bias,
-            json_schema=self.json_schema, regex=self.regex, ebnf=self.ebnf)
-        return generate_pb2.GenerateRequest(
-            text=text or "", input_ids=input_ids or [], sampling=sampling, return_logprob=self.wants_logprobs,
+            repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_new_tokens,
+            logit_bias=dict(self.logit_bias), json_schema=self.json_schema, regex=self.regex, ebnf=self.ebnf)
+        return GenerateRequest(
+            text=text or "", input_ids=list(input_ids or []), sampling=sampling, return_logprob=self.wants_logprobs,
             top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
-            token_ids_logprob=self.token_ids_logprob, stop=self.stop, skip_special_tokens=self.skip_special_tokens,
-            no_stop_trim=self.no_stop_trim, stream=stream)
+            token_ids_logprob=list(self.token_ids_logprob), stop=list(self.stop),
+            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, stream=stream)
 
     def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
         """/generate's JSON (SGLang's field names)."""

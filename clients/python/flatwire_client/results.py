@@ -1,61 +1,16 @@
-"""What the client returns: a Generation, its logprob rows as numpy arrays (-inf kept)."""
+"""What the client returns: a Generation, its logprob rows as numpy arrays (-inf kept).
+
+A side's rows (prompt or output) are the wire layer's RequestLogprobs (flatwire_wire.logprobs), exported here as
+`Logprobs`: token_ids [n], token_logprobs [n], topk_values / topk_ids [n, k], ids_logprobs [n, m], null_prefix.
+"""
 
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from flatwire_client.pb import arrays_pb2, generate_pb2
-
-F32, I32 = np.dtype("<f4"), np.dtype("<i4")
-FINISH_NAMES = {
-    arrays_pb2.FINISH_REASON_LENGTH: "length",
-    arrays_pb2.FINISH_REASON_STOP_TOKEN: "stop",
-    arrays_pb2.FINISH_REASON_STOP_STRING: "stop",
-    arrays_pb2.FINISH_REASON_ABORT: "abort",
-}
-
-
-@dataclass
-class Logprobs:
-    """One side (prompt or output) of a response: n rows, one per position."""
-
-    token_ids: np.ndarray  # [n] int32: the token at each row
-    token_logprobs: np.ndarray  # [n] float32
-    topk_values: np.ndarray  # [n, k] float32, best first
-    topk_ids: np.ndarray  # [n, k] int32
-    ids_logprobs: np.ndarray  # [n, m] float32: the logprobs of the requested token_ids_logprob
-    null_prefix: int = 0  # positions before the first row without a logprob (the prompt's first token)
-
-    @classmethod
-    def of_block(cls, block: arrays_pb2.LogprobBlock, token_ids: np.ndarray) -> "Logprobs | None":
-        """A one-request LogprobBlock (as the APIs send it) as arrays, without copying; None when it is empty."""
-        if not block.rows:
-            return None
-        n, k, m = block.rows[0], block.topk[0], block.id_counts[0]
-        return cls(token_ids=token_ids, token_logprobs=np.frombuffer(block.token_logprobs, F32),
-                   topk_values=np.frombuffer(block.topk_values, F32).reshape(n, k),
-                   topk_ids=np.frombuffer(block.topk_ids, I32).reshape(n, k),
-                   ids_logprobs=np.frombuffer(block.ids_logprobs, F32).reshape(n, m),
-                   null_prefix=block.null_prefix[0] if block.null_prefix else 0)
-
-    @classmethod
-    def concatenate(cls, parts: list["Logprobs"]) -> "Logprobs | None":
-        if not parts:
-            return None
-        def joined(name: str) -> np.ndarray:
-            return np.concatenate([getattr(part, name) for part in parts])
-        return cls(token_ids=joined("token_ids"), token_logprobs=joined("token_logprobs"),
-                   topk_values=joined("topk_values"), topk_ids=joined("topk_ids"),
-                   ids_logprobs=joined("ids_logprobs"), null_prefix=parts[0].null_prefix)
-
-
-@dataclass
-class VersionSpan:
-    """Output positions [start, end) were produced by the weights labelled `version`."""
-
-    version: str
-    start: int
-    end: int
+from flatwire_wire.logprobs import RequestLogprobs as Logprobs
+from flatwire_wire.public import GenerateResponse
+from flatwire_wire.public import WeightVersionSpan as VersionSpan
+from flatwire_wire.steps import FinishReason
 
 
 @dataclass
@@ -75,20 +30,16 @@ class Generation:
     weight_versions: list[VersionSpan] = field(default_factory=list)  # which weights produced which positions
 
 
-def generation(response: generate_pb2.GenerateResponsePacked, input_ids: list[int] | None) -> Generation:
-    token_ids = np.frombuffer(response.token_ids, I32)
-    prompt = Logprobs.of_block(response.prompt, np.zeros(0, I32))
-    if prompt is not None and input_ids is not None:
-        prompt.token_ids = np.asarray(input_ids[len(input_ids) - len(prompt.token_logprobs):], I32)
+def generation(response: GenerateResponse, input_ids: list[int] | None) -> Generation:
     matched: int | str | None = None
-    if response.finish_reason == arrays_pb2.FINISH_REASON_STOP_TOKEN:
+    if response.finish_reason == FinishReason.STOP_TOKEN:
         matched = response.matched_token
-    elif response.finish_reason == arrays_pb2.FINISH_REASON_STOP_STRING:
+    elif response.finish_reason == FinishReason.STOP_STRING:
         matched = response.matched_stop
-    return Generation(response.rid, token_ids, response.text, Logprobs.of_block(response.output, token_ids), prompt,
-                      FINISH_NAMES.get(response.finish_reason), matched, response.prompt_tokens,
-                      response.completion_tokens, response.weight_version,
-                      [VersionSpan(span.version, span.start, span.end) for span in response.weight_versions])
+    finish = response.finish_reason.api_name if response.finish_reason != FinishReason.UNSPECIFIED else None
+    return Generation(response.rid, response.tokens, response.text, response.output_logprobs(),
+                      response.prompt_logprobs(input_ids), finish, matched, response.prompt_tokens,
+                      response.completion_tokens, response.weight_version, response.weight_versions)
 
 
 class ChunkStream:
@@ -99,7 +50,7 @@ class ChunkStream:
         self._input_ids = input_ids
         self.chunks: list[Generation] = []
 
-    def _take(self, response: generate_pb2.GenerateResponsePacked) -> Generation:
+    def _take(self, response: GenerateResponse) -> Generation:
         chunk = generation(response, self._input_ids)
         self.chunks.append(chunk)
         return chunk

@@ -6,8 +6,8 @@ from functools import cached_property
 
 import numpy as np
 from fastapi import Request
+from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 
-from services.common.arrays import F32, I32
 from services.common.auth import AccessKeys
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
@@ -16,7 +16,7 @@ from services.gateway.protocol.parse import ModelLimits, model_limits
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.result import RequestResult
 from services.gateway.token_table import TokenTable
 
 
@@ -43,7 +43,7 @@ class Gateway:
         """Build the token table and every renderer's per-id pieces (seconds of CPU for a
         250k vocabulary) by rendering one row in each format; run it in a thread at
         startup so that no request stalls the event loop doing it."""
-        row = LogprobTrack(token_ids=np.zeros(1, I32), token_logprobs=np.zeros(1, F32),
+        row = RequestLogprobs(token_ids=np.zeros(1, I32), token_logprobs=np.zeros(1, F32),
                            topk_values=np.zeros((1, 1), F32), topk_ids=np.zeros((1, 1), I32),
                            ids_logprobs=np.zeros((1, 1), F32))
         chat_logprobs(row, self.table)

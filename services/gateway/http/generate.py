@@ -60,7 +60,7 @@ async def generate(request: Request) -> Response:
         whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,
                       prompt=result.prompt, result=result, weight_versions=result.weight_versions)
         message = packed_format.packed_response(whole, result.prompt_tokens, result.completion_tokens)
-        return Response(message.SerializeToString(), media_type=packed_format.MEDIA_TYPE)
+        return Response(message.to_bytes(), media_type=packed_format.MEDIA_TYPE)
     bodies = [_body(gateway, req, result) for result in results]
     body = orjson.dumps(bodies if req.returns_list else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
     gateway.metrics.bytes_sent.labels(logprob_format(req)).inc(len(body))

@@ -1,17 +1,18 @@
 """SGLang's meta_info fields that are not logprobs: id, token counts, finish_reason, latency, weight versions."""
 
-from services.common.pb.arrays_pb2 import FinishReason
+from flatwire_wire.steps import FinishReason
+
 from services.gateway.result import RequestResult
 
 
 def finish_reason(result: RequestResult) -> dict | None:
     """SGLang's finish_reason object; None while the request runs."""
     match result.finish_reason:
-        case FinishReason.FINISH_REASON_LENGTH:
+        case FinishReason.LENGTH:
             return {"type": "length", "length": result.completion_tokens}
-        case FinishReason.FINISH_REASON_STOP_TOKEN | FinishReason.FINISH_REASON_STOP_STRING:
+        case FinishReason.STOP_TOKEN | FinishReason.STOP_STRING:
             return {"type": "stop", "matched": result.matched_stop}
-        case FinishReason.FINISH_REASON_ABORT:
+        case FinishReason.ABORT:
             return {"type": "abort", "message": result.error or "aborted"}
     return None
 

@@ -13,10 +13,10 @@ from contextlib import aclosing
 
 import orjson
 from fastapi import APIRouter, Request, Response
+from flatwire_wire.scheduler import LogprobParams, SamplingParams
+from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from services.common.pb import scheduler_pb2
-from services.common.pb.arrays_pb2 import FinishReason
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.limits import parse_body_off_loop
@@ -135,16 +135,16 @@ async def flush_cache() -> Response:
 
 
 def _health_input() -> GenerateInput:
-    return GenerateInput(input_ids=[0], sampling=scheduler_pb2.SamplingParams(max_new_tokens=1, temperature=0),
-                         logprob=scheduler_pb2.LogprobParams(logprob_start_len=-1),
-                         detokenize=scheduler_pb2.DetokenizeParams())
+    return GenerateInput(input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0),
+                         logprob=LogprobParams(logprob_start_len=-1),
+                         detokenize=DetokenizeParams())
 
 
 async def _one_token(gateway: Gateway) -> None:
     async with aclosing(gateway.pipeline.generate(_health_input())) as chunks:
         async for chunk in chunks:
             if chunk.result is not None:
-                if chunk.result.finish_reason == FinishReason.FINISH_REASON_ABORT:
+                if chunk.result.finish_reason == FinishReason.ABORT:
                     raise RequestError("unavailable", None, chunk.result.error or "aborted")
                 return
     raise RequestError("unavailable", None, "the generation ended without a result")

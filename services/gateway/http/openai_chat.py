@@ -3,6 +3,7 @@
 import time
 
 from fastapi import APIRouter, Request, Response
+from flatwire_wire.logprobs import RequestLogprobs
 
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
@@ -25,7 +26,7 @@ from services.gateway.protocol.limits import LogprobFields, check_logprob_elemen
 from services.gateway.protocol.openai import ChatCompletionRequest
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.result import RequestResult
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -67,7 +68,7 @@ async def chat_completions(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: LogprobTrack | None) -> dict | None:
+def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogprobs | None) -> dict | None:
     if not req.logprobs or track is None:
         return None
     return chat_logprobs(track, gateway.table, candidates=not req.return_flat_raw_output_top_logprobs)

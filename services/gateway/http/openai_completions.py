@@ -4,6 +4,7 @@ import asyncio
 import time
 
 from fastapi import APIRouter, Request, Response
+from flatwire_wire.logprobs import RequestLogprobs
 
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
@@ -26,7 +27,7 @@ from services.gateway.protocol.limits import LogprobFields, check_logprob_elemen
 from services.gateway.protocol.openai import CompletionRequest
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.result import RequestResult
 
 ENDPOINT = "/v1/completions"
 LOGPROB_FIELDS = LogprobFields(top_k="logprobs", max_new_tokens="max_tokens", prompt="the prompt, with echo", n="n")
@@ -79,7 +80,7 @@ async def completions(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _logprobs(gateway: Gateway, req: CompletionRequest, prompt: LogprobTrack | None, output: LogprobTrack | None,
+def _logprobs(gateway: Gateway, req: CompletionRequest, prompt: RequestLogprobs | None, output: RequestLogprobs | None,
               text_offset: int) -> dict | None:
     """Offsets count characters of the choice's `text` (the echoed prompt included)."""
     if req.logprobs is None:
@@ -90,8 +91,8 @@ def _logprobs(gateway: Gateway, req: CompletionRequest, prompt: LogprobTrack | N
     return completion_logprobs(tracks, gateway.table, text_offset)
 
 
-def _without_candidates(track: LogprobTrack) -> LogprobTrack:
-    return LogprobTrack(token_ids=track.token_ids, token_logprobs=track.token_logprobs,
+def _without_candidates(track: RequestLogprobs) -> RequestLogprobs:
+    return RequestLogprobs(token_ids=track.token_ids, token_logprobs=track.token_logprobs,
                         topk_values=track.topk_values[:, :0], topk_ids=track.topk_ids[:, :0],
                         ids_logprobs=track.ids_logprobs, null_prefix=track.null_prefix,
                         null_token_ids=track.null_token_ids)

@@ -16,9 +16,12 @@ from typing import Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Response
+from flatwire_wire import control
+from flatwire_wire.control import PauseMode
+from flatwire_wire.public import ControlResponse
+from flatwire_wire.scheduler import SchedulerClient
 from pydantic import BaseModel, ConfigDict
 
-from services.common.pb import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.http.auth import require_admin
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
@@ -28,8 +31,7 @@ from services.gateway.rollout import control_response
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
-PAUSE_MODES = {"abort": scheduler_pb2.PAUSE_MODE_ABORT, "in_place": scheduler_pb2.PAUSE_MODE_IN_PLACE,
-               "retract": scheduler_pb2.PAUSE_MODE_RETRACT}
+PAUSE_MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.IN_PLACE, "retract": PauseMode.RETRACT}
 NO_PICKLE = ("update_weights_from_tensor is not supported: SGLang's serialized_named_tensors are pickled (torch's "
              "MultiprocessingSerializer), and unpickling a request body runs whatever code it names. Push the "
              "tensors as safetensors over gRPC instead (flatwire.v1.Generation/PushWeights; "
@@ -74,7 +76,7 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
-Call = Callable[[scheduler_pb2_grpc.SchedulerStub], Awaitable[scheduler_pb2.ControlReply]]
+Call = Callable[[SchedulerClient], Awaitable[control.ControlReply]]
 
 
 def _json(data, status: int = 200) -> Response:
@@ -86,18 +88,18 @@ async def _parse(model: type[M], request: Request, gateway: Gateway) -> M:
     return await parse_body_off_loop(model, await request.body() or b"{}", gateway.limits)
 
 
-async def _everywhere(gateway: Gateway, call: Call) -> generate_pb2.ControlResponse:
+async def _everywhere(gateway: Gateway, call: Call) -> ControlResponse:
     return control_response(await gateway.pipeline.schedulers.control(call))
 
 
-def _replicas(response: generate_pb2.ControlResponse) -> dict:
+def _replicas(response: ControlResponse) -> dict:
     return {address: {"success": reply.success, "message": reply.message,
                       "num_paused_requests": reply.num_paused_requests, "weight_version": reply.weight_version,
                       "aborted_requests": reply.aborted_requests}
             for address, reply in sorted(response.replicas.items())}
 
 
-def _status_body(response: generate_pb2.ControlResponse, done: str) -> Response:
+def _status_body(response: ControlResponse, done: str) -> Response:
     """SGLang's {"message", "status": "ok"} of pause and continue; a replica that failed: 503."""
     if not response.success:
         return error_response(503, response.message)
@@ -110,10 +112,10 @@ async def update_weights_from_disk(request: Request) -> Response:
     replicas."""
     gateway = gateway_of(request)
     req = await _parse(UpdateWeightsFromDiskRequest, request, gateway)
-    message = scheduler_pb2.UpdateWeightsFromDiskRequest(
+    message = control.UpdateWeightsFromDiskRequest(
         model_path=req.model_path, load_format=req.load_format or "", abort_all_requests=req.abort_all_requests,
         weight_version=req.weight_version)
-    response = await _everywhere(gateway, lambda stub: stub.UpdateWeightsFromDisk(message))
+    response = await _everywhere(gateway, lambda client: client.update_weights_from_disk(message))
     return _json({"success": response.success, "message": response.message,
                   "num_paused_requests": sum(reply.num_paused_requests for reply in response.replicas.values()),
                   "weight_version": gateway.pipeline.schedulers.weight_version(), "replicas": _replicas(response)},
@@ -129,8 +131,8 @@ async def update_weights_from_tensor() -> Response:
 async def pause_generation(request: Request) -> Response:
     gateway = gateway_of(request)
     req = await _parse(PauseGenerationRequest, request, gateway)
-    message = scheduler_pb2.PauseGenerationRequest(mode=PAUSE_MODES[req.mode])
-    return _status_body(await _everywhere(gateway, lambda stub: stub.PauseGeneration(message)),
+    message = control.PauseGenerationRequest(mode=PAUSE_MODES[req.mode])
+    return _status_body(await _everywhere(gateway, lambda client: client.pause_generation(message)),
                         "Generation paused successfully.")
 
 
@@ -138,8 +140,8 @@ async def pause_generation(request: Request) -> Response:
 async def continue_generation(request: Request) -> Response:
     gateway = gateway_of(request)
     await _parse(ContinueGenerationRequest, request, gateway)
-    return _status_body(await _everywhere(gateway, lambda stub: stub.ContinueGeneration(
-        scheduler_pb2.ContinueGenerationRequest())), "Generation continued successfully.")
+    return _status_body(await _everywhere(gateway, lambda client: client.continue_generation(
+        control.ContinueGenerationRequest())), "Generation continued successfully.")
 
 
 @router.post("/update_weight_version", openapi_extra=request_body(UpdateWeightVersionRequest))
@@ -147,9 +149,8 @@ async def update_weight_version(request: Request) -> Response:
     """{success, message, new_version} (SGLang's; 400 unless every replica took it), replicas."""
     gateway = gateway_of(request)
     req = await _parse(UpdateWeightVersionRequest, request, gateway)
-    message = scheduler_pb2.UpdateWeightVersionRequest(new_version=req.new_version,
-                                                       abort_all_requests=req.abort_all_requests)
-    response = await _everywhere(gateway, lambda stub: stub.UpdateWeightVersion(message))
+    message = control.UpdateWeightVersionRequest(new_version=req.new_version, abort_all_requests=req.abort_all_requests)
+    response = await _everywhere(gateway, lambda client: client.update_weight_version(message))
     return _json({"success": response.success, "message": response.message, "new_version": req.new_version,
                   "replicas": _replicas(response)}, 200 if response.success else 400)
 
@@ -164,7 +165,7 @@ async def abort_request(request: Request) -> Response:
     if req.abort_all:
         if (refusal := require_admin(request, gateway.access)) is not None:
             return refusal
-        response = await _everywhere(gateway, lambda stub: stub.AbortAll(scheduler_pb2.AbortAllRequest()))
+        response = await _everywhere(gateway, lambda client: client.abort_all(control.AbortAllRequest()))
         if not response.success:
             return error_response(503, response.message)
     elif req.rid:

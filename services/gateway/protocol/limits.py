@@ -16,9 +16,9 @@
 
 from dataclasses import dataclass
 
+from flatwire_wire.scheduler import LogprobParams
 from pydantic import ValidationInfo
 
-from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import InvalidRequest, limits_of
 
 
@@ -49,7 +49,7 @@ class LogprobFields:
     n: str | None = None  # n, where the API has it
 
 
-def logprob_elements(prompt_len: int, max_new_tokens: int, logprob: scheduler_pb2.LogprobParams) -> tuple[int, int]:
+def logprob_elements(prompt_len: int, max_new_tokens: int, logprob: LogprobParams) -> tuple[int, int]:
     """(positions, values per position) one generation asks logprobs for."""
     if not logprob.return_logprob:
         return 0, 0

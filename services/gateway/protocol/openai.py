@@ -7,12 +7,13 @@ output candidates as flat arrays in meta_info instead of in `logprobs`) and
 `return_flat_raw_top_logprobs_b64` (those arrays as base64; the default on chat).
 """
 
+import dataclasses
 import json
 from typing import Annotated, Literal
 
+from flatwire_wire.scheduler import LogprobParams
 from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import (
     InvalidRequest,
     check_batch_size,
@@ -109,7 +110,7 @@ class OpenAIRequest(SamplingFields):
     def scheduler_fields(self) -> dict[str, str]:
         """The scheduler's field names -> this request's (see pipeline.GenerateInput.fields)."""
         fields = {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field,
-                  **{f"logprob.{name}": "logprobs" for name in scheduler_pb2.LogprobParams.DESCRIPTOR.fields_by_name}}
+                  **{f"logprob.{f.name}": "logprobs" for f in dataclasses.fields(LogprobParams)}}
         if self.response_format is not None and self.response_format.schema_text() is not None:
             fields["sampling.json_schema"] = "response_format"
         return fields
@@ -166,11 +167,10 @@ class ChatCompletionRequest(OpenAIRequest):
     def scheduler_fields(self) -> dict[str, str]:
         return {**super().scheduler_fields(), "input_ids": "messages", "logprob.top_logprobs_num": "top_logprobs"}
 
-    def logprob(self) -> scheduler_pb2.LogprobParams:
+    def logprob(self) -> LogprobParams:
         if not self.logprobs:
-            return scheduler_pb2.LogprobParams(logprob_start_len=-1)
-        return scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=self.top_logprobs or 0,
-                                           logprob_start_len=-1)
+            return LogprobParams(logprob_start_len=-1)
+        return LogprobParams(return_logprob=True, top_logprobs_num=self.top_logprobs or 0, logprob_start_len=-1)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -218,9 +218,9 @@ class CompletionRequest(OpenAIRequest):
             return [prompt]
         return prompt
 
-    def logprob(self) -> scheduler_pb2.LogprobParams:
+    def logprob(self) -> LogprobParams:
         if self.logprobs is None:
-            return scheduler_pb2.LogprobParams(logprob_start_len=-1)
+            return LogprobParams(logprob_start_len=-1)
         # echo returns the prompt's logprobs too, from its first position.
-        return scheduler_pb2.LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
-                                           logprob_start_len=0 if self.echo else -1)
+        return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
+                             logprob_start_len=0 if self.echo else -1)

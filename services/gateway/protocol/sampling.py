@@ -3,9 +3,10 @@
 import json
 from typing import Annotated
 
+from flatwire_wire.scheduler import SamplingParams
+from flatwire_wire.steps import DetokenizeParams
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo
 
-from services.common.pb import scheduler_pb2
 from services.gateway.protocol.limits import check_stop
 from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, check_token_ids
 
@@ -127,10 +128,10 @@ class SamplingFields(BaseModel):
     regex: Constraint = None
     ebnf: Constraint = None
 
-    def sampling(self, max_new_tokens: int, choice: int = 0) -> scheduler_pb2.SamplingParams:
+    def sampling(self, max_new_tokens: int, choice: int = 0) -> SamplingParams:
         """The scheduler's sampling options; `choice` j > 0 (the j-th of n samples) gets its own seed, so that
         the n choices of a seeded request are distinct and each reproducible."""
-        return scheduler_pb2.SamplingParams(
+        return SamplingParams(
             # A top_p below float32's range would round to 0 (refused); the smallest float32 keeps its meaning,
             # the most likely token alone.
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=max(self.top_p, FLOAT32_TINY),
@@ -144,8 +145,8 @@ class SamplingFields(BaseModel):
         """SamplingParams.constraint's field: the one of json_schema, regex and ebnf given, if any."""
         return {name: value for name in CONSTRAINTS if (value := getattr(self, name)) is not None}
 
-    def detokenize(self) -> scheduler_pb2.DetokenizeParams:
-        return scheduler_pb2.DetokenizeParams(
+    def detokenize(self) -> DetokenizeParams:
+        return DetokenizeParams(
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim, min_new_tokens=self.min_new_tokens)

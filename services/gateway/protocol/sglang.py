@@ -2,9 +2,9 @@
 
 from typing import Annotated
 
+from flatwire_wire.scheduler import LogprobParams
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from services.common.pb import scheduler_pb2
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k, is_id_lists
 from services.gateway.protocol.sampling import SamplingOptions, unsupported
 
@@ -141,9 +141,9 @@ class GenerateRequest(BaseModel):
                                  f"of the {prompt_len}-token prompt; use -1 (no prompt logprobs) or 0 to "
                                  f"{prompt_len - 1}")
 
-    def logprob(self) -> scheduler_pb2.LogprobParams:
+    def logprob(self) -> LogprobParams:
         if not self.return_logprob:
-            return scheduler_pb2.LogprobParams(logprob_start_len=-1)
-        return scheduler_pb2.LogprobParams(
+            return LogprobParams(logprob_start_len=-1)
+        return LogprobParams(
             return_logprob=True, top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
             token_ids_logprob=self.token_ids_logprob or [])

@@ -8,15 +8,15 @@ call renders a whole response or one stream chunk: pass that chunk's rows.
 """
 
 import numpy as np
+from flatwire_wire.logprobs import RequestLogprobs
 
 from services.gateway.render.pieces import json_array, token_texts, value_texts
-from services.gateway.result import LogprobTrack
 from services.gateway.token_table import TokenTable
 
 _BYTE_TEXTS = [str(byte).encode() for byte in range(256)]
 
 
-def chat_logprobs(track: LogprobTrack, table: TokenTable, candidates: bool = True) -> dict:
+def chat_logprobs(track: RequestLogprobs, table: TokenTable, candidates: bool = True) -> dict:
     opens, nexts = _entry_heads(table)
     k = track.k if candidates else 0
     heads = nexts[track.topk_ids[:, :k]]

@@ -12,14 +12,13 @@ token's character offset, counted from `text_offset`, in the concatenated token 
 from collections.abc import Sequence
 
 import numpy as np
+from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 
-from services.common.arrays import F32, I32
 from services.gateway.render.pieces import json_array, json_values, token_texts, value_texts
-from services.gateway.result import LogprobTrack
 from services.gateway.token_table import TokenTable
 
 
-def completion_logprobs(tracks: Sequence[LogprobTrack], table: TokenTable, text_offset: int = 0) -> dict:
+def completion_logprobs(tracks: Sequence[RequestLogprobs], table: TokenTable, text_offset: int = 0) -> dict:
     """tracks: [output], or [prompt, output] with echo (or one stream chunk's rows)."""
     first = tracks[0]
     if any(track.null_prefix for track in tracks[1:]):

@@ -3,40 +3,36 @@ little-endian arrays, no JSON. The public gRPC API sends it; /generate sends it 
 accepts application/x-protobuf, one message per chunk, length-delimited when streaming."""
 
 import numpy as np
+from flatwire_wire.logprobs import I32, LogprobBlock
+from flatwire_wire.public import GenerateResponse
+from flatwire_wire.steps import FinishReason
 
-from services.common.arrays import I32
-from services.common.pb import generate_pb2
 from services.gateway.pipeline import Chunk
 
 MEDIA_TYPE = "application/x-protobuf"
 
 
-def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) -> generate_pb2.GenerateResponsePacked:
+def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) -> GenerateResponse:
     """One chunk (a stream's, or the whole output) with the request's token counts so far."""
-    response = generate_pb2.GenerateResponsePacked(
+    response = GenerateResponse(
         rid=chunk.rid, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, text=chunk.text,
-        token_ids=np.asarray(chunk.token_ids, dtype=I32).tobytes(),
-        weight_versions=[generate_pb2.WeightVersionSpan(version=span.version, start=span.start, end=span.end)
-                         for span in chunk.weight_versions])
-    if chunk.weight_versions:
-        response.weight_version = chunk.weight_versions[-1].version
-    if chunk.output is not None:
-        response.output.CopyFrom(chunk.output.to_block())
-    if chunk.prompt is not None:
-        response.prompt.CopyFrom(chunk.prompt.to_block())
+        token_ids=np.asarray(chunk.token_ids, dtype=I32).tobytes(), weight_versions=chunk.weight_versions,
+        weight_version=chunk.weight_versions[-1].version if chunk.weight_versions else "",
+        output=LogprobBlock.of_request(chunk.output) if chunk.output is not None else None,
+        prompt=LogprobBlock.of_request(chunk.prompt) if chunk.prompt is not None else None)
     if (result := chunk.result) is not None and result.finish_reason is not None:
         response.finish_reason = result.finish_reason
-        if isinstance(result.matched_stop, str):  # STOP_STRING
-            response.matched_stop = result.matched_stop
-        elif isinstance(result.matched_stop, int):  # STOP_TOKEN
-            response.matched_token = result.matched_stop
+        if result.finish_reason is FinishReason.STOP_STRING:
+            response.matched_stop = str(result.matched_stop)
+        elif result.finish_reason is FinishReason.STOP_TOKEN:
+            response.matched_token = int(result.matched_stop or 0)
     return response
 
 
-def delimited(message: generate_pb2.GenerateResponsePacked) -> bytes:
+def delimited(response: GenerateResponse) -> bytes:
     """The message after its length as a base-128 varint: protobuf's delimited framing (Java's
     writeDelimitedTo, C++'s SerializeDelimitedToOstream), for a stream of messages over HTTP."""
-    data = message.SerializeToString()
+    data = response.to_bytes()
     size, prefix = len(data), bytearray()
     while size >= 0x80:
         prefix.append(size & 0x7F | 0x80)

@@ -17,8 +17,8 @@ from json.encoder import encode_basestring
 
 import numpy as np
 import orjson
+from flatwire_wire.logprobs import F32, I32
 
-from services.common.arrays import F32, I32
 from services.gateway.token_table import TokenTable
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY

@@ -11,13 +11,12 @@ from typing import Any
 import numpy as np
 import orjson
 import pybase64
+from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 
-from services.common.arrays import F32, I32
 from services.gateway.render.pieces import json_values
-from services.gateway.result import LogprobTrack
 
 
-def flat_top_logprobs(side: str, track: LogprobTrack, b64: bool) -> dict:
+def flat_top_logprobs(side: str, track: RequestLogprobs, b64: bool) -> dict:
     """The fields for side "input" (prompt) or "output"."""
     prefix = f"{side}_top_logprobs"
     fields: dict[str, Any]

@@ -2,8 +2,10 @@
 
 from dataclasses import dataclass
 
+from flatwire_wire.logprobs import RequestLogprobs
+
 from services.gateway.render import sglang_flat, sglang_nested
-from services.gateway.result import LogprobTrack, RequestResult
+from services.gateway.result import RequestResult
 from services.gateway.token_table import TokenTable
 
 
@@ -28,7 +30,7 @@ def logprob_meta_info(result: RequestResult, fmt: LogprobFormat, table: TokenTab
     if output is None:
         return {}
     ids = result.token_ids_logprob
-    prompt = result.prompt or LogprobTrack.empty(output.k, len(ids or ()))
+    prompt = result.prompt or RequestLogprobs.empty(output.k, len(ids or ()))
     text = fmt.return_text_in_logprobs
     fields = {}
     for side, track, flat in (

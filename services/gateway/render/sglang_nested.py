@@ -8,31 +8,30 @@ decode([id]) from the token table, only with return_text_in_logprobs.
 
 import numpy as np
 import orjson
+from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 
-from services.common.arrays import F32, I32
 from services.gateway.render.pieces import id_texts, json_array, token_texts, value_texts
-from services.gateway.result import LogprobTrack
 from services.gateway.token_table import TokenTable
 
 
-def token_logprobs(track: LogprobTrack, table: TokenTable, with_text: bool) -> orjson.Fragment:
+def token_logprobs(track: RequestLogprobs, table: TokenTable, with_text: bool) -> orjson.Fragment:
     ids = np.concatenate([track.null_token_ids, track.token_ids]).astype(I32, copy=False)
     values = np.concatenate([np.full(track.null_prefix, np.nan, dtype=F32), track.token_logprobs])
     closes, _ = _tails(table, with_text)
     return json_array(len(ids), head=[b"[", value_texts(values), closes[ids]])
 
 
-def top_logprobs(track: LogprobTrack, table: TokenTable, with_text: bool) -> orjson.Fragment:
+def top_logprobs(track: RequestLogprobs, table: TokenTable, with_text: bool) -> orjson.Fragment:
     return _triple_rows(track, track.topk_values, track.topk_ids, table, with_text)
 
 
 def token_ids_logprobs(
-    track: LogprobTrack, token_ids: list[int], table: TokenTable, with_text: bool
+    track: RequestLogprobs, token_ids: list[int], table: TokenTable, with_text: bool
 ) -> orjson.Fragment:
     return _triple_rows(track, track.ids_logprobs, np.asarray(token_ids, dtype=I32), table, with_text)
 
 
-def _triple_rows(track: LogprobTrack, values: np.ndarray, ids: np.ndarray, table: TokenTable, with_text: bool):
+def _triple_rows(track: RequestLogprobs, values: np.ndarray, ids: np.ndarray, table: TokenTable, with_text: bool):
     """Rows of triples: `[[v,id,t],[v,id,t]]`; ids is [rows, k], or [k] for the same ids on every row."""
     rows, k = values.shape
     if not k:

@@ -1,0 +1,52 @@
+"""Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates and
+weight_version relabelling. They join the engine's inbox with new requests and aborts, so that the engine thread
+alone decides when each applies: always between two steps (engine.py says how)."""
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flatwire_wire.control import ControlReply, PauseMode
+
+ABORTING_PAUSES = (PauseMode.UNSPECIFIED, PauseMode.ABORT)
+
+
+@dataclass(kw_only=True)
+class Control:
+    """A command; `done` gets its ControlReply once the engine thread applied it (or refused it)."""
+
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(kw_only=True)
+class Pause(Control):
+    mode: PauseMode
+
+
+@dataclass(kw_only=True)
+class Continue(Control):
+    pass
+
+
+@dataclass(kw_only=True)
+class AbortAll(Control):
+    pass
+
+
+@dataclass(kw_only=True)
+class UpdateWeights(Control):
+    install: Callable[[], None]  # swaps the staged weights in (model/weights.py StagedWeights.install)
+    description: str
+    abort_all_requests: bool
+    weight_version: str | None  # None: the version stays
+    aborted_requests: int = 0
+
+
+@dataclass(kw_only=True)
+class SetWeightVersion(Control):
+    version: str
+    abort_all_requests: bool
+
+
+def stopped_reply() -> ControlReply:
+    return ControlReply(success=False, message="the scheduler is stopping: nothing was changed")

@@ -1,0 +1,346 @@
+"""Continuous batching: the engine thread.
+
+Each iteration takes new requests, aborts and control commands from the inbox, ends the
+aborted requests, lets the scheduling policy (scheduler.py) admit waiting ones, runs one
+step over every running request plus the admitted prompts, and publishes a StepMessage
+with what ships (requests that stream every step; the others every --output-interval
+tokens and when they end: request.py PendingOutput) and what started and finished.
+Requests join and leave between steps. The thread blocks while there is no work.
+
+Rollout control (RL trainers, control.py) goes through the same inbox, so that the engine
+thread alone decides when it takes effect, always between two steps:
+- pause: no step runs until continue; new requests wait. Mode abort first aborts every
+  request; in_place keeps the running ones with their KV; retract drops their KV and puts them
+  back at the head of the waiting list, to be prefilled again (prompt and output so far) on
+  continue: under whatever weights are in place by then.
+- a weight update waits until it is safe: while running requests finish on the old weights
+  nothing is admitted (abort_all_requests: they are aborted instead); while paused it applies
+  at once, and the requests kept in place continue on the new weights.
+- before weights or their version change, every running request's pending output ships,
+  labelled with the version that produced it (StepMessage.weight_version): no entry straddles
+  a change, so the gateway knows which weights made each token.
+
+Torch runs in this thread only; gRPC handlers talk to it through the inbox.
+"""
+
+import concurrent.futures
+import logging
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flatwire_wire.control import ControlReply, PauseMode
+from flatwire_wire.scheduler import AbortRequest, SchedulerStats
+from flatwire_wire.steps import Finish, FinishReason, StepMessage
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine.control import (
+    ABORTING_PAUSES,
+    AbortAll,
+    Continue,
+    Control,
+    Pause,
+    SetWeightVersion,
+    UpdateWeights,
+    stopped_reply,
+)
+from services.scheduler.engine.scheduler import Scheduler
+from services.scheduler.output.step_output import step_message
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.step import StepResult, StepRunner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for the weights the server started with
+
+
+class QueueFull(Exception):
+    """Submit past the waiting list's bound (--max-waiting-requests): RESOURCE_EXHAUSTED."""
+
+
+@dataclass
+class _Outgoing:
+    """What the engine's next StepMessage carries besides the step's own output."""
+
+    new: list[Request]  # to announce (started)
+    finished: list[Finish] = field(default_factory=list)
+    ended: list[Request] = field(default_factory=list)  # their pending output ships with their Finish
+
+    def end(self, request: Request, finish: Finish) -> None:
+        self.ended.append(request)
+        self.finished.append(finish)
+
+
+class Engine:
+    def __init__(self, runner: StepRunner, config: SchedulerConfig, publish: Callable[[StepMessage], None],
+                 wait_for_room: Callable[[], None] = lambda: None):
+        self.runner = runner
+        self.config = config
+        self.publish = publish
+        self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
+        self.scheduler = Scheduler(runner.cache, config.max_tokens_per_step)
+        self.stats = SchedulerStats(kv_slots_total=runner.cache.num_slots)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: set[str] = set()  # rids submitted and not yet finished
+        self._live_lock = threading.Lock()
+        # Requests held at once: one per KV slot running, plus the waiting list's bound.
+        self._live_limit = runner.cache.num_slots + config.waiting_limit
+        self._step = 0
+        self._finished_total = 0
+        self._aborted_total = 0
+        self.weight_version = DEFAULT_WEIGHT_VERSION  # written by the engine thread only
+        self._paused = False
+        self._held_updates: list[UpdateWeights] = []  # waiting for the running requests to finish
+        self._stopping = False
+        self.failure: BaseException | None = None  # what ended the engine thread, if not a stop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # -- called from other threads --------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._thread.join()
+
+    def submit(self, request: Request) -> bool:
+        """Queue a validated request; False when its rid is already live; QueueFull past the bound."""
+        with self._live_lock:
+            if request.rid in self._live:
+                return False
+            if len(self._live) >= self._live_limit:
+                raise QueueFull(f"this scheduler is full: {len(self._live)} requests are running or waiting "
+                                f"({self.runner.cache.num_slots} run at once, at most {self.config.waiting_limit} "
+                                f"wait: max_waiting_requests); retry later")
+            self._live.add(request.rid)
+        self._inbox.put(request)
+        return True
+
+    def abort(self, abort: AbortRequest) -> bool:
+        """Ask the engine to drop a request at its next step; False when the rid is unknown."""
+        with self._live_lock:
+            if abort.rid not in self._live:
+                return False
+        self._inbox.put(abort)
+        return True
+
+    def control(self, command: Control) -> concurrent.futures.Future:
+        """Queue a rollout-control command; the future gets its ControlReply once the engine thread applied it,
+        or a refusal when the engine stops first. The caller cannot cancel it: the engine alone settles it."""
+        command.done.set_running_or_notify_cancel()
+        if self._stopping or self.failure is not None:
+            command.done.set_result(stopped_reply())
+        else:
+            self._inbox.put(command)
+        return command.done
+
+    # -- engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: a scheduler without its engine must not look healthy
+            log.critical("the engine thread failed; stopping the scheduler so that it is restarted", exc_info=True)
+            self.failure = exc
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            self._refuse_pending_controls()
+
+    def _refuse_pending_controls(self) -> None:
+        """Answer the commands the engine will never apply (held updates, and those still in the inbox)."""
+        pending: list[Control] = [*self._held_updates]
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Control):
+                pending.append(item)
+        for command in pending:
+            if not command.done.done():
+                command.done.set_result(stopped_reply())
+        self._held_updates.clear()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            new, aborts, controls = self._drain_inbox(block=not self._has_work)
+            if not self._stopping:
+                self._iterate(new, aborts, controls)
+                if self.scheduler.running and not self._paused:
+                    self.wait_for_room()
+
+    @property
+    def _has_work(self) -> bool:
+        """A step to run, or a held weight update that may apply now."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        if self._held_updates and (self._paused or not running):
+            return True
+        return not self._paused and bool(running or (waiting and not self._held_updates))
+
+    def _iterate(self, new: list[Request], aborts: list[AbortRequest], controls: list[Control]) -> None:
+        """Aborts, control commands, admission, one model step, finishes; then one StepMessage if anything
+        happened."""
+        out = _Outgoing(new)
+        for abort in aborts:
+            if (request := self.scheduler.find(abort.rid)) is not None:  # None: it finished before the abort came
+                reason = abort.reason or FinishReason.ABORT
+                out.end(request, self._finish(request, reason, matched_stop=abort.matched_stop,
+                                              message="aborted" if reason is FinishReason.ABORT else ""))
+        for control in controls:
+            if (reply := self._control(control, out)) is not None:  # None: a weight update, answered once applied
+                control.done.set_result(reply)
+        self._apply_held_updates(out)
+        stepping = not self._paused
+        decode = list(self.scheduler.running) if stepping else []
+        # A held update waits for the running requests: none is admitted meanwhile.
+        prefill = self.scheduler.admit() if stepping and not self._held_updates else []
+        rows, result = decode + prefill, None
+        if rows:
+            try:
+                result = self.runner.step(decode, prefill)
+            except Exception as exc:  # keep serving: fail this step's requests, not the process
+                log.exception("step failed")
+                out.finished += [self._finish(r, FinishReason.ERROR, message=f"scheduler step failed: {exc}")
+                                 for r in rows]
+                rows, prefill = [], []
+            else:
+                for request, finish in self._advance(rows, result):
+                    out.end(request, finish)
+        # An ended request ships what it has left with its Finish (an aborted one too: the client gets
+        # the tokens it had); the others when an entry's worth is pending.
+        shipping = [r for r in out.ended if r.pending.count] + [
+            r for r in rows if r.status is RequestStatus.RUNNING and r.pending.due]
+        prompt_requests = [r for r in prefill if r.owes_prompt_logprobs]
+        if rows:
+            self._step += 1
+        self._update_stats()  # before publishing: a subscriber never sees stats older than the step
+        if out.new or shipping or out.finished or prompt_requests:
+            self.publish(step_message(self._step, out.new, shipping, result, prompt_requests, out.finished,
+                                      self.weight_version))
+            for request in prompt_requests:
+                request.prompt_logprobs_sent = True
+
+    def _drain_inbox(self, block: bool) -> tuple[list[Request], list[AbortRequest], list[Control]]:
+        new, aborts, controls = [], [], []
+        item = self._inbox.get() if block else None
+        while True:
+            if isinstance(item, Request):
+                new.append(item)
+                self.scheduler.add(item)
+            elif isinstance(item, AbortRequest):
+                aborts.append(item)
+            elif isinstance(item, Control):
+                controls.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return new, aborts, controls
+
+    # -- rollout control (engine thread) --------------------------------------------------------------
+
+    def _control(self, control: Control, out: _Outgoing) -> ControlReply | None:
+        match control:
+            case Pause(mode=mode):
+                aborted = self._abort_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
+                if mode is PauseMode.RETRACT:
+                    self.scheduler.retract_running()
+                self._paused = True
+                return self._reply("Generation paused.", aborted_requests=aborted)
+            case Continue():
+                self._paused = False
+                return self._reply("Generation continued.")
+            case AbortAll():
+                return self._reply("Aborted every request.", aborted_requests=self._abort_all(out, "aborted: all"))
+            case UpdateWeights():
+                if control.abort_all_requests:
+                    control.aborted_requests = self._abort_all(out, "aborted: weight update")
+                self._held_updates.append(control)
+                return None
+            case SetWeightVersion():
+                aborted = self._abort_all(out, "aborted: weight version update") if control.abort_all_requests else 0
+                self._set_version(control.version, out)
+                return self._reply(f"Weight version updated to {control.version}.", aborted_requests=aborted)
+        raise TypeError(f"unknown control command {control!r}")
+
+    def _reply(self, message: str, **fields) -> ControlReply:
+        return ControlReply(success=True, message=message, weight_version=self.weight_version, **fields)
+
+    def _abort_all(self, out: _Outgoing, message: str) -> int:
+        """End every running and waiting request with ABORT (and the output it has); how many."""
+        requests = self.scheduler.requests
+        for request in requests:
+            out.end(request, self._finish(request, FinishReason.ABORT, message=message))
+        return len(requests)
+
+    def _apply_held_updates(self, out: _Outgoing) -> None:
+        """Swap in the held weight updates once no request runs on the old weights, or while paused."""
+        if not self._held_updates or (self.scheduler.running and not self._paused):
+            return
+        self._ship(out)
+        for update in self._held_updates:
+            update.install()
+            if update.weight_version is not None:
+                self.weight_version = update.weight_version
+            log.info("weights updated: %s; weight_version %s", update.description, self.weight_version)
+            update.done.set_result(self._reply(
+                "Succeeded to update model weights.", num_paused_requests=len(self.scheduler.running),
+                aborted_requests=update.aborted_requests))
+        self._held_updates.clear()
+
+    def _set_version(self, version: str, out: _Outgoing) -> None:
+        if version != self.weight_version:
+            self._ship(out)
+            self.weight_version = version
+
+    def _ship(self, out: _Outgoing) -> None:
+        """Publish what `out` holds and every held request's pending output now, under the current version."""
+        shipping = [r for r in [*out.ended, *self.scheduler.requests] if r.pending.count]  # retracted ones too
+        if out.new or shipping or out.finished:
+            self.publish(step_message(self._step, out.new, shipping, None, [], out.finished, self.weight_version))
+        out.new, out.finished, out.ended = [], [], []
+
+    def _advance(self, rows: list[Request], result: StepResult) -> list[tuple[Request, Finish]]:
+        """Append each row's new token (to its output and its pending entry); finish the requests that are done."""
+        done = []
+        for row, (request, token) in enumerate(zip(rows, result.next_ids.tolist())):
+            if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
+                done.append((request, self._finish(request, FinishReason.LENGTH)))
+                continue
+            request.output_ids.append(token)
+            request.pending.add(token, result.output, row)
+            if token in request.stop_ids:
+                done.append((request, self._finish(request, FinishReason.STOP_TOKEN, matched_token=token)))
+            elif len(request.output_ids) >= request.max_new_tokens or request.length >= self.runner.max_context:
+                done.append((request, self._finish(request, FinishReason.LENGTH)))
+        return done
+
+    def _finish(self, request: Request, reason: FinishReason, matched_token: int = 0, matched_stop: str = "",
+                message: str = "") -> Finish:
+        self.scheduler.finish(request)
+        with self._live_lock:
+            self._live.discard(request.rid)
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            self._aborted_total += 1
+        else:
+            self._finished_total += 1
+        return Finish(rid=request.rid, reason=reason, matched_token=matched_token, matched_stop=matched_stop,
+                      message=message, output_tokens=len(request.output_ids))
+
+    def _update_stats(self) -> None:
+        # Swapped whole so that GetStats (another thread) reads a consistent snapshot.
+        running = self.scheduler.running
+        self.stats = SchedulerStats(
+            running=len(running),
+            waiting=len(self.scheduler.waiting),
+            kv_slots_used=self.runner.cache.used_slots,
+            kv_slots_total=self.runner.cache.num_slots,
+            kv_tokens_used=sum(r.length for r in running),
+            steps=self._step,
+            finished=self._finished_total,
+            aborted=self._aborted_total,
+        )

@@ -1,0 +1,127 @@
+"""Loads the model and runs one flattened forward per step.
+
+The model is any local Hugging Face causal LM whose attention goes through
+transformers' AttentionInterface (Llama, Qwen2/3, Mistral without sliding window,
+...). Its attention is switched to `model/attention.py`, and KV lives in
+our slot pool rather than a transformers Cache, so requests can join and leave
+between steps without padding.
+"""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from services.scheduler.model.attention import ATTENTION_NAME, FlatBatch
+from services.scheduler.model.batch_step import StepTokens, run_step
+from services.scheduler.model.kv_cache import SlotKVCache
+from services.scheduler.request import Request
+from services.scheduler.sampling.grammar import TokenMask
+from services.scheduler.sampling.logit_adjust import SlotPenalties
+from services.scheduler.step import StepResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 4096
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device, checkpoint_dtype) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision matmuls are slow and lossy on CPU
+    if isinstance(checkpoint_dtype, str):  # configs may store the name
+        checkpoint_dtype = DTYPES.get(checkpoint_dtype)
+    return checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else torch.float32
+
+
+def eos_token_ids(model) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, device: str, dtype: str, max_context: int, max_running: int,
+                 logits_chunk_rows: int = 256):
+        self.logits_chunk_rows = logits_chunk_rows
+        self.device = pick_device(device)
+        config = AutoConfig.from_pretrained(model_dir)
+        text_config = config.get_text_config()
+        layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"{model_dir}: only full-attention models are supported, not {sorted(layer_types)}")
+        self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
+        # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.vocab_size = int(text_config.vocab_size)
+        self.eos_token_ids = eos_token_ids(self.model)
+        model_max = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT))
+        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, model_max)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.cache = SlotKVCache(
+            num_layers=text_config.num_hidden_layers, num_slots=max_running,
+            num_kv_heads=text_config.num_key_value_heads, max_context=self.max_context,
+            head_dim=head_dim, dtype=self.dtype, device=self.device)
+        self.penalties = SlotPenalties(max_running, self.vocab_size, self.device)
+        self.token_mask = TokenMask(max_running, self.vocab_size, self.device)  # for structured output
+        log.info("loaded %s on %s (%s), vocab %d, max context %d, %d KV slots",
+                 model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
+                 self.max_context, max_running)
+
+    def _tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, step: StepTokens) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's tokens."""
+        num_decode = len(step.decode_lengths)
+        longest = int(step.decode_lengths.max(initial=0))
+        lengths = self._tensor(step.decode_lengths)
+        spans, first = [], num_decode
+        for length in step.prefill_lengths.tolist():
+            spans.append((first, length))
+            first += length
+        batch = FlatBatch(
+            cache=self.cache,
+            slots=self._tensor(step.slots),
+            positions=self._tensor(step.positions),
+            num_decode=num_decode,
+            decode_slots=self._tensor(step.slots[:num_decode]),
+            decode_mask=(torch.arange(longest, device=self.device) < lengths[:, None]).view(num_decode, 1, 1, longest),
+            prefill_spans=spans,
+        )
+        positions = batch.positions.unsqueeze(0)
+        out = self.decoder(
+            input_ids=self._tensor(step.input_ids).unsqueeze(0),
+            position_ids=positions,
+            # A mask mapping tells transformers the masks are handled (by our attention).
+            attention_mask={"full_attention": None, "sliding_attention": None},
+            use_cache=False,
+            flat_batch=batch,
+        )
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of the given hidden rows."""
+        return self.lm_head(hidden).float()
+
+    def step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
+        """One model step over running `decode` and admitted `prefill` requests (batch_step.run_step)."""
+        return run_step(self, decode, prefill, self.logits_chunk_rows)

@@ -1,0 +1,44 @@
+"""Builds a step's StepMessage: the entries of the requests that ship, and the step's prompt rows."""
+
+from flatwire_wire.logprobs import LogprobBlock, LogprobRows
+from flatwire_wire.steps import Finish, RequestStart, StepMessage
+
+from services.scheduler.request import Request
+from services.scheduler.step import StepResult
+
+NO_ROWS: LogprobRows = LogprobRows.allocate(0, 0, 0)  # the part of a request without logprobs in a block
+
+
+def started(request: Request) -> RequestStart:
+    return RequestStart(rid=request.rid, owner=request.owner, detokenize=request.detokenize,
+                        prompt_tokens=request.prompt_len)
+
+
+def step_message(step: int, new: list[Request], shipping: list[Request], result: StepResult | None,
+                 prompt_requests: list[Request], finished: list[Finish], weight_version: str) -> StepMessage:
+    """The message of one step; `shipping` requests' pending output becomes its entries (and is marked shipped),
+    every token of them produced by the weights labelled `weight_version`; `prompt_requests` (the prefills owing
+    prompt logprobs) get the result's prompt rows."""
+    output = None
+    if any(r.return_logprob for r in shipping):
+        output = LogprobBlock.of_rows([r.pending.shipped_rows() or NO_ROWS for r in shipping])
+    prompt = None
+    if prompt_requests:
+        assert result is not None and len(result.prompt) == len(prompt_requests), "the step computed their rows"
+        prompt = LogprobBlock.of_rows(result.prompt, [int(r.logprob_start_len == 0) for r in prompt_requests])
+    message = StepMessage(
+        step=step,
+        weight_version=weight_version,
+        started=[started(r) for r in new],
+        rids=[r.rid for r in shipping],
+        token_ids=[token for r in shipping for token in r.pending.token_ids],
+        positions=[r.pending.first_position for r in shipping],
+        counts=[r.pending.count for r in shipping],
+        output=output,
+        prompt_rids=[r.rid for r in prompt_requests],
+        prompt=prompt,
+        finished=finished,
+    )
+    for request in shipping:
+        request.pending.shipped()
+    return message

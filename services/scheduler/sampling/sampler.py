@@ -1,0 +1,120 @@
+"""Logprobs and sampling for a step's rows, all on the model's device.
+
+Logprobs are float32 log-softmax of the raw logits: the model's distribution before
+temperature, top-p, top-k or min-p (vLLM's default, `raw_logprobs`).
+
+Sampling draws argmax(p / E) with E ~ Exp(1) per vocabulary entry (the exponential
+race, equivalent to sampling from p; vLLM's sampler does the same). A seeded request
+draws E from its own generator, and every transform below is computed per row, so it
+samples the same tokens whatever else is in the batch. The race is also robust to
+the last-bit differences that batched kernels introduce, where an inverse-CDF draw
+over a flat distribution would flip between neighbouring tokens.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from flatwire_wire.logprobs import LogprobRows
+
+NUCLEUS_HEAD = 1024  # top-p looks at this many best tokens first
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling parameters of the step's non-greedy rows, as host lists: every decision
+    below (which rows, which transforms, how many candidates) is made without a device sync."""
+
+    rows: list[int]  # indices of rows with temperature > 0
+    temperature: list[float]
+    top_p: list[float]  # 1: off
+    top_k: list[int]  # 0: off
+    min_p: list[float]  # 0: off
+    generators: list[torch.Generator | None]  # per-request streams; None: the default generator
+
+
+def _put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """Next token per row of float32 logits [B, V]; rows not in params.rows are greedy."""
+    tokens = logits.argmax(dim=-1)
+    if not params.rows:
+        return tokens
+    rows = _put(params.rows, torch.long, logits.device)
+    temperature = _put(params.temperature, torch.float32, logits.device)
+    probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
+    probs = _keep_top_k(probs, params.top_k)
+    probs = _keep_top_p(probs, params.top_p)
+    if any(min_p > 0 for min_p in params.min_p):
+        floor = _put(params.min_p, torch.float32, probs.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    tokens[rows] = (probs / _exponential_noise(params.generators, probs)).argmax(dim=-1)
+    return tokens
+
+
+def _exponential_noise(generators: list[torch.Generator | None], like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws shaped like `like` [S, V]; row i from generators[i]."""
+    uniforms = torch.empty_like(like)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        uniforms[shared] = torch.rand(len(shared), like.shape[1], device=like.device, dtype=like.dtype)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[row].uniform_(generator=generator)
+    return uniforms.log_().neg_()  # -log(0) = inf only zeroes that entry's score
+
+
+def _threshold(rows: list[int], values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[S, 1] per-row floor: `values` on `rows`, 0 (keep everything) elsewhere."""
+    threshold = torch.zeros(like.shape[0], 1, dtype=like.dtype, device=like.device)
+    threshold[rows] = values
+    return threshold
+
+
+def _keep_top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    rows = [i for i, k in enumerate(top_k) if k > 0]
+    if not rows:
+        return probs
+    k = [min(top_k[i], probs.shape[-1]) for i in rows]
+    kth = probs[rows].topk(max(k), dim=-1).values.gather(1, _put(k, torch.long, probs.device).unsqueeze(1) - 1)
+    return probs.masked_fill(probs < _threshold(rows, kth, probs), 0.0)
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    rows = [i for i, p in enumerate(top_p) if p < 1]
+    if not rows:
+        return probs
+    candidates = probs[rows]
+    limit = _put([top_p[i] for i in rows], torch.float32, probs.device).unsqueeze(1) * candidates.sum(-1, keepdim=True)
+    # A real model's nucleus is usually small: sort only the head when it holds enough mass.
+    ordered = candidates.topk(min(NUCLEUS_HEAD, candidates.shape[-1]), dim=-1).values
+    if not bool((ordered.sum(dim=-1, keepdim=True) >= limit).all()):
+        ordered = candidates.sort(dim=-1, descending=True).values
+    mass_before = ordered.cumsum(dim=-1) - ordered
+    kept = (mass_before < limit).sum(dim=-1, keepdim=True).clamp_min(1)
+    return probs.masked_fill(probs < _threshold(rows, ordered.gather(1, kept - 1), probs), 0.0)
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor
+                 ) -> LogprobRows[torch.Tensor]:
+    """Logprob of `tokens` [R], top-k, and logprobs of `ids` [R, n] under float32 logits [R, V]."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.new_empty(len(tokens), 0))
+    return LogprobRows(
+        token_logprobs=logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1),
+        topk_values=values,
+        topk_ids=top_ids,
+        ids_logprobs=logprobs.gather(1, ids),
+    )
+
+
+def chunked_logprob_rows(hidden: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor,
+                         to_logits: Callable[[torch.Tensor], torch.Tensor], chunk_rows: int
+                         ) -> LogprobRows[torch.Tensor]:
+    """logprob_rows over many positions, `chunk_rows` at a time, so [rows, vocab] never exists at once."""
+    parts = [logprob_rows(to_logits(hidden[first:first + chunk_rows]), tokens[first:first + chunk_rows], k,
+                          ids.expand(min(chunk_rows, len(tokens) - first), -1))
+             for first in range(0, max(len(tokens), 1), chunk_rows)]  # one (empty) part when no rows
+    return LogprobRows(*(torch.cat(field) for field in zip(*(p.arrays for p in parts))))

@@ -1,0 +1,139 @@
+"""The scheduler's edge for new requests: a submitted TokenizedRequest checked whole and turned into a Request.
+
+Every refusal names the offending field (InvalidTokenizedRequest.field, in the internal API's names; the
+gateway renames it to the client's), and the server answers it with INVALID_ARGUMENT.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import xgrammar as xgr
+from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
+
+from services.scheduler.request import PendingOutput, Request
+from services.scheduler.sampling.grammar import Grammars, InvalidGrammar
+from services.scheduler.sampling.logit_adjust import LogitAdjustment
+
+# A temperature below this samples greedily (SGLang's _SAMPLING_EPS): logits / 1e-45 are inf or nan,
+# and the softmax of those picks token 0 instead of the most likely one.
+GREEDY_BELOW_TEMPERATURE = 1e-6
+# Bounds the tokens (and logprob rows) a request holds back between two entries.
+MAX_STREAM_INTERVAL = 1024
+DEFAULT_MAX_NEW_TOKENS = 128  # the public APIs' default (SGLang's); the gateway always sets it
+
+
+class InvalidTokenizedRequest(ValueError):
+    """A TokenizedRequest the scheduler refuses: `field` names the offending field, and the message starts
+    with it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int
+    max_top_logprobs: int
+    eos_token_ids: tuple[int, ...]
+    output_interval: int  # tokens per entry of a request that does not stream (--output-interval)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidTokenizedRequest(name, message)
+
+
+def _check_ids(ids, name: str, vocab_size: int) -> None:
+    array = np.asarray(ids, dtype=np.int64)
+    _check(bool((array >= 0).all() and (array < vocab_size).all()), name, f"token ids must be in [0, {vocab_size})")
+
+
+def parse_request(msg: TokenizedRequest, limits: Limits, grammars: Grammars | None = None) -> Request:
+    """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field. A constrained
+    request's grammar is compiled by `grammars` (blocking: see Grammars.compile); without them it is refused."""
+    sampling, logprob = msg.sampling, msg.logprob
+    _check(bool(msg.rid), "rid", "must not be empty")
+    input_ids = np.array(msg.input_ids, dtype=np.int64)
+    _check(len(input_ids) > 0, "input_ids", "must not be empty")
+    _check_ids(input_ids, "input_ids", limits.vocab_size)
+    _check(len(input_ids) < limits.max_context, "input_ids",
+           f"{len(input_ids)} tokens leave no room to generate within max_context {limits.max_context}")
+    _check(msg.stream_interval <= MAX_STREAM_INTERVAL, "stream_interval", f"must be at most {MAX_STREAM_INTERVAL}")
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS if sampling.max_new_tokens is None else sampling.max_new_tokens
+    temperature = 1.0 if sampling.temperature is None else sampling.temperature
+    _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be a finite number >= 0")
+    if temperature < GREEDY_BELOW_TEMPERATURE:  # as SGLang: dividing the logits by it would overflow
+        temperature = 0.0
+    top_p = 1.0 if sampling.top_p is None else sampling.top_p
+    _check(0 < top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+    min_p = 0.0 if sampling.min_p is None else sampling.min_p
+    _check(0 <= min_p <= 1, "sampling.min_p", "must be in [0, 1]")
+    _check_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits.vocab_size)
+    for name in ("frequency_penalty", "presence_penalty"):
+        _check(math.isfinite(getattr(sampling, name)), f"sampling.{name}", "must be a finite number")
+    repetition_penalty = 1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty
+    _check(0 < repetition_penalty < math.inf, "sampling.repetition_penalty", "must be a finite number > 0")
+    _check(sampling.min_new_tokens <= max_new_tokens, "sampling.min_new_tokens", "must not exceed max_new_tokens")
+    _check_ids(list(sampling.logit_bias), "sampling.logit_bias", limits.vocab_size)
+    _check(all(map(math.isfinite, sampling.logit_bias.values())), "sampling.logit_bias", "biases must be finite")
+
+    wants = logprob.return_logprob
+    _check(logprob.top_logprobs_num <= limits.max_top_logprobs, "logprob.top_logprobs_num",
+           f"{logprob.top_logprobs_num} exceeds the maximum {limits.max_top_logprobs}")
+    _check(-1 <= logprob.logprob_start_len < len(msg.input_ids), "logprob.logprob_start_len",
+           "must be -1 (no prompt logprobs) or a prompt position")
+    _check_ids(logprob.token_ids_logprob, "logprob.token_ids_logprob", limits.vocab_size)
+
+    eos = () if sampling.ignore_eos else limits.eos_token_ids
+    stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
+    grammar = _grammar(sampling, stop_ids, grammars)
+    # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
+    interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
+    interval = max(1, min(interval, max_new_tokens))
+    top_k = logprob.top_logprobs_num if wants else 0
+    ids = list(logprob.token_ids_logprob) if wants else []
+    return Request(
+        rid=msg.rid,
+        owner=msg.owner,
+        input_ids=input_ids,
+        detokenize=msg.detokenize,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(sampling.top_k, 0) if sampling.top_k is not None else 0,
+        min_p=min_p,
+        stop_ids=stop_ids,
+        return_logprob=wants,
+        top_logprobs_num=top_k,
+        logprob_start_len=logprob.logprob_start_len if wants else -1,
+        token_ids_logprob=ids,
+        seed=sampling.seed,
+        adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
+                                      sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
+        grammar=grammar,
+        pending=PendingOutput(interval, LogprobRows.allocate(interval, top_k, len(ids)) if wants else None),
+    )
+
+
+def _grammar(sampling: SamplingParams, stop_ids: frozenset[int],
+             grammars: Grammars | None) -> xgr.GrammarMatcher | None:
+    """The request's grammar matcher, if it has a constraint (SamplingParams.constraint)."""
+    if sampling.constraint is None:
+        return None
+    kind, text = sampling.constraint
+    # The grammar decides where the output ends: with a stop token, once it is complete.
+    why = f"cannot be combined with a {kind} constraint: the output ends with eos once it matches"
+    _check(not sampling.ignore_eos, "sampling.ignore_eos", why)
+    _check(sampling.min_new_tokens == 0, "sampling.min_new_tokens", why)
+    _check(bool(stop_ids), "sampling.stop_token_ids",
+           f"the model has no eos token: a {kind} constraint needs stop_token_ids to end the output with")
+    if grammars is None:
+        raise InvalidTokenizedRequest(f"sampling.{kind}", "this scheduler compiles no grammars")
+    try:
+        return grammars.matcher(kind, text, stop_ids)
+    except InvalidGrammar as exc:
+        raise InvalidTokenizedRequest(f"sampling.{kind}", str(exc)) from None

@@ -1,0 +1,81 @@
+"""Twins that the public API (generate.proto) and the internal one (scheduler.proto) share: rollout control for
+RL trainers, which the public API takes and the gateway forwards to every scheduler replica, and the messages
+without fields. Public and internal messages have the same fields today, so one twin serves both; the twin check
+fails the day they differ."""
+
+import enum
+from dataclasses import dataclass
+
+from flatwire_wire.codec import twin
+from flatwire_wire.pb import generate_pb2, scheduler_pb2
+
+
+class PauseMode(enum.IntEnum):
+    UNSPECIFIED = 0  # ABORT, SGLang's default
+    ABORT = 1  # abort every running and waiting request, then pause
+    IN_PLACE = 2  # keep running requests and their KV cache; no step runs until continue
+    RETRACT = 3  # running requests drop their KV and wait; on continue each is prefilled again
+
+
+@twin(scheduler_pb2.SubmitReply, scheduler_pb2.AbortReply, scheduler_pb2.StreamStepsRequest,
+      scheduler_pb2.ModelInfoRequest, scheduler_pb2.StatsRequest, generate_pb2.ModelInfoRequest)
+@dataclass
+class Empty:
+    """The twin of the messages without fields."""
+
+
+EMPTY = Empty()
+
+
+@twin(scheduler_pb2.UpdateWeightsFromDiskRequest, generate_pb2.UpdateWeightsFromDiskRequest)
+@dataclass
+class UpdateWeightsFromDiskRequest:
+    model_path: str
+    load_format: str = ""  # "", "auto" or "safetensors"
+    abort_all_requests: bool = False
+    weight_version: str | None = None  # set on success; None: the version stays
+
+
+@twin(scheduler_pb2.WeightsChunk, generate_pb2.WeightsChunk)
+@dataclass
+class WeightsChunk:
+    safetensors: bytes
+    abort_all_requests: bool = False  # read from the first chunk
+    weight_version: str | None = None
+
+
+@twin(scheduler_pb2.PauseGenerationRequest, generate_pb2.PauseGenerationRequest)
+@dataclass
+class PauseGenerationRequest:
+    mode: PauseMode = PauseMode.UNSPECIFIED
+
+
+@twin(scheduler_pb2.ContinueGenerationRequest, generate_pb2.ContinueGenerationRequest)
+@dataclass
+class ContinueGenerationRequest:
+    pass
+
+
+@twin(scheduler_pb2.AbortAllRequest, generate_pb2.AbortAllRequest)
+@dataclass
+class AbortAllRequest:
+    pass
+
+
+@twin(scheduler_pb2.UpdateWeightVersionRequest, generate_pb2.UpdateWeightVersionRequest)
+@dataclass
+class UpdateWeightVersionRequest:
+    new_version: str
+    abort_all_requests: bool | None = None  # None: true (SGLang's default)
+
+
+@twin(scheduler_pb2.ControlReply, generate_pb2.ReplicaReply)
+@dataclass
+class ControlReply:
+    """What a control call did on one scheduler replica (SGLang's {success, message})."""
+
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0  # weight updates: running requests kept paused in place across it
+    weight_version: str = ""  # in force after the call
+    aborted_requests: int = 0

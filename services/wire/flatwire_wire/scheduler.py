@@ -1,0 +1,179 @@
+"""The scheduler's internal API (flatwire/internal/v1/scheduler.proto): what gateways submit, what the scheduler
+reports, and the typed client of its service. scheduler.proto documents each field."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from flatwire_wire.codec import twin
+from flatwire_wire.control import (
+    EMPTY,
+    AbortAllRequest,
+    ContinueGenerationRequest,
+    ControlReply,
+    Empty,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+    WeightsChunk,
+)
+from flatwire_wire.pb import arrays_pb2, scheduler_pb2
+from flatwire_wire.rpc import ServiceSpec, messages_of
+from flatwire_wire.steps import DetokenizeParams, FinishReason, StepMessage
+
+
+@twin(scheduler_pb2.SamplingParams)
+@dataclass
+class SamplingParams:
+    max_new_tokens: int | None = None  # None: 128
+    temperature: float | None = None  # None: 1.0; 0: greedy
+    top_p: float | None = None  # None: 1.0
+    top_k: int | None = None  # None or <= 0: no limit
+    min_p: float | None = None  # None: 0.0
+    seed: int | None = None  # None: not reproducible
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None: 1 (off)
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: at most one (the proto's oneof `constraint`).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, if any."""
+        return next(((kind, text) for kind in ("json_schema", "regex", "ebnf")
+                     if (text := getattr(self, kind)) is not None), None)
+
+
+@twin(scheduler_pb2.LogprobParams)
+@dataclass
+class LogprobParams:
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = 0  # first prompt position with logprobs; -1: none (0, the proto's default: all)
+    token_ids_logprob: list[int] = field(default_factory=list)
+
+
+@twin(scheduler_pb2.TokenizedRequest)
+@dataclass
+class TokenizedRequest:
+    """A request for the scheduler: tokens, options, and `owner`, the gateway its outputs are routed to."""
+
+    rid: str = ""
+    owner: str = ""
+    input_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprob: LogprobParams = field(default_factory=LogprobParams)
+    detokenize: DetokenizeParams = field(default_factory=DetokenizeParams)
+    stream_interval: int = 0  # output tokens per entry; 0: the scheduler's --output-interval
+
+
+@twin(scheduler_pb2.AbortRequest)
+@dataclass
+class AbortRequest:
+    rid: str
+    reason: FinishReason = FinishReason.UNSPECIFIED  # UNSPECIFIED: ABORT; or STOP_STRING (the detokenizer's)
+    matched_stop: str = ""
+
+
+@twin(scheduler_pb2.ModelInfo)
+@dataclass
+class ModelInfo:
+    model: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+    max_top_logprobs: int
+    device: str
+    dtype: str
+    max_running_requests: int
+    instance_id: str  # new each time the scheduler process starts
+    weight_version: str = ""
+
+
+@twin(scheduler_pb2.SchedulerStats)
+@dataclass
+class SchedulerStats:
+    running: int = 0
+    waiting: int = 0
+    kv_slots_used: int = 0
+    kv_slots_total: int = 0
+    kv_tokens_used: int = 0
+    steps: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+SCHEDULER = ServiceSpec(
+    scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"], messages_of(scheduler_pb2, arrays_pb2),
+    twins={"Submit": (TokenizedRequest, Empty), "Abort": (AbortRequest, Empty), "StreamSteps": (Empty, StepMessage),
+           "GetModelInfo": (Empty, ModelInfo), "GetStats": (Empty, SchedulerStats),
+           "UpdateWeightsFromDisk": (UpdateWeightsFromDiskRequest, ControlReply),
+           "PushWeights": (WeightsChunk, ControlReply), "PauseGeneration": (PauseGenerationRequest, ControlReply),
+           "ContinueGeneration": (ContinueGenerationRequest, ControlReply),
+           "AbortAll": (AbortAllRequest, ControlReply),
+           "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply)})
+
+
+class SchedulerServicer(Protocol):
+    """What a scheduler implements (SCHEDULER.add_to(server, it)); `context` is gRPC's."""
+
+    async def submit(self, request: TokenizedRequest, context: Any) -> Empty: ...
+    async def abort(self, request: AbortRequest, context: Any) -> Empty: ...
+    def stream_steps(self, request: Empty, context: Any) -> AsyncIterator[StepMessage]: ...
+    async def get_model_info(self, request: Empty, context: Any) -> ModelInfo: ...
+    async def get_stats(self, request: Empty, context: Any) -> SchedulerStats: ...
+    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context: Any) -> ControlReply: ...
+    async def push_weights(self, chunks: AsyncIterator[WeightsChunk], context: Any) -> ControlReply: ...
+    async def pause_generation(self, request: PauseGenerationRequest, context: Any) -> ControlReply: ...
+    async def continue_generation(self, request: ContinueGenerationRequest, context: Any) -> ControlReply: ...
+    async def abort_all(self, request: AbortAllRequest, context: Any) -> ControlReply: ...
+    async def update_weight_version(self, request: UpdateWeightVersionRequest, context: Any) -> ControlReply: ...
+
+
+class SchedulerClient:
+    """A scheduler's service over an asyncio channel, in twins."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._calls = SCHEDULER.calls(channel)
+
+    async def submit(self, request: TokenizedRequest, timeout: float | None = None) -> None:
+        await self._calls["Submit"](request, timeout=timeout)
+
+    async def abort(self, request: AbortRequest, timeout: float | None = None) -> None:
+        await self._calls["Abort"](request, timeout=timeout)
+
+    def stream_steps(self) -> Any:
+        """The step stream: a grpc.aio call whose iteration yields StepMessages."""
+        return self._calls["StreamSteps"](EMPTY)
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return await self._calls["GetModelInfo"](EMPTY, timeout=timeout)
+
+    async def stats(self, timeout: float | None = None) -> SchedulerStats:
+        return await self._calls["GetStats"](EMPTY, timeout=timeout)
+
+    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> ControlReply:
+        return await self._calls["UpdateWeightsFromDisk"](request)
+
+    async def push_weights(self, chunks: AsyncIterator[WeightsChunk]) -> ControlReply:
+        return await self._calls["PushWeights"](chunks)
+
+    async def pause_generation(self, request: PauseGenerationRequest) -> ControlReply:
+        return await self._calls["PauseGeneration"](request)
+
+    async def continue_generation(self, request: ContinueGenerationRequest) -> ControlReply:
+        return await self._calls["ContinueGeneration"](request)
+
+    async def abort_all(self, request: AbortAllRequest) -> ControlReply:
+        return await self._calls["AbortAll"](request)
+
+    async def update_weight_version(self, request: UpdateWeightVersionRequest) -> ControlReply:
+        return await self._calls["UpdateWeightVersion"](request)
