@@ -9,8 +9,8 @@ the services' own code in process, without sockets:
 - detokenize: the detokenizer's work per message: StepOutput.FromString,
   DetokenizerManager.process (incremental decode, stop strings), Router.publish (the
   owner's slice) and SerializeToString of what goes to the gateway.
-- accumulate: the gateway's PipelineClient._dispatch of every message, the chunks a request's
-  generator takes (PipelineClient._take_chunk: one per message when streaming, else one at the
+- accumulate: the gateway's EngineClient._dispatch of every message, the chunks a request's
+  generator takes (EngineClient._take_chunk: one per message when streaming, else one at the
   end), and _finish.
 - build / serialize: the response in each client format from the finished
   RequestResult (the renderers the HTTP and gRPC routes call), then orjson /
@@ -56,8 +56,8 @@ from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.gateway.accumulator import Accumulator
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import Chunk, EngineClient, GenerateInput, GenerationState
 from services.gateway.http.meta_info import base_meta_info
-from services.gateway.pipeline import Chunk, GenerateInput, GenerationState, PipelineClient
 from services.gateway.render import LogprobFormat, chat_logprobs, dumps, logprob_meta_info
 from services.gateway.render.packed import packed_response
 from services.gateway.result import RequestResult
@@ -152,7 +152,7 @@ def detokenize(tokenizer, workload: Workload) -> list[bytes]:
     return sent
 
 
-def accumulate(pipeline: PipelineClient, workload: Workload, received: list[bytes]) -> list[RequestResult]:
+def accumulate(engine: EngineClient, workload: Workload, received: list[bytes]) -> list[RequestResult]:
     """The gateway's receiving side: dispatch every message and take the chunks a request's generator would
     (streaming: one per message; otherwise one, the whole output, at the end)."""
     stream = workload.interval == 1
@@ -161,12 +161,12 @@ def accumulate(pipeline: PipelineClient, workload: Workload, received: list[byte
                         detokenize=DetokenizeParams(), stream=stream)
     states = [GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
                            outputs=Accumulator(inp.logprob, workload.tokens)) for rid in workload.rids]
-    pipeline._requests = {state.rid: state for state in states}
+    engine._requests = {state.rid: state for state in states}
     for n, data in enumerate(received, 1):
-        pipeline._dispatch(decode_step(data))
+        engine._dispatch(decode_step(data))
         if stream or n == len(received):
             for state in states:
-                pipeline._take_chunk(state)
+                engine._take_chunk(state)
     return [state.result for state in states]
 
 
@@ -293,7 +293,7 @@ def run(repeats: int) -> dict:
     model_dir = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     table = TokenTable.from_model_dir(model_dir)
-    pipeline = PipelineClient(GatewayConfig(owner_id=OWNER), tokenizer)
+    engine = EngineClient(GatewayConfig(owner_id=OWNER), tokenizer)
     fmts = formats(table)
     progress = Progress(len(SHAPES) + repeats + 2, "replay")
     progress.step(f"tokenizer and gateway loaded in {time.perf_counter() - started:.1f} s")
@@ -306,16 +306,16 @@ def run(repeats: int) -> dict:
         for batch in BATCHES:
             workload = scheduler_steps(ids, k, batch, table.size)
             received = detokenize(tokenizer, workload)
-            results = accumulate(pipeline, workload, received)
+            results = accumulate(engine, workload, received)
             shape["workloads"][batch] = (workload, received)
             timer.add((tokens, k, batch, "detokenize"), lambda w=workload: detokenize(tokenizer, w))
-            timer.add((tokens, k, batch, "accumulate"), lambda w=workload, r=received: accumulate(pipeline, w, r))
+            timer.add((tokens, k, batch, "accumulate"), lambda w=workload, r=received: accumulate(engine, w, r))
             if (tokens, k) == STREAMED_SHAPE:
                 streamed = scheduler_steps(ids, k, batch, table.size, interval=1)
                 streamed_received = detokenize(tokenizer, streamed)
                 timer.add((tokens, k, batch, "detokenize streamed"), lambda w=streamed: detokenize(tokenizer, w))
                 timer.add((tokens, k, batch, "accumulate streamed"),
-                          lambda w=streamed, r=streamed_received: accumulate(pipeline, w, r))
+                          lambda w=streamed, r=streamed_received: accumulate(engine, w, r))
             if batch == 1:
                 shape["results"] = results
         result = shape["results"][0]
@@ -495,7 +495,7 @@ def profile_target(stage: str, seconds: float) -> None:
     """Run one stage at 1000 x 128, B=32, for `seconds`: a target for a sampling profiler."""
     model_dir = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pipeline = PipelineClient(GatewayConfig(owner_id=OWNER), tokenizer)
+    engine = EngineClient(GatewayConfig(owner_id=OWNER), tokenizer)
     workload = scheduler_steps(paragraph_ids(tokenizer, 1000), 128, 32, len(tokenizer))
     received = detokenize(tokenizer, workload)
     end = time.perf_counter() + seconds
@@ -503,7 +503,7 @@ def profile_target(stage: str, seconds: float) -> None:
         if stage == "detokenize":
             detokenize(tokenizer, workload)
         else:
-            accumulate(pipeline, workload, received)
+            accumulate(engine, workload, received)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,7 @@ from services.scheduler.model.runner import ModelRunner
 from services.scheduler.request import Request
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.sampling.logit_adjust import AdjustedRow, adjust_logits
-from services.scheduler.submit import Limits, parse_request
+from services.scheduler.submit import SubmitLimits, parse_request
 
 PROMPT_TOKENS = 64
 GRAMMAR = "root ::= [a-z ]+ root"  # no end: the matcher never completes
@@ -40,7 +40,7 @@ CASES = {
 
 def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields: dict) -> list[Request]:
     """`batch` requests with these SamplingParams fields, past their prefill, each holding a KV slot."""
-    limits = Limits(runner.vocab_size, runner.max_context, 0, tuple(runner.eos_token_ids), 1)
+    limits = SubmitLimits(runner.vocab_size, runner.max_context, 0, tuple(runner.eos_token_ids), 1)
     rng = np.random.default_rng(0)
     requests = []
     for i in range(batch):

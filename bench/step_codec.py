@@ -27,7 +27,7 @@ from services.scheduler.model.runner import ModelRunner
 from services.scheduler.output.step_output import step_message
 from services.scheduler.request import Request
 from services.scheduler.step import StepResult
-from services.scheduler.submit import Limits, parse_request
+from services.scheduler.submit import SubmitLimits, parse_request
 
 VOCAB = 248077
 
@@ -40,7 +40,7 @@ def make_request(i: int, prompt_len: int, k: int, temperature: float = 0.0, seed
     message = TokenizedRequest(
         rid=f"req-{i:04d}", owner="bench", input_ids=rng.integers(0, 240_000, prompt_len).tolist(), sampling=sampling,
         logprob=LogprobParams(return_logprob=k > 0, top_logprobs_num=k, logprob_start_len=-1))
-    return parse_request(message, Limits(VOCAB, 1 << 20, max(k, 1), (), output_interval=1))
+    return parse_request(message, SubmitLimits(VOCAB, 1 << 20, max(k, 1), (), output_interval=1))
 
 
 def codec(batch: int, k: int) -> dict:

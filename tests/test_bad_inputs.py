@@ -14,7 +14,7 @@ from flatwire_wire.rpc import ServiceSpec
 from flatwire_wire.scheduler import SCHEDULER, TokenizedRequest
 
 from services.common.rpc import FIELD_METADATA
-from services.gateway.pipeline import PipelineClient, RequestError
+from services.gateway.engine_client import EngineClient, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field
 from services.gateway.protocol.sglang import GenerateRequest
@@ -175,7 +175,7 @@ def test_scheduler_refusals_are_renamed(detail, fields, expected):
             field = grpc.aio.Metadata((FIELD_METADATA, detail.split(":", 1)[0]))  # as the scheduler sends it
             raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), field, details=detail)
 
-    pipeline = PipelineClient.__new__(PipelineClient)
+    pipeline = EngineClient.__new__(EngineClient)
     pipeline.schedulers = Refusing()
     with pytest.raises(RequestError) as caught:
         asyncio.run(pipeline._submit(TokenizedRequest(rid="", owner=""), fields))

@@ -12,9 +12,9 @@ import pytest
 from flatwire_wire.steps import FinishReason
 
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import Chunk, GenerateInput, RequestError
 from services.gateway.http import streams
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import Chunk, GenerateInput, RequestError
 from services.gateway.result import RequestResult
 
 MAX_BATCH_SIZE = GatewayConfig().max_batch_size

@@ -37,7 +37,7 @@ from services.common.auth import SECRET_METADATA
 from services.common.config import env_name, parse_config
 from services.common.rpc import check_health
 from services.detokenizer.config import DetokenizerConfig
-from services.gateway import schedulers
+from services.gateway import detokenizers
 from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
 from tests.procs import ROOT, ServiceProcess, free_port
@@ -287,26 +287,27 @@ def test_gateway_follows_the_detokenizers_a_name_resolves_to(monkeypatch):
     async def resolve(entry: str) -> list[str]:
         return list(answers[entry])
 
-    monkeypatch.setattr(schedulers, "resolve", resolve)
-    events: list[tuple[str, bool]] = []
-    config = GatewayConfig(schedulers=[], detokenizers=[name], health_interval_s=0.01)
+    monkeypatch.setattr(detokenizers, "resolve", resolve)
+    config = GatewayConfig(schedulers=[], detokenizers=[name])
 
     async def scenario() -> None:
-        pool = schedulers.SchedulerPool(config, on_replica_lost=lambda *_: None, delivering=lambda _: False,
-                                        follow_detokenizer=lambda address, follow: events.append((address, follow)))
-        await pool.start()
-        assert sorted(pool.detokenizers()) == ["127.0.0.2:1", "127.0.0.3:1"]
+        streams = detokenizers.DetokenizerStreams(config, "gw-test", on_step=lambda _: None,
+                                                  on_step_failed=lambda _: None, on_cut=lambda _: None,
+                                                  on_connected=lambda: None)
+        await streams.refresh()
+        assert sorted(streams.addresses) == ["127.0.0.2:1", "127.0.0.3:1"]
+        first = dict(streams._streams)
         answers[name] = ["127.0.0.3:1", "127.0.0.4:1"]  # a pod replaced by another
-        while sorted(pool.detokenizers()) != ["127.0.0.3:1", "127.0.0.4:1"]:
-            await asyncio.sleep(0.01)
+        await streams.refresh()
+        assert sorted(streams.addresses) == ["127.0.0.3:1", "127.0.0.4:1"]
+        assert first["127.0.0.2:1"].cancelled() or first["127.0.0.2:1"].cancelling()
+        assert streams._streams["127.0.0.3:1"] is first["127.0.0.3:1"]  # the stream it had goes on
         answers[name] = []  # a DNS hiccup
-        await asyncio.sleep(0.1)
-        assert sorted(pool.detokenizers()) == ["127.0.0.3:1", "127.0.0.4:1"]
-        await pool.stop()
+        await streams.refresh()
+        assert sorted(streams.addresses) == ["127.0.0.3:1", "127.0.0.4:1"]
+        await streams.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
-    assert sorted(events) == [("127.0.0.2:1", False), ("127.0.0.2:1", True), ("127.0.0.3:1", True),
-                              ("127.0.0.4:1", True)]
 
 
 # -- the rendered pods as local processes ---------------------------------------------------------------------

@@ -168,7 +168,7 @@ class _StalledEngine:
         self.fail = fail
 
     async def generate(self, inp):
-        from services.gateway.pipeline import RequestError
+        from services.gateway.engine_client import RequestError
 
         assert inp.input_ids == [0] and inp.sampling.max_new_tokens == 1
         if self.fail:
@@ -183,7 +183,7 @@ def test_health_generate_is_503_when_no_token_comes(monkeypatch, fail):
 
     monkeypatch.setattr(native, "HEALTH_GENERATE_TIMEOUT_S", 0.2)
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(
-        gateway=SimpleNamespace(pipeline=_StalledEngine(fail)))))
+        gateway=SimpleNamespace(engine=_StalledEngine(fail)))))
     response = asyncio.run(native.health_generate(request))
     assert response.status_code == 503
     assert ("scheduler down" if fail else "no token") in orjson.loads(response.body)["error"]["message"]

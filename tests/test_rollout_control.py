@@ -31,7 +31,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.synthetic import SyntheticRunner
-from services.scheduler.submit import Limits, parse_request
+from services.scheduler.submit import SubmitLimits, parse_request
 from tests.procs import ServiceProcess, free_port
 
 ADMIN_KEY = f"admin-{secrets.token_hex(8)}"
@@ -61,7 +61,7 @@ class Harness:
     def __init__(self, runner: SyntheticRunner):
         self.published: list[StepMessage] = []
         self.engine = Engine(runner, SchedulerConfig(max_running_requests=4), publish=self.published.append)
-        self.limits = Limits(runner.vocab_size, runner.max_context, 8, tuple(runner.eos_token_ids), 50)
+        self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 8, tuple(runner.eos_token_ids), 50)
 
     def iterate(self) -> None:
         self.engine._iterate(*self.engine._drain_inbox(block=False))

@@ -1,4 +1,4 @@
-"""Limits of continuous batching, on a small scheduler: 2 slots, a 16-token prefill
+"""SubmitLimits of continuous batching, on a small scheduler: 2 slots, a 16-token prefill
 budget, a 64-token context, prompt logits 7 rows at a time."""
 
 import time
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.runner import ModelRunner
-from services.scheduler.submit import Limits, parse_request
+from services.scheduler.submit import SubmitLimits, parse_request
 from tests.scheduler_client import SchedulerClient
 
 SLOTS, BUDGET, CONTEXT, CHUNK = 2, 16, 64, 7
@@ -59,7 +59,7 @@ def test_admission_policy(model_dir):
     first served within the prefill budget; a prompt over the budget goes alone; slots cap."""
     runner = ModelRunner(model_dir, "cpu", "auto", CONTEXT, 3)
     engine = Engine(runner, SchedulerConfig(max_running_requests=3, max_tokens_per_step=BUDGET), publish=print)
-    limits = Limits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), output_interval=50)
+    limits = SubmitLimits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), output_interval=50)
     for i, n in enumerate([4, 10, 12, 30, 3]):
         engine.submit(parse_request(TokenizedRequest(
             rid=f"r{i}", input_ids=prompt(i, n), sampling=greedy(3)), limits))

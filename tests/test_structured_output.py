@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.sampling.grammar import Grammars, TokenMask
-from services.scheduler.submit import InvalidTokenizedRequest, Limits, parse_request
+from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}
@@ -79,8 +79,8 @@ def test_a_complete_output_allows_only_the_stop_tokens(grammars, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def limits(tokenizer) -> Limits:
-    return Limits(len(tokenizer), 4096, 20, (STOP,), 50)
+def limits(tokenizer) -> SubmitLimits:
+    return SubmitLimits(len(tokenizer), 4096, 20, (STOP,), 50)
 
 
 def tokenized(**sampling) -> TokenizedRequest:
@@ -113,7 +113,7 @@ def test_logprobs_stay_raw(model_dir, grammars):
     """A constrained and an unconstrained request on the same prompt, in one step: the same raw top-k, and the
     constrained one samples a token its grammar allows where the other takes the raw argmax."""
     runner = ModelRunner(model_dir, "cpu", "auto", 256, 2)
-    limits = Limits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 50)
+    limits = SubmitLimits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 50)
     requests = []
     for sampling in (dict(regex="[0-9]+"), {}):
         request = parse_request(TokenizedRequest(

@@ -64,8 +64,8 @@ class DetokenizerService:
             self.router.unsubscribe(request.owner, queue)
 
 
-class Pipeline:
-    """Steps in, per-owner outputs and stop-string aborts out."""
+class Relay:
+    """Steps in from every scheduler replica, each owner's outputs and stop-string aborts out."""
 
     def __init__(self, manager: DetokenizerManager, router: Router, config: DetokenizerConfig):
         self.manager = manager
@@ -164,7 +164,7 @@ async def serve(config: DetokenizerConfig) -> None:
     resolve_internal_secret(config, log)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
     router = Router(adopt_for_s=config.owner_grace_s)
-    pipeline = Pipeline(DetokenizerManager(tokenizer), router, config)
+    relay = Relay(DetokenizerManager(tokenizer), router, config)
 
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)
@@ -173,8 +173,8 @@ async def serve(config: DetokenizerConfig) -> None:
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     await server.start()
-    tasks = [asyncio.create_task(pipeline.streams.run()), asyncio.create_task(pipeline.watch()),
-             asyncio.create_task(_report_health(pipeline.streams, health))]
+    tasks = [asyncio.create_task(relay.streams.run()), asyncio.create_task(relay.watch()),
+             asyncio.create_task(_report_health(relay.streams, health))]
     log.info("detokenizer serving on %s; schedulers %s", address, ", ".join(config.schedulers))
 
     await stop_requested()

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import grpc
 import uvicorn
 
+from services.gateway.engine_client import EngineClient
 from services.gateway.http.errors import error_response
-from services.gateway.pipeline import PipelineClient
 
 log = logging.getLogger("flatwire.gateway")
 POLL_S = 0.05
@@ -62,7 +62,7 @@ class HttpServer(uvicorn.Server):
 
 
 async def serve_until_drained(http: HttpServer, app: Draining, grpc_server: grpc.aio.Server,
-                              pipeline: PipelineClient, drain_timeout_s: float) -> None:
+                              engine: EngineClient, drain_timeout_s: float) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see the module docstring) and stop serving HTTP."""
     signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -96,7 +96,7 @@ async def serve_until_drained(http: HttpServer, app: Draining, grpc_server: grpc
     else:
         # Failed, not cut off: clients get a 503 (a stream its error event, gRPC UNAVAILABLE) to retry elsewhere.
         log.warning("drain over with %d HTTP requests (and gRPC calls) in flight: failing them", app.in_flight)
-        pipeline.fail_all("the gateway stopped before this request ended")
+        engine.fail_all("the gateway stopped before this request ended")
         await settled(ANSWER_FAILED_S, until_signal=False)
     await grpc_server.stop(grace=0)  # the most restrictive grace wins: ends what is left of the first stop
     await grpc_stopped

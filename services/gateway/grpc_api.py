@@ -28,10 +28,10 @@ from flatwire_wire.control import (
 )
 
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
+from services.gateway.engine_client import EngineClient, GenerateInput, RequestError
 from services.gateway.http.generate import generate_input
 from services.gateway.http.prompts import encode_checked
-from services.gateway.pipeline import GenerateInput, PipelineClient, RequestError
-from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
+from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.packed import packed_response
@@ -120,12 +120,12 @@ def _refusal(exc: InvalidRequest) -> RequestError:
 
 
 class GenerationService:
-    def __init__(self, pipeline: PipelineClient):
-        self.pipeline = pipeline
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
 
     @cached_property
     def limits(self) -> ModelLimits:
-        return model_limits(self.pipeline.model_info, self.pipeline.config)
+        return model_limits(self.engine.model_info, self.engine.config)
 
     def to_input(self, request: public.GenerateRequest) -> GenerateInput:
         """Blocking (validation, tokenization): generate() runs it in a worker thread."""
@@ -133,7 +133,7 @@ class GenerationService:
         input_ids = list(request.input_ids)
         if not input_ids:
             try:  # a text that cannot fit the context is refused before it is tokenized
-                input_ids = encode_checked(self.pipeline.tokenizer, [request.text], self.limits.max_context,
+                input_ids = encode_checked(self.engine.tokenizer, [request.text], self.limits.max_context,
                                            req.prompt_field, add_special_tokens=False)[0]
             except InvalidRequest as exc:
                 raise _refusal(exc) from None
@@ -162,7 +162,7 @@ class GenerationService:
             inp = await asyncio.to_thread(self.to_input, request)
             prompt_tokens = len(inp.input_ids)
             completion_tokens = 0
-            async for chunk in self.pipeline.generate(inp):
+            async for chunk in self.engine.generate(inp):
                 completion_tokens += len(chunk.token_ids)
                 if not request.stream and chunk.result is None:
                     continue
@@ -179,26 +179,26 @@ class GenerationService:
                 trim_soon()  # its decoded message and tokens are freed by now, or soon: hand the memory back
 
     async def get_model_info(self, request: Empty, context) -> public.ModelInfo:
-        info = self.pipeline.model_info
+        info = self.engine.model_info
         assert info is not None, "the gateway serves once it knows the model"
-        return public.ModelInfo(model=self.pipeline.model_name, vocab_size=info.vocab_size,
+        return public.ModelInfo(model=self.engine.model_name, vocab_size=info.vocab_size,
                                 max_context=info.max_context, eos_token_ids=info.eos_token_ids,
                                 max_top_logprobs=info.max_top_logprobs, device=info.device, dtype=info.dtype,
-                                weight_version=self.pipeline.schedulers.weight_version())
+                                weight_version=self.engine.schedulers.weight_version())
 
     async def abort(self, request: public.AbortGenerationRequest, context) -> public.ControlResponse:
-        stopped = self.pipeline.abort(request.rid)
+        stopped = self.engine.abort(request.rid)
         return public.ControlResponse(success=True, message="aborted" if stopped else
                                       f"no running request {request.rid!r} on this gateway")
 
     async def _everywhere(self, call) -> public.ControlResponse:
-        return control_response(await self.pipeline.schedulers.control(call))
+        return control_response(await self.engine.schedulers.control(call))
 
     async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> public.ControlResponse:
         return await self._everywhere(lambda client: client.update_weights_from_disk(request))
 
     async def push_weights(self, chunks, context) -> public.ControlResponse:
-        return control_response(await self.pipeline.schedulers.push_weights(chunks))
+        return control_response(await self.engine.schedulers.push_weights(chunks))
 
     async def pause_generation(self, request: PauseGenerationRequest, context) -> public.ControlResponse:
         return await self._everywhere(lambda client: client.pause_generation(request))
@@ -213,5 +213,5 @@ class GenerationService:
         return await self._everywhere(lambda client: client.update_weight_version(request))
 
 
-def add_generation_service(server: grpc.aio.Server, pipeline: PipelineClient) -> None:
-    public.GENERATION.add_to(server, GenerationService(pipeline))
+def add_generation_service(server: grpc.aio.Server, engine: EngineClient) -> None:
+    public.GENERATION.add_to(server, GenerationService(engine))

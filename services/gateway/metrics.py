@@ -32,30 +32,30 @@ class GatewayMetrics:
         self.bytes_sent = Counter("flatwire_response_bytes", "response body bytes, by logprob format",
                                   ["format"], registry=self.registry)
 
-    def watch_admission(self, pipeline) -> None:
-        """Export the pipeline's admission control (read at each scrape; the gRPC API's requests included)."""
-        self.registry.register(_AdmissionCollector(pipeline))
+    def watch_admission(self, engine) -> None:
+        """Export the engine client's admission control (read at each scrape; the gRPC API's requests included)."""
+        self.registry.register(_AdmissionCollector(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _AdmissionCollector:
-    def __init__(self, pipeline):
-        self.pipeline = pipeline
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
         rejected = CounterMetricFamily(
             "flatwire_admission_rejected", "requests refused by admission control (HTTP 429, gRPC RESOURCE_EXHAUSTED): "
             "queue=gateway, past --max-outstanding-requests (a batch counts once); queue=scheduler, a generation "
             "every scheduler refused (waiting list full)", labels=["queue"])
-        for queue, count in self.pipeline.rejected.items():
+        for queue, count in self.engine.rejected.items():
             rejected.add_metric([queue], count)
         yield rejected
         yield GaugeMetricFamily("flatwire_outstanding_generations", "generations this gateway holds now (HTTP and "
-                                "gRPC)", value=self.pipeline.outstanding)
+                                "gRPC)", value=self.engine.outstanding)
         yield GaugeMetricFamily("flatwire_admission_limit", "most generations this gateway holds at once",
-                                value=self.pipeline.admission_limit)
+                                value=self.engine.admission_limit)
 
 
 class TokenTimer:

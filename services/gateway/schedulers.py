@@ -2,9 +2,8 @@
 
 Each configured address may be a DNS name that resolves to several replicas (as
 compose `--scale` and Kubernetes headless services publish them); names are
-re-resolved on every health round, so replicas that come and go are followed.
-Detokenizer names too: the pool tells the pipeline which detokenizers to take
-outputs from (in Kubernetes, one beside each scheduler, under the same name).
+re-resolved on every health round, so replicas that come and go are followed
+(detokenizer names too, in the same round: detokenizers.py).
 
 A replica is in rotation only while its whole path works: it answers, and some
 detokenizer that this gateway is connected to follows its step stream (outputs of
@@ -30,11 +29,11 @@ from dataclasses import dataclass, field
 import grpc
 from flatwire_wire.control import ControlReply, WeightsChunk
 from flatwire_wire.scheduler import AbortRequest, ModelInfo, SchedulerClient, TokenizedRequest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.discovery import resolve, subscription_health_name
+from services.common.discovery import resolve
 from services.common.rpc import create_channel
 from services.gateway.config import GatewayConfig
+from services.gateway.detokenizers import DetokenizerStreams
 
 log = logging.getLogger("flatwire.gateway")
 EXPIRE_INTERVAL_S = 0.25
@@ -60,16 +59,14 @@ class Replica:
 
 
 class SchedulerPool:
-    def __init__(self, config: GatewayConfig, on_replica_lost: Callable[[str, str], None],
-                 delivering: Callable[[str], bool], follow_detokenizer: Callable[[str, bool], None]):
-        """on_replica_lost(address, why): fail the requests on it. delivering(detokenizer): whether this
-        gateway's output stream from that detokenizer is connected. follow_detokenizer(address, follow): start
-        (True) or stop (False) taking this gateway's outputs from a detokenizer the names resolve to."""
+    def __init__(self, config: GatewayConfig, detokenizers: DetokenizerStreams,
+                 on_replica_lost: Callable[[str, str], None]):
+        """`detokenizers`: whether a replica's steps reach this gateway; on_replica_lost(address, why): fail the
+        requests on it."""
         self.config = config
         self.replicas: dict[str, Replica] = {}
+        self.detokenizers = detokenizers
         self._on_replica_lost = on_replica_lost
-        self._delivering = delivering
-        self._follow_detokenizer = follow_detokenizer
         # Submit and Abort RPCs in flight at once, over all replicas: a burst of thousands (a big batch)
         # would overflow a scheduler's backlog of calls no handler has taken yet, and gRPC cancels the
         # calls beyond it. A call's deadline starts once it is sent.
@@ -77,9 +74,6 @@ class SchedulerPool:
         self._tasks: list[asyncio.Task] = []
         self._recheck = asyncio.Event()
         self._aborts: set[asyncio.Task] = set()
-        self._resolved_detokenizers: dict[str, list[str]] = {}  # configured entry -> its addresses
-        self._detokenizer_channels: dict[str, grpc.aio.Channel] = {}
-        self._detokenizers: dict[str, health_pb2_grpc.HealthStub] = {}
 
     async def start(self) -> None:
         await self._refresh()
@@ -88,8 +82,8 @@ class SchedulerPool:
     async def stop(self) -> None:
         for task in [*self._tasks, *self._aborts]:
             task.cancel()
-        for channel in [r.channel for r in self.replicas.values()] + list(self._detokenizer_channels.values()):
-            await channel.close()
+        for replica in self.replicas.values():
+            await replica.channel.close()
 
     def recheck(self) -> None:
         """Check every replica's path now rather than at the next round (a hop just came back)."""
@@ -98,11 +92,7 @@ class SchedulerPool:
     def followers(self, address: str) -> set[str]:
         """The detokenizers that follow this replica (all of them, before a check has said)."""
         replica = self.replicas.get(address)
-        return (replica.followers if replica else set()) or set(self._detokenizers)
-
-    def detokenizers(self) -> list[str]:
-        """The detokenizers the configured names resolve to."""
-        return list(self._detokenizers)
+        return (replica.followers if replica else set()) or set(self.detokenizers.addresses)
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas.values())
@@ -246,7 +236,7 @@ class SchedulerPool:
     # -- membership and health --------------------------------------------------------------------------
 
     async def _refresh(self) -> None:
-        await self._refresh_detokenizers()
+        await self.detokenizers.refresh()
         seen: set[str] = set()
         for entry in self.config.schedulers:
             for address in await resolve(entry):
@@ -261,25 +251,6 @@ class SchedulerPool:
             await replica.channel.close()
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
 
-    async def _refresh_detokenizers(self) -> None:
-        """Follow the detokenizers the configured names resolve to. A name that resolves to nothing keeps the
-        addresses it had: a DNS hiccup must not cut output streams (what is in transit on them would be lost)."""
-        for entry in self.config.detokenizers:
-            self._resolved_detokenizers[entry] = await resolve(entry) or self._resolved_detokenizers.get(entry, [])
-        current = {address for addresses in self._resolved_detokenizers.values() for address in addresses}
-        for address in current - self._detokenizers.keys():
-            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
-                                     internal_secret=self.config.internal_secret)
-            self._detokenizer_channels[address] = channel
-            self._detokenizers[address] = health_pb2_grpc.HealthStub(channel)
-            self._follow_detokenizer(address, True)
-        gone = self._detokenizers.keys() - current
-        for address in gone:
-            log.info("detokenizer %s no longer resolves", address)
-            del self._detokenizers[address]
-            self._follow_detokenizer(address, False)
-        await asyncio.gather(*(self._detokenizer_channels.pop(address).close() for address in gone))
-
     async def _check(self, replica: Replica) -> None:
         timeout = self.config.health_timeout_s
         try:
@@ -292,13 +263,10 @@ class SchedulerPool:
             if replica.instance_id:
                 self._lose(replica, f"scheduler {replica.address} restarted: the requests it was running are lost")
             replica.instance_id = info.instance_id
-        name = subscription_health_name(replica.address)
-        detokenizers = list(self._detokenizers.items())  # as of now: the names may be re-resolved meanwhile
-        follows = await asyncio.gather(*(_serving(stub, name, timeout) for _, stub in detokenizers))
-        followed = [address for (address, _), follows_it in zip(detokenizers, follows) if follows_it]
+        followed = await self.detokenizers.following(replica.address, timeout)
         replica.followers = set(followed) or replica.followers  # kept while none answers: still the likely ones
-        if not any(self._delivering(a) for a in followed):
-            unreachable = [a for a in self._detokenizers if not self._delivering(a)]
+        if not any(self.detokenizers.connected(a) for a in followed):
+            unreachable = [a for a in self.detokenizers.addresses if not self.detokenizers.connected(a)]
             if followed:
                 why = f"detokenizer {', '.join(followed)} follows it but is not connected to this gateway"
             elif unreachable:
@@ -342,12 +310,3 @@ class SchedulerPool:
                 broken_for = now - replica.whole_at
                 if replica.problem and replica.outstanding and broken_for > self.config.hop_timeout_s:
                     self._lose(replica, f"{replica.problem} (for {broken_for:.1f}s)")
-
-
-async def _serving(health: health_pb2_grpc.HealthStub, service: str, timeout: float) -> bool:
-    """SERVING -> True; NOT_SERVING, unknown service or no answer -> False."""
-    try:
-        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: its name stopped resolving, channel closed
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -15,21 +15,21 @@ from services.common.model_store import resolve_model
 from services.common.rpc import add_health_and_reflection, create_server
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import Draining, HttpServer, serve_until_drained
+from services.gateway.engine_client import EngineClient
 from services.gateway.grpc_api import ADMIN_METHODS, SERVICE_NAME, add_generation_service
 from services.gateway.http.app import create_app
-from services.gateway.http.limits import with_header_timeout
-from services.gateway.pipeline import PipelineClient
+from services.gateway.http.guards import with_header_timeout
 
 log = logging.getLogger("flatwire.gateway")
 # After a drain, how long uvicorn may still take to close its connections before it cuts what is left on them.
 SHUTDOWN_AFTER_DRAIN_S = 1  # uvicorn takes whole seconds
 
 
-async def _report_health(pipeline: PipelineClient, servicer) -> None:
-    """gRPC health follows the pipeline: SERVING only while every hop is connected."""
+async def _report_health(engine: EngineClient, servicer) -> None:
+    """gRPC health follows the engine: SERVING only while every hop is connected."""
     last = None
     while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if pipeline.healthy()
+        status = (health_pb2.HealthCheckResponse.SERVING if engine.healthy()
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         if status != last:
             for name in ("", SERVICE_NAME):
@@ -44,30 +44,30 @@ async def serve(config: GatewayConfig) -> None:
         log.warning("no API key (FLATWIRE_API_KEY) while listening on %s: the HTTP and gRPC APIs are open to "
                     "anyone who reaches them", config.host)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
-    pipeline = PipelineClient(config, tokenizer)
-    await pipeline.start()
+    engine = EngineClient(config, tokenizer)
+    await engine.start()
 
     grpc_server = create_server(config.max_message_mb, config.keepalive_s,
                                 access=AccessKeys(config.api_key, config.admin_api_key), admin_methods=ADMIN_METHODS,
                                 max_receive_mb=config.max_request_mb)
-    add_generation_service(grpc_server, pipeline)
+    add_generation_service(grpc_server, engine)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await grpc_server.start()
-    health_task = asyncio.create_task(_report_health(pipeline, health))
+    health_task = asyncio.create_task(_report_health(engine, health))
 
-    app = Draining(create_app(pipeline, config))
+    app = Draining(create_app(engine, config))
     http = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                                      access_log=False, http=with_header_timeout(config.http_header_timeout_s),
                                      timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S))
-    log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", pipeline.owner, config.host, config.port, config.host,
+    log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", engine.owner, config.host, config.port, config.host,
              config.grpc_port)
     try:
-        await serve_until_drained(http, app, grpc_server, pipeline, config.drain_timeout_s)  # after SIGTERM/SIGINT
+        await serve_until_drained(http, app, grpc_server, engine, config.drain_timeout_s)  # after SIGTERM/SIGINT
     finally:
         health_task.cancel()
         await grpc_server.stop(grace=0)  # already stopped, unless uvicorn failed
-        await pipeline.stop()
+        await engine.stop()
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

@@ -51,7 +51,7 @@ from services.scheduler.model.weights import ServedWeights, StagedWeights, Weigh
 from services.scheduler.output.journal import StepJournal
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.step import StepRunner
-from services.scheduler.submit import InvalidTokenizedRequest, Limits, parse_request
+from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
 
 SYNTHETIC_HAS_NO_WEIGHTS = "this scheduler runs --engine synthetic: it has no weights to update"
 log = logging.getLogger("flatwire.scheduler")
@@ -67,7 +67,7 @@ class SchedulerService:
                  weights: ServedWeights | None = None, grammars: Grammars | None = None):
         """`weights`: the model's, for updates in place (None: --engine synthetic has none); `grammars`: compiles
         structured-output constraints (None: they are refused)."""
-        self.limits = Limits(vocab_size=runner.vocab_size, max_context=runner.max_context,
+        self.limits = SubmitLimits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                              max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
                              output_interval=config.output_interval)
         self.model_info = ModelInfo(

@@ -34,7 +34,7 @@ class InvalidTokenizedRequest(ValueError):
 
 
 @dataclass(frozen=True)
-class Limits:
+class SubmitLimits:
     vocab_size: int
     max_context: int
     max_top_logprobs: int
@@ -52,7 +52,7 @@ def _check_ids(ids, name: str, vocab_size: int) -> None:
     _check(bool((array >= 0).all() and (array < vocab_size).all()), name, f"token ids must be in [0, {vocab_size})")
 
 
-def parse_request(msg: TokenizedRequest, limits: Limits, grammars: Grammars | None = None) -> Request:
+def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammars | None = None) -> Request:
     """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field. A constrained
     request's grammar is compiled by `grammars` (blocking: see Grammars.compile); without them it is refused."""
     sampling, logprob = msg.sampling, msg.logprob

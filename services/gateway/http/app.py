@@ -8,13 +8,13 @@ import orjson
 from fastapi import FastAPI, Request, Response
 
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import EngineClient, RequestError
 from services.gateway.http import generate, native, openai_chat, openai_completions, rollout
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import invalid_request_response, pipeline_error_response
-from services.gateway.http.limits import RequestLimits
+from services.gateway.http.guards import RequestLimits
 from services.gateway.http.openapi import add_request_schemas
-from services.gateway.pipeline import PipelineClient, RequestError
 from services.gateway.protocol.parse import InvalidRequest
 
 log = logging.getLogger("flatwire.gateway")
@@ -25,9 +25,9 @@ def _report_warming(task: asyncio.Task) -> None:
         log.error("warming the renderers failed", exc_info=task.exception())
 
 
-def create_app(pipeline: PipelineClient, config: GatewayConfig) -> FastAPI:
-    gateway = Gateway(pipeline, config)
-    gateway.metrics.watch_admission(pipeline)
+def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(engine, config)
+    gateway.metrics.watch_admission(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -60,7 +60,7 @@ def create_app(pipeline: PipelineClient, config: GatewayConfig) -> FastAPI:
     async def health(request: Request) -> Response:
         """200 while some scheduler's whole path (scheduler, detokenizer, stream to here) works, else 503;
         the body says, per scheduler, what is missing."""
-        report = gateway_of(request).pipeline.health_report()
+        report = gateway_of(request).engine.health_report()
         return Response(orjson.dumps(report), status_code=200 if report["healthy"] else 503,
                         media_type="application/json")
 

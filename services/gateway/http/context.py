@@ -1,4 +1,4 @@
-"""What every route needs: the pipeline, metrics, the model's limits, the token text table."""
+"""What every route needs: the engine, metrics, the model's limits, the token text table."""
 
 import time
 from dataclasses import dataclass, field
@@ -10,8 +10,8 @@ from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 
 from services.common.auth import AccessKeys
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import EngineClient
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.pipeline import PipelineClient
 from services.gateway.protocol.parse import ModelLimits, model_limits
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.openai_completions import completion_logprobs
@@ -22,7 +22,7 @@ from services.gateway.token_table import TokenTable
 
 @dataclass
 class Gateway:
-    pipeline: PipelineClient
+    engine: EngineClient
     config: GatewayConfig
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -33,11 +33,11 @@ class Gateway:
 
     @cached_property
     def limits(self) -> ModelLimits:
-        return model_limits(self.pipeline.model_info, self.config)  # the gRPC API's too
+        return model_limits(self.engine.model_info, self.config)  # the gRPC API's too
 
     @cached_property
     def table(self) -> TokenTable:
-        return TokenTable(self.pipeline.tokenizer, self.limits.vocab_size)
+        return TokenTable(self.engine.tokenizer, self.limits.vocab_size)
 
     def warm_renderers(self) -> None:
         """Build the token table and every renderer's per-id pieces (seconds of CPU for a

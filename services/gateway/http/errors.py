@@ -5,7 +5,7 @@ from http import HTTPStatus
 import orjson
 from fastapi import Response
 
-from services.gateway.pipeline import RequestError
+from services.gateway.engine_client import RequestError
 from services.gateway.protocol.parse import InvalidRequest
 
 # nginx's "client closed request": nobody reads it, it marks the log line of a request whose client left.

@@ -7,16 +7,16 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from services.gateway.engine_client import Chunk, GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
-from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.pipeline import Chunk, GenerateInput
-from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
+from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, is_id_lists
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render import packed as packed_format
@@ -43,7 +43,7 @@ async def generate(request: Request) -> Response:
                              "per request")
     inputs = await _inputs(gateway, req)
     gens = await unless_disconnected(
-        request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream and packed:
@@ -72,7 +72,7 @@ async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]
     if is_id_lists(prompts):  # input_ids (text prompts are strings, and a batch is never empty)
         ids = prompts
     else:
-        ids = await encode_texts(gateway.pipeline.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
+        ids = await encode_texts(gateway.engine.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
     inputs = [generate_input(req, i, prompt_ids, gateway.limits, sample)
               for i, prompt_ids in enumerate(ids) for sample in range(req.samples_per_prompt)]
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)

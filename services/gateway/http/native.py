@@ -17,12 +17,12 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from services.gateway.engine_client import GenerateInput, RequestError
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
-from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import encode_checked
-from services.gateway.pipeline import GenerateInput, RequestError
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, is_id_lists
 
 log = logging.getLogger("flatwire.gateway")
@@ -45,8 +45,8 @@ def _json(data, status: int = 200) -> Response:
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:
-    if model is not None and model != gateway.pipeline.model_name:
-        raise InvalidRequest("model", f"model: this server serves {gateway.pipeline.model_name!r}, not {model!r}",
+    if model is not None and model != gateway.engine.model_name:
+        raise InvalidRequest("model", f"model: this server serves {gateway.engine.model_name!r}, not {model!r}",
                              status=404, code="model_not_found")
 
 
@@ -55,7 +55,7 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 def model_card(gateway: Gateway) -> dict:
     """The served model as OpenAI's model object (GET /v1/models lists it, GET /v1/models/{model} returns it)."""
-    name = gateway.pipeline.model_name
+    name = gateway.engine.model_name
     return {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire", "root": name,
             "max_model_len": gateway.limits.max_context}
 
@@ -63,7 +63,7 @@ def model_card(gateway: Gateway) -> dict:
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
     gateway = gateway_of(request)
-    if model != gateway.pipeline.model_name:
+    if model != gateway.engine.model_name:
         return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
     return _json(model_card(gateway))
 
@@ -72,10 +72,10 @@ async def retrieve_model(model: str, request: Request) -> Response:
 @router.get("/model_info")
 async def model_info(request: Request) -> Response:
     """SGLang's model info; model_path is the served model name (the checkpoint's location is not disclosed)."""
-    pipeline = gateway_of(request).pipeline
-    name = pipeline.model_name
+    engine = gateway_of(request).engine
+    name = engine.model_name
     return _json({"model_path": name, "tokenizer_path": name, "is_generation": True,
-                  "preferred_sampling_params": None, "weight_version": pipeline.schedulers.weight_version()})
+                  "preferred_sampling_params": None, "weight_version": engine.schedulers.weight_version()})
 
 
 @router.get("/get_server_info")
@@ -84,17 +84,17 @@ async def server_info(request: Request) -> Response:
     """The settings SGLang clients read: its ServerArgs' names where flatwire has the same setting, and
     scheduler_info's token capacity. bench_serving reads internal_states[0].get("avg_spec_accept_length")."""
     gateway = gateway_of(request)
-    info, config, pipeline = gateway.pipeline.model_info, gateway.config, gateway.pipeline
+    info, config, engine = gateway.engine.model_info, gateway.config, gateway.engine
     assert info is not None  # fetched when the pipeline starts, before the server listens
-    name = pipeline.model_name
+    name = engine.model_name
     return _json({
         "version": _version(),
         "model_path": name,
         "tokenizer_path": name,
         "served_model_name": name,
-        "weight_version": pipeline.schedulers.weight_version(),
+        "weight_version": engine.schedulers.weight_version(),
         "replica_weight_versions": {address: replica.weight_version
-                                    for address, replica in pipeline.schedulers.replicas.items()},
+                                    for address, replica in engine.schedulers.replicas.items()},
         "is_generation": True,
         "host": config.host,
         "port": config.port,
@@ -110,10 +110,10 @@ async def server_info(request: Request) -> Response:
         "max_running_requests": info.max_running_requests,  # per scheduler replica
         # Each running request holds one slot of max_context tokens (services/scheduler/kv_cache.py).
         "max_total_num_tokens": info.max_running_requests * info.max_context,
-        "scheduler_replicas": len(pipeline.schedulers.replicas),
-        "detokenizers": len(pipeline.schedulers.detokenizers()),
+        "scheduler_replicas": len(engine.schedulers.replicas),
+        "detokenizers": len(engine.detokenizers.addresses),
         "max_batch_size": config.max_batch_size,
-        "max_outstanding_requests": pipeline.admission_limit,
+        "max_outstanding_requests": engine.admission_limit,
         "disable_radix_cache": True,  # no prefix cache: /flush_cache is a no-op, cached_tokens always 0
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
@@ -141,7 +141,7 @@ def _health_input() -> GenerateInput:
 
 
 async def _one_token(gateway: Gateway) -> None:
-    async with aclosing(gateway.pipeline.generate(_health_input())) as chunks:
+    async with aclosing(gateway.engine.generate(_health_input())) as chunks:
         async for chunk in chunks:
             if chunk.result is not None:
                 if chunk.result.finish_reason == FinishReason.ABORT:
@@ -152,7 +152,7 @@ async def _one_token(gateway: Gateway) -> None:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """200 once a one-token generation went through the whole pipeline, 503 when it failed or took longer
+    """200 once a one-token generation went through the whole engine, 503 when it failed or took longer
     than HEALTH_GENERATE_TIMEOUT_S (SGLang's body: none)."""
     gateway = gateway_of(request)
     try:
@@ -212,7 +212,7 @@ async def tokenize(request: Request) -> Response:
     req = await parse_body_off_loop(TokenizeRequest, await request.body(), gateway.limits)
     _check_model(gateway, req.model)
     texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    ids = await asyncio.to_thread(encode_checked, gateway.pipeline.tokenizer, texts, None, "prompt",
+    ids = await asyncio.to_thread(encode_checked, gateway.engine.tokenizer, texts, None, "prompt",
                                   req.add_special_tokens) if texts else []
     if isinstance(req.prompt, str):
         body = {"tokens": ids[0], "count": len(ids[0])}
@@ -232,7 +232,7 @@ async def detokenize(request: Request) -> Response:
     gateway = gateway_of(request)
     req = await parse_body_off_loop(DetokenizeRequest, await request.body(), gateway.limits)
     _check_model(gateway, req.model)
-    tokenizer, skip = gateway.pipeline.tokenizer, req.skip_special_tokens
+    tokenizer, skip = gateway.engine.tokenizer, req.skip_special_tokens
     if is_id_lists(req.tokens):
         return _json({"text": await asyncio.to_thread(_decode, tokenizer, req.tokens, skip)})
     texts = await asyncio.to_thread(_decode, tokenizer, [req.tokens], skip)

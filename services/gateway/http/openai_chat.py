@@ -5,9 +5,10 @@ import time
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
+from services.gateway.engine_client import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
-from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
@@ -21,8 +22,7 @@ from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_chat
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.pipeline import GenerateInput
-from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
+from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.openai import ChatCompletionRequest
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
@@ -40,7 +40,7 @@ async def chat_completions(request: Request) -> Response:
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(ChatCompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
-    ids = await encode_chat(gateway.pipeline.tokenizer, req.messages, gateway.limits.max_context)
+    ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context)
     max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
     # Choice j samples with its own seed (seed + j), so that seeded choices differ yet reproduce.
     inputs = [GenerateInput(input_ids=ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
@@ -49,7 +49,7 @@ async def chat_completions(request: Request) -> Response:
     check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
     gens = await unless_disconnected(
-        request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream:
@@ -60,7 +60,7 @@ async def chat_completions(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({
         "id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-        "model": gateway.pipeline.model_name,
+        "model": gateway.engine.model_name,
         "choices": [_choice(gateway, req, i, result) for i, result in enumerate(results)],
         "usage": usage(len(ids), sum(r.completion_tokens for r in results)),
     })
@@ -84,7 +84,7 @@ def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: Re
 
 async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generations, prompt_tokens: int):
     head = {"id": response_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": gateway.pipeline.model_name}
+            "model": gateway.engine.model_name}
 
     metas = StreamedMetaInfo(gateway, req, req.n)
 

@@ -2,9 +2,9 @@
 
 import uuid
 
+from services.gateway.engine_client import Chunk
 from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
-from services.gateway.pipeline import Chunk
 from services.gateway.protocol.openai import OpenAIRequest
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
@@ -12,9 +12,9 @@ from services.gateway.result import RequestResult
 
 
 def check_model(gateway: Gateway, model: str) -> None:
-    if model != gateway.pipeline.model_name:
+    if model != gateway.engine.model_name:
         raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves "
-                                      f"`{gateway.pipeline.model_name}`", status=404, code="model_not_found")
+                                      f"`{gateway.engine.model_name}`", status=404, code="model_not_found")
 
 
 def response_id(prefix: str) -> str:

@@ -6,9 +6,10 @@ import time
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
+from services.gateway.engine_client import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
-from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
@@ -22,8 +23,7 @@ from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.pipeline import GenerateInput
-from services.gateway.protocol.limits import LogprobFields, check_logprob_elements
+from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.openai import CompletionRequest
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
@@ -43,7 +43,7 @@ async def completions(request: Request) -> Response:
     req = await parse_body_off_loop(CompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
     prompts = req.prompts()
-    tokenizer = gateway.pipeline.tokenizer
+    tokenizer = gateway.engine.tokenizer
     if isinstance(prompts[0], str):
         ids, texts = await encode_texts(tokenizer, prompts, gateway.limits.max_context, "prompt"), prompts
     else:
@@ -60,7 +60,7 @@ async def completions(request: Request) -> Response:
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     gens = await unless_disconnected(
-        request, Generations.start(gateway.pipeline, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     prompt_tokens = sum(map(len, ids))
@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({
         "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-        "model": gateway.pipeline.model_name,
+        "model": gateway.engine.model_name,
         "choices": [_choice(gateway, req, i, result, echoes[i]) for i, result in enumerate(results)],
         "usage": usage(prompt_tokens, sum(r.completion_tokens for r in results)),
     })
@@ -109,7 +109,7 @@ def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: Reques
 async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, echoes: list[str],
                   prompt_tokens: int):
     head = {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": gateway.pipeline.model_name}
+            "model": gateway.engine.model_name}
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
     metas = StreamedMetaInfo(gateway, req, len(echoes))
     completion_tokens = 0

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from services.gateway.http.auth import require_admin
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
-from services.gateway.http.limits import parse_body_off_loop
+from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
 from services.gateway.rollout import control_response
 
@@ -89,7 +89,7 @@ async def _parse(model: type[M], request: Request, gateway: Gateway) -> M:
 
 
 async def _everywhere(gateway: Gateway, call: Call) -> ControlResponse:
-    return control_response(await gateway.pipeline.schedulers.control(call))
+    return control_response(await gateway.engine.schedulers.control(call))
 
 
 def _replicas(response: ControlResponse) -> dict:
@@ -118,7 +118,7 @@ async def update_weights_from_disk(request: Request) -> Response:
     response = await _everywhere(gateway, lambda client: client.update_weights_from_disk(message))
     return _json({"success": response.success, "message": response.message,
                   "num_paused_requests": sum(reply.num_paused_requests for reply in response.replicas.values()),
-                  "weight_version": gateway.pipeline.schedulers.weight_version(), "replicas": _replicas(response)},
+                  "weight_version": gateway.engine.schedulers.weight_version(), "replicas": _replicas(response)},
                  200 if response.success else 400)
 
 
@@ -169,5 +169,5 @@ async def abort_request(request: Request) -> Response:
         if not response.success:
             return error_response(503, response.message)
     elif req.rid:
-        gateway.pipeline.abort(req.rid)
+        gateway.engine.abort(req.rid)
     return Response(status_code=200)

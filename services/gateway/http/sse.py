@@ -11,8 +11,8 @@ import orjson
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from services.gateway.engine_client import RequestError
 from services.gateway.http.errors import error_body
-from services.gateway.pipeline import RequestError
 
 DONE = b"data: [DONE]\n\n"
 

@@ -1,6 +1,6 @@
-"""Running a route's generations on the pipeline: submit, merge, collect, stop on disconnect.
+"""Running a route's generations on the engine: submit, merge, collect, stop on disconnect.
 
-Every generation is an pipeline iterator; closing it before its last chunk aborts the
+Every generation is an EngineClient.generate iterator; closing it before its last chunk aborts the
 request in the scheduler. Each helper here closes what it opened, whether it ends
 normally, fails, or is cancelled because the HTTP client went away.
 """
@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from services.gateway.engine_client import Chunk, EngineClient, GenerateInput
 from services.gateway.metrics import GatewayMetrics, TokenTimer
-from services.gateway.pipeline import Chunk, GenerateInput, PipelineClient
 from services.gateway.result import RequestResult
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ T = TypeVar("T")
 class Generations:
     """A route's requests, submitted together; each one's first chunk already taken.
 
-    Taking the first chunk before answering turns the pipeline's refusal (a RequestError)
+    Taking the first chunk before answering turns the engine client's refusal (a RequestError)
     into an HTTP error instead of a broken stream.
     """
 
@@ -35,7 +35,7 @@ class Generations:
         self._timers = timers
 
     @classmethod
-    async def start(cls, pipeline: PipelineClient, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
+    async def start(cls, engine: EngineClient, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
                     started: float) -> "Generations":
         """Submit every input and take each one's first chunk (the scheduler pool bounds the Submits in flight).
 
@@ -44,8 +44,8 @@ class Generations:
         in input order is raised. Admission control takes the inputs whole or refuses them all
         (RequestError "resource_exhausted").
         """
-        with pipeline.admit(len(inputs)) as admission:  # until every generation has started or never will
-            iterators = [pipeline.generate(inp, admission) for inp in inputs]
+        with engine.admit(len(inputs)) as admission:  # until every generation has started or never will
+            iterators = [engine.generate(inp, admission) for inp in inputs]
             reads = [asyncio.ensure_future(anext(it)) for it in iterators]
             try:
                 await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)

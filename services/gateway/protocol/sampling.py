@@ -7,7 +7,7 @@ from flatwire_wire.scheduler import SamplingParams
 from flatwire_wire.steps import DetokenizeParams
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo
 
-from services.gateway.protocol.limits import check_stop
+from services.gateway.protocol.cost import check_stop
 from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, check_token_ids
 
 StopValue = str | list[str] | None

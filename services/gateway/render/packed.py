@@ -7,7 +7,7 @@ from flatwire_wire.logprobs import I32, LogprobBlock
 from flatwire_wire.public import GenerateResponse
 from flatwire_wire.steps import FinishReason
 
-from services.gateway.pipeline import Chunk
+from services.gateway.engine_client import Chunk
 
 MEDIA_TYPE = "application/x-protobuf"
 

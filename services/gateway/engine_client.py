@@ -1,8 +1,9 @@
-"""The gateway's pipeline: submits requests to schedulers, gathers their outputs.
+"""The gateway's client of the engine: submits requests to schedulers, gathers their outputs.
 
-One PipelineClient per gateway process. It owns the scheduler pool (submit, abort, load
-balancing, health) and one output stream per detokenizer, on which arrive the
-StepOutputs of the requests this gateway owns. Each request's outputs are copied
+One EngineClient per gateway process. It owns every generation in flight, the scheduler pool
+(submit, abort, load balancing, health: schedulers.py) and the output streams from the
+detokenizers (detokenizers.py), on which arrive the StepMessages of the requests this
+gateway owns. Each request's outputs are copied
 into buffers sized for its whole output (accumulator.py). A streaming request's
 generator is woken by every message that brings it tokens; any other request's only
 once, when it ends.
@@ -19,28 +20,25 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from flatwire_wire.detokenizer import DetokenizerClient
 from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs
 from flatwire_wire.public import WeightVersionSpan
 from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, StepMessage
 
-from services.common.discovery import INSTANCE_METADATA
-from services.common.follow import follow_stream
-from services.common.rpc import FIELD_METADATA, create_channel
+from services.common.rpc import FIELD_METADATA
 from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
+from services.gateway.detokenizers import DetokenizerStreams
 from services.gateway.protocol.parse import rename_field
 from services.gateway.result import RequestResult
 from services.gateway.schedulers import SchedulerPool
 
 log = logging.getLogger("flatwire.gateway")
-DETOKENIZER_RECONNECT_MAX_S = 0.5
 
 GRPC_TO_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
@@ -101,7 +99,7 @@ class GenerationState:
     prompt_sent: bool = False
     result: RequestResult | None = None
     failure: str | None = None  # why the request failed (a server-side fault)
-    abort_requested: bool = False  # by PipelineClient.abort: stopped in its scheduler as soon as it has one
+    abort_requested: bool = False  # by EngineClient.abort: stopped in its scheduler as soon as it has one
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -111,29 +109,27 @@ class GenerationState:
 
 @dataclass
 class Admission:
-    """Room for `count` generations, reserved whole before any of them starts (PipelineClient.admit)."""
+    """Room for `count` generations, reserved whole before any of them starts (EngineClient.admit)."""
 
     count: int
     started: int = 0
 
 
-class PipelineClient:
+class EngineClient:
     def __init__(self, config: GatewayConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
         self.owner = config.owner_id or f"gw-{uuid.uuid4().hex[:12]}"
-        self.schedulers = SchedulerPool(config, on_replica_lost=self._fail_requests_on,
-                                        delivering=lambda address: address in self._connected_detokenizers,
-                                        follow_detokenizer=self._follow_detokenizer)
+        self.detokenizers = DetokenizerStreams(config, self.owner, on_step=self._dispatch,
+                                               on_step_failed=self._undelivered, on_cut=self._fail_requests_via,
+                                               on_connected=lambda: self.schedulers.recheck())
+        self.schedulers = SchedulerPool(config, self.detokenizers, on_replica_lost=self._fail_requests_on)
         self.model_info: ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, GenerationState] = {}
-        self._reserved = 0  # generations admitted (PipelineClient.admit) that have not started yet
+        self._reserved = 0  # generations admitted (EngineClient.admit) that have not started yet
         # Refusals by admission control: requests past this gateway's limit, submits a scheduler refused.
         self.rejected = {"gateway": 0, "scheduler": 0}
-        self._connected_detokenizers: set[str] = set()
-        self._detokenizer_instances: dict[str, str | None] = {}  # address -> the process last followed
-        self._listeners: dict[str, asyncio.Task] = {}  # detokenizer address -> its output stream's consumer
 
     async def start(self) -> None:
         await self.schedulers.start()
@@ -141,19 +137,8 @@ class PipelineClient:
         self.model_name = self.model_name or self.model_info.model
 
     async def stop(self) -> None:
-        await self.schedulers.stop()  # first: its health rounds start listeners
-        listeners = list(self._listeners.values())
-        for task in listeners:
-            task.cancel()
-        await asyncio.gather(*listeners, return_exceptions=True)
-
-    def _follow_detokenizer(self, address: str, follow: bool) -> None:
-        """The scheduler pool found a detokenizer (or found it gone): take this gateway's outputs from it."""
-        if follow:
-            self._listeners[address] = asyncio.create_task(self._listen(address))
-        else:
-            self._listeners.pop(address).cancel()
-            self._detokenizer_instances.pop(address, None)
+        await self.schedulers.stop()  # first: its health rounds follow new detokenizers
+        await self.detokenizers.stop()
 
     def healthy(self) -> bool:
         """Some scheduler is in rotation: its whole path to this gateway works."""
@@ -161,8 +146,7 @@ class PipelineClient:
 
     def health_report(self) -> dict:
         return {"healthy": self.healthy(), "schedulers": self.schedulers.report(),
-                "detokenizers": {address: address in self._connected_detokenizers
-                                 for address in self.schedulers.detokenizers()}}
+                "detokenizers": self.detokenizers.report()}
 
     # -- admission control -------------------------------------------------------------------------------
 
@@ -279,43 +263,13 @@ class PipelineClient:
             chunk.prompt, state.prompt_sent = state.prompt, True
         return chunk
 
-    # -- outputs ----------------------------------------------------------------------------------------
+    # -- outputs (detokenizers.py calls these) ------------------------------------------------------------
 
-    async def _listen(self, address: str) -> None:
-        """Consume this gateway's outputs from one detokenizer, resubscribing when the stream ends.
-
-        Reconnection retries fast (loopback or a cluster network: an attempt is cheap), since
-        requests wait for it only up to the hop timeout."""
-
-        @asynccontextmanager
-        async def subscribe():
-            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
-                                     internal_secret=self.config.internal_secret)
-            try:
-                call = DetokenizerClient(channel).stream_outputs(self.owner)
-                instance = dict(await call.initial_metadata()).get(INSTANCE_METADATA)
-                if instance is not None and self._detokenizer_instances.get(address) == instance:
-                    # The same process after a cut: what was in transit is lost and will not be replayed
-                    # (a restarted detokenizer replays everything, so there the requests go on).
-                    self._fail_requests_via(address, f"the output stream from detokenizer {address} was cut: "
-                                                     "outputs in transit were lost")
-                self._detokenizer_instances[address] = instance
-                self._connected_detokenizers.add(address)
-                self.schedulers.recheck()
-                yield call
-            finally:
-                self._connected_detokenizers.discard(address)
-                await channel.close()
-
-        async def handle(step: StepMessage) -> None:
-            self._dispatch(step)
-
-        def failed(step: StepMessage) -> None:
-            for rid in step.touched_rids():
-                if state := self._requests.get(rid):
-                    self._fail(state, "the gateway failed to take its outputs")
-
-        await follow_stream(f"detokenizer {address}", subscribe, handle, failed, DETOKENIZER_RECONNECT_MAX_S)
+    def _undelivered(self, step: StepMessage) -> None:
+        """Taking a message's outputs raised (a bug): its requests' outputs are in doubt."""
+        for rid in step.touched_rids():
+            if state := self._requests.get(rid):
+                self._fail(state, "the gateway failed to take its outputs")
 
     def _dispatch(self, step: StepMessage) -> None:
         """Work per message and per request in it; the arrays are copied with numpy, entry by entry."""
@@ -392,8 +346,9 @@ class PipelineClient:
         for state in list(self._requests.values()):
             self._fail(state, why)
 
-    def _fail_requests_via(self, detokenizer: str, why: str) -> None:
+    def _fail_requests_via(self, detokenizer: str) -> None:
         """A detokenizer's output stream lost messages: fail the requests whose outputs come through it."""
+        why = f"the output stream from detokenizer {detokenizer} was cut: outputs in transit were lost"
         for state in list(self._requests.values()):
             if state.scheduler and detokenizer in self.schedulers.followers(state.scheduler):
                 self._fail(state, why)
