@@ -19,11 +19,12 @@ import torch
 from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
 from bench.common import Interleaved, Table, write_results
+from bench.in_process import InProcessSteps
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
-from services.scheduler.model.batch_step import run_step
+from services.scheduler.cache.pages import PagePool
+from services.scheduler.engine.scheduler import SlotPool
 from services.scheduler.model.runner import ModelRunner
-from services.scheduler.request import Request
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.sampling.logit_adjust import AdjustedRow, adjust_logits
 from services.scheduler.submit import SubmitLimits, parse_request
@@ -38,30 +39,31 @@ CASES = {
 }
 
 
-def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields: dict) -> list[Request]:
-    """`batch` requests with these SamplingParams fields, past their prefill, each holding a KV slot."""
+def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields: dict, slots: SlotPool,
+                     pages: PagePool) -> InProcessSteps:
+    """`batch` requests with these SamplingParams fields, past their prefill (each case its own slots and pages of
+    the runner's)."""
     limits = SubmitLimits(runner.vocab_size, runner.max_context, 0, tuple(runner.eos_token_ids), 1)
     rng = np.random.default_rng(0)
     requests = []
     for i in range(batch):
         sampling = SamplingParams(max_new_tokens=100_000, temperature=0.0, **fields)
         prompt = rng.integers(0, 100_000, PROMPT_TOKENS).tolist()
-        request = parse_request(TokenizedRequest(rid=f"r{i}", owner="bench", input_ids=prompt, sampling=sampling),
-                                limits, grammars)
-        request.slot = runner.cache.allocate()
-        requests.append(request)
-    result = run_step(runner, [], requests, runner.logits_chunk_rows)
-    for request, token in zip(requests, result.next_ids.tolist()):
-        request.output_ids.append(token)
-    return requests
+        requests.append(parse_request(TokenizedRequest(rid=f"r{i}", owner="bench", input_ids=prompt,
+                                                       sampling=sampling), limits, grammars))
+    engine = InProcessSteps(runner, slots, pages)
+    engine.add(requests)
+    engine.step()  # the prefills
+    return engine
 
 
-def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch: int) -> None:
+def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch: int, slots: SlotPool,
+              pages: PagePool) -> None:
     requests = {}
     for name, fields in CASES.items():
-        requests[name] = running_requests(runner, grammars, batch, fields)
-        bench.add(("step", batch, name),
-                  lambda rows=requests[name]: run_step(runner, rows, [], runner.logits_chunk_rows))
+        engine = running_requests(runner, grammars, batch, fields, slots, pages)
+        requests[name] = list(engine.policy.running)
+        bench.add(("step", batch, name), engine.step)
     logits = torch.randn(batch, runner.vocab_size, device=runner.device)
     adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(requests["adjusted"])
                 if r.adjustment is not None]
@@ -88,13 +90,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     model_dir = resolve_model(None)
-    runner = ModelRunner(model_dir, "auto", "auto", 0, len(CASES) * sum(args.batch))
+    slot_count = len(CASES) * sum(args.batch)
+    runner = ModelRunner(model_dir, "auto", "auto", 0, slot_count)
+    slots, pages = SlotPool(slot_count), PagePool(runner.num_pages, runner.page_size)
     if runner.device.type == "cpu":
         keep_big_blocks()  # as the scheduler process does
     grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
     bench = Interleaved(min_time=0.1)
     for batch in args.batch:
-        add_cases(bench, runner, grammars, batch)
+        add_cases(bench, runner, grammars, batch, slots, pages)
     for _ in range(args.rounds):
         bench.round()
 

@@ -20,9 +20,9 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequ
 from flatwire_wire.steps import StepMessage, decode_step
 
 from bench.common import Progress, Table, fmt_bytes, fmt_time, measure, timing_of, write_results
+from bench.in_process import InProcessSteps
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
-from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.output.step_output import step_message
 from services.scheduler.request import Request
@@ -71,18 +71,14 @@ def codec(batch: int, k: int) -> dict:
 
 def decode_steps(runner: ModelRunner, batch: int, k: int, temperature: float, steps: int, repeats: int) -> list[float]:
     """Per-step seconds (one entry per repeat of `steps` decode steps) after one prefill."""
-    requests = [make_request(i, 32, k, temperature, seed=i if temperature else None) for i in range(batch)]
-    for slot, request in enumerate(requests):
-        request.slot = slot
-    for request, token in zip(requests, run_step(runner, [], requests, 256).next_ids.tolist()):
-        request.output_ids.append(token)
+    engine = InProcessSteps(runner, batch)
+    engine.add([make_request(i, 32, k, temperature, seed=i if temperature else None) for i in range(batch)])
+    engine.step()  # the prefills
     per_step = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(steps):
-            result = run_step(runner, requests, [], 256)
-            for request, token in zip(requests, result.next_ids.tolist()):
-                request.output_ids.append(token)
+            engine.step()
         per_step.append((time.perf_counter() - start) / steps)
     return per_step
 
@@ -107,7 +103,7 @@ def main() -> None:
         codec_table.add(batch, fmt_time(result["encode"].median), fmt_time(result["decode"].median),
                         fmt_time(result["decode_and_slice"].median), fmt_bytes(result["bytes"]))
 
-    runner = ModelRunner(resolve_model(args.model), "auto", "auto", 0, 32)
+    runner = ModelRunner(resolve_model(args.model), "auto", "auto", 0, 32, max_total_tokens=32 * 4096)
     if runner.device.type == "cpu":
         keep_big_blocks()  # as the scheduler process does
     progress.step(f"model loaded on {runner.device}")

@@ -52,7 +52,7 @@ def prompt(seed: int, length: int = 9) -> list[int]:
 
 @pytest.fixture(scope="module")
 def synthetic(model_dir):
-    return SyntheticRunner(model_dir, 256, 4, 8, step_ms=0)
+    return SyntheticRunner(model_dir, 256, 8, step_ms=0)
 
 
 class Harness:
@@ -173,7 +173,7 @@ class RolloutStack:
         self.procs = []
         for command, args, env, health in (
                 ("scheduler", ["--port", str(ports["scheduler"]), "--max-running-requests", str(IN_FLIGHT),
-                               "--max-context", "1024"], {}, self.scheduler),
+                               "--context-length", "1024"], {}, self.scheduler),
                 ("detokenizer", ["--port", str(ports["detokenizer"]), "--schedulers", self.scheduler], {}, detokenizer),
                 ("gateway", ["--port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
                              "--schedulers", self.scheduler, "--detokenizers", detokenizer],

@@ -81,14 +81,16 @@ def test_bad_requests_rejected_while_a_good_one_runs(scheduler_client):
     scheduler_client.calls["Abort"](AbortRequest(rid=running))
     result = scheduler_client.wait(running)
     assert result.token_ids[:40] == solo.token_ids
-    np.testing.assert_array_equal(np.concatenate([o.topk_values for o in result.output[:40]]),
-                                  np.concatenate([o.topk_values for o in solo.output]))
+    # Not bit-equal: the second run finds its prompt in the prefix cache, and attention over cached pages
+    # sums in another order than the first run's prefill did.
+    np.testing.assert_allclose(np.concatenate([o.topk_values for o in result.output[:40]]),
+                               np.concatenate([o.topk_values for o in solo.output]), rtol=1e-5)
     assert not any(start.rid == "bad" for m in scheduler_client.messages for start in m.started)
 
 
 def wait_for_idle_scheduler(scheduler_client, timeout: float = 30) -> SchedulerStats:
     deadline = time.monotonic() + timeout
-    while (stats := scheduler_client.stats()).running or stats.kv_slots_used:
+    while (stats := scheduler_client.stats()).running or stats.kv_pages_used:
         assert time.monotonic() < deadline, f"scheduler still busy: {stats}"
         time.sleep(0.05)
     return stats
@@ -99,7 +101,7 @@ def test_abort_stops_request_and_frees_its_slot(scheduler_client):
     rid = scheduler_client.submit(input_ids=GOOD_PROMPT, sampling=greedy(2000))
     scheduler_client.wait_tokens(rid, 3)
     busy = scheduler_client.stats()
-    assert busy.running == 1 and busy.kv_slots_used == 1 and busy.kv_tokens_used >= len(GOOD_PROMPT) + 3
+    assert busy.running == 1 and busy.kv_pages_used >= 1 and busy.kv_tokens_used >= len(GOOD_PROMPT) + 2
 
     scheduler_client.calls["Abort"](AbortRequest(rid=rid))
     aborted = scheduler_client.wait(rid)
@@ -113,7 +115,7 @@ def test_abort_stops_request_and_frees_its_slot(scheduler_client):
 
     after = wait_for_idle_scheduler(scheduler_client)
     assert after.aborted == before.aborted + 1
-    assert after.kv_slots_used == 0 and after.kv_tokens_used == 0
+    assert after.kv_pages_used == 0 and after.kv_tokens_used == 0
     with pytest.raises(grpc.RpcError) as error:
         scheduler_client.calls["Abort"](AbortRequest(rid=rid))
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
@@ -126,4 +128,4 @@ def test_abort_for_stop_string_echoes_reason(scheduler_client):
                                                  matched_stop="</end>"))
     finish = scheduler_client.wait(rid).finish
     assert finish.reason == FinishReason.STOP_STRING and finish.matched_stop == "</end>"
-    assert wait_for_idle_scheduler(scheduler_client).kv_slots_used == 0
+    assert wait_for_idle_scheduler(scheduler_client).kv_pages_used == 0

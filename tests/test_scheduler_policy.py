@@ -10,9 +10,10 @@ from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams,
 from flatwire_wire.steps import FinishReason
 from transformers import AutoModelForCausalLM
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine.engine import Engine
-from services.scheduler.model.runner import ModelRunner
+from services.scheduler.cache.pages import PagePool
+from services.scheduler.cache.prefix_cache import PrefixCache
+from services.scheduler.engine.scheduler import Scheduler, SlotPool
+from services.scheduler.request import RequestStatus
 from services.scheduler.submit import SubmitLimits, parse_request
 from tests.scheduler_client import SchedulerClient
 
@@ -21,8 +22,8 @@ SLOTS, BUDGET, CONTEXT, CHUNK = 2, 16, 64, 7
 
 @pytest.fixture(scope="module")
 def client(start_service):
-    _, address = start_service("scheduler", "--max-running-requests", str(SLOTS),
-                               "--max-tokens-per-step", str(BUDGET), "--max-context", str(CONTEXT),
+    _, address = start_service("scheduler", "--max-running-requests", str(SLOTS), "--chunked-prefill-size", "-1",
+                               "--max-prefill-tokens", str(BUDGET), "--context-length", str(CONTEXT),
                                "--logits-chunk-rows", str(CHUNK))
     client = SchedulerClient(address)
     yield client
@@ -54,27 +55,75 @@ def test_queued_requests_match_solo_and_respect_slots(client):
     assert any(r.steps[0] > r.start_step for r in results)  # some waited for a slot
 
 
-def test_admission_policy(model_dir):
-    """Deterministic admission on the engine itself (its thread not started): first come,
-    first served within the prefill budget; a prompt over the budget goes alone; slots cap."""
-    runner = ModelRunner(model_dir, "cpu", "auto", CONTEXT, 3)
-    engine = Engine(runner, SchedulerConfig(max_running_requests=3, max_tokens_per_step=BUDGET), publish=print)
-    limits = SubmitLimits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), output_interval=50)
-    for i, n in enumerate([4, 10, 12, 30, 3]):
-        engine.submit(parse_request(TokenizedRequest(
-            rid=f"r{i}", input_ids=prompt(i, n), sampling=greedy(3)), limits))
-    engine._drain_inbox(block=False)
+def _policy(budget: int, chunked: bool, slots: int = 3, pages: int = 65) -> Scheduler:
+    pool = PagePool(pages, 4)
+    return Scheduler(SlotPool(slots), pool, PrefixCache(pool, enabled=False), budget, chunked)
 
-    def admitted():
-        return [r.prompt_len for r in engine.scheduler.admit()]
 
-    assert admitted() == [4, 10]  # 4 + 10 + 12 > 16
-    assert admitted() == [12]  # 12 + 30 > 16
-    assert admitted() == []  # the slots are full
-    runner.cache.release(0)
-    assert admitted() == [30]  # over the budget, admitted alone
-    runner.cache.release(1)
-    assert admitted() == [3]
+def _request(i: int, length: int, new_tokens: int = 3):
+    limits = SubmitLimits(240_000, 1 << 20, 8, (), output_interval=50)
+    return parse_request(TokenizedRequest(rid=f"r{i}", input_ids=prompt(i, length), sampling=greedy(new_tokens)),
+                         limits)
+
+
+def _step(scheduler: Scheduler) -> list[tuple[int, int, int]]:
+    """One step as the engine runs it (a sampled token is 1); (prompt length, start, end) of its prefill rows."""
+    batch = scheduler.schedule()
+    scheduler.computed(batch)
+    for row in batch.sampling:
+        row.request.output_ids.append(1)
+    return [(row.request.prompt_len, row.start, row.end) for row in batch.rows if row.end - row.start > 1]
+
+
+def test_admission_policy():
+    """Deterministic admission on the policy itself: first come, first served within the prefill budget; with
+    chunking off a prompt over the budget goes whole and alone; slots cap."""
+    scheduler = _policy(BUDGET, chunked=False)
+    requests = [_request(i, n) for i, n in enumerate([4, 10, 12, 30, 3])]
+    for request in requests:
+        scheduler.add(request)
+    assert _step(scheduler) == [(4, 0, 4), (10, 0, 10)]  # 4 + 10 + 12 > 16
+    assert _step(scheduler) == [(12, 0, 12)]  # 12 + 30 > 16
+    assert _step(scheduler) == []  # the slots are full
+    scheduler.finish(requests[0])
+    assert _step(scheduler) == [(30, 0, 30)]  # over the budget, admitted alone
+    scheduler.finish(requests[1])
+    assert _step(scheduler) == [(3, 0, 3)]
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_keeps_decoding():
+    scheduler = _policy(BUDGET, chunked=True)
+    short, long = _request(0, 5, new_tokens=20), _request(1, 40)
+    scheduler.add(short)
+    assert _step(scheduler) == [(5, 0, 5)]
+    scheduler.add(long)
+    # Each step: the short request decodes, and the long prompt takes what is left of the budget.
+    assert _step(scheduler) == [(40, 0, 16)]
+    assert _step(scheduler) == [(40, 16, 32)]
+    assert _step(scheduler) == [(40, 32, 40)]
+    assert len(short.output_ids) == 4 and long.output_ids == [1]
+
+
+def test_requests_are_retracted_when_pages_run_short_and_resume():
+    """A pool of 8 pages of 4 tokens: three requests of 4 + 20 tokens (6 pages), each fits alone, not together.
+    The newest is retracted when decoding runs out of pages (it waits first in line), the others go on, and every
+    request ends with all its tokens; no page is lost on the way."""
+    scheduler = _policy(64, chunked=True, pages=9)
+    pool = scheduler.pages
+    scheduler.prefix_cache.enabled = True
+    requests = [_request(i, 4, new_tokens=20) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    for _ in range(200):
+        _step(scheduler)
+        for request in [r for r in scheduler.running if len(r.output_ids) == 20]:
+            scheduler.finish(request)
+        held = {page for r in scheduler.running for page in r.page_table}
+        assert pool.free + len(held | {n.page for n in scheduler.prefix_cache._nodes()}) == pool.usable
+        if all(r.status is RequestStatus.FINISHED for r in requests):
+            break
+    assert all(len(r.output_ids) == 20 for r in requests)
+    assert scheduler.retractions >= 1 and pool.free + pool.evictable == pool.usable
 
 
 def test_context_limit_ends_with_length(client):
@@ -115,4 +164,4 @@ def test_abort_of_a_waiting_request(client):
         client.calls["Abort"](AbortRequest(rid=rid))
         client.wait(rid)
     stats = client.stats()
-    assert (stats.running, stats.waiting, stats.kv_slots_used, stats.kv_slots_total) == (0, 0, 0, SLOTS)
+    assert (stats.running, stats.waiting, stats.kv_pages_used) == (0, 0, 0)

@@ -19,6 +19,9 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequ
 from flatwire_wire.steps import FinishReason
 from transformers import AutoTokenizer
 
+from services.scheduler.cache.pages import PagePool
+from services.scheduler.cache.prefix_cache import PrefixCache
+from services.scheduler.engine.scheduler import Scheduler, SlotPool
 from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.sampling.grammar import Grammars, TokenMask
@@ -112,7 +115,7 @@ def test_scheduler_without_grammars_refuses_constraints(limits):
 def test_logprobs_stay_raw(model_dir, grammars):
     """A constrained and an unconstrained request on the same prompt, in one step: the same raw top-k, and the
     constrained one samples a token its grammar allows where the other takes the raw argmax."""
-    runner = ModelRunner(model_dir, "cpu", "auto", 256, 2)
+    runner = ModelRunner(model_dir, "cpu", "auto", 256, 2, max_total_tokens=1024)
     limits = SubmitLimits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 50)
     requests = []
     for sampling in (dict(regex="[0-9]+"), {}):
@@ -120,9 +123,12 @@ def test_logprobs_stay_raw(model_dir, grammars):
             rid=f"r{len(requests)}", input_ids=[9707, 11, 1879], logprob=LogprobParams(
                 return_logprob=True, top_logprobs_num=5, logprob_start_len=-1),
             sampling=SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
-        request.slot = runner.cache.allocate()
         requests.append(request)
-    result = run_step(runner, [], requests, 256)
+    pool = PagePool(runner.num_pages, runner.page_size)
+    scheduler = Scheduler(SlotPool(2), pool, PrefixCache(pool, enabled=False), 256, chunked=True)
+    for request in requests:
+        scheduler.add(request)
+    result = run_step(runner, scheduler.schedule(), 256)
     rows = result.output
     assert rows is not None
     assert np.array_equal(rows.topk_ids[0], rows.topk_ids[1])

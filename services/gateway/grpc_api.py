@@ -40,7 +40,7 @@ from services.gateway.rollout import control_response
 SERVICE_NAME = public.GENERATION.name
 ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in (
     "UpdateWeightsFromDisk", "PushWeights", "PauseGeneration", "ContinueGeneration", "AbortAll",
-    "UpdateWeightVersion"))
+    "UpdateWeightVersion", "FlushCache"))
 ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -211,6 +211,9 @@ class GenerationService:
 
     async def update_weight_version(self, request: UpdateWeightVersionRequest, context) -> public.ControlResponse:
         return await self._everywhere(lambda client: client.update_weight_version(request))
+
+    async def flush_cache(self, request: Empty, context) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.flush_cache())
 
 
 def add_generation_service(server: grpc.aio.Server, engine: EngineClient) -> None:

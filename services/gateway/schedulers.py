@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from flatwire_wire.control import ControlReply, WeightsChunk
-from flatwire_wire.scheduler import AbortRequest, ModelInfo, SchedulerClient, TokenizedRequest
+from flatwire_wire.scheduler import AbortRequest, ModelInfo, SchedulerClient, SchedulerStats, TokenizedRequest
 
 from services.common.discovery import resolve
 from services.common.rpc import create_channel
@@ -56,6 +56,7 @@ class Replica:
     outstanding: set[str] = field(default_factory=set)
     followers: set[str] = field(default_factory=set)  # detokenizers last seen following its step stream
     weight_version: str = ""  # of its weights, from its last ModelInfo or control reply ("": not known yet)
+    stats: SchedulerStats | None = None  # from its last health round (KV memory, prefix cache)
 
 
 class SchedulerPool:
@@ -259,6 +260,10 @@ class SchedulerPool:
             return self._take_out(replica, f"scheduler {replica.address} is not answering ({exc.code().name})")
         replica.max_running_requests = info.max_running_requests
         replica.weight_version = info.weight_version
+        try:
+            replica.stats = await replica.client.stats(timeout=timeout)
+        except grpc.aio.AioRpcError:
+            replica.stats = None
         if info.instance_id != replica.instance_id:
             if replica.instance_id:
                 self._lose(replica, f"scheduler {replica.address} restarted: the requests it was running are lost")

@@ -11,10 +11,21 @@ class SchedulerConfig(ServiceConfig):
 
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, bfloat16, float16")
-    max_running_requests: int = option(32, "requests decoded together (KV cache slots)")
-    max_tokens_per_step: int = option(
-        4096, "prefill token budget per step; a prompt longer than this is still admitted alone")
-    max_context: int = option(0, "longest sequence (prompt + output); 0: min(model maximum, 4096)")
+    max_running_requests: int = option(64, "most requests running at once (each also holds a row of per-request "
+                                       "sampling state); the KV memory admits fewer when it is short")
+    context_length: int = option(0, "longest sequence (prompt + output); 0: the model's maximum. Costs nothing until "
+                                 "a request uses it: KV memory is paged")
+    page_size: int = option(16, "tokens per KV page: the unit of KV memory and of prefix sharing")
+    max_total_tokens: int = option(0, "KV memory in tokens, over every request and the prefix cache; 0: on CUDA, "
+                                   "what --mem-fraction-static leaves after the weights; on CPU, 131072")
+    mem_fraction_static: float = option(0.85, "CUDA, without --max-total-tokens: the fraction of the device's "
+                                        "memory that the weights and the KV memory take together")
+    chunked_prefill_size: int = option(2048, "most prompt tokens one step prefills, over every request: a longer "
+                                       "prompt is prefilled in chunks, batched with the running decodes; -1: off "
+                                       "(each prompt whole, within --max-prefill-tokens)")
+    max_prefill_tokens: int = option(16384, "with --chunked-prefill-size -1, the prompt tokens one step prefills; "
+                                     "a longer prompt is still admitted, alone")
+    disable_radix_cache: bool = option(False, "no prefix cache: every request prefills its whole prompt")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "
@@ -40,18 +51,29 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError(f"--dtype: unknown dtype {self.dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
-        require_positive(self, ("max_running_requests", "max_tokens_per_step", "max_top_logprobs", "logits_chunk_rows",
-                                "output_interval"))
+        require_positive(self, ("max_running_requests", "max_prefill_tokens", "max_top_logprobs", "logits_chunk_rows",
+                                "output_interval", "page_size"))
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size: must be positive, or -1 (off)")
+        if self.max_total_tokens < 0:
+            raise ValueError("--max-total-tokens: must be 0 (automatic) or positive")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static: must be in (0, 1)")
         if self.replay_window_s < 0 or self.replay_window_mb < 0:
             raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
-        if self.max_context < 0:
-            raise ValueError("--max-context: must be 0 (automatic) or positive")
+        if self.context_length < 0:
+            raise ValueError("--context-length: must be 0 (the model's maximum) or positive")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests: must be 0 (automatic) or positive")
         if self.engine not in ("model", "synthetic"):
             raise ValueError(f"--engine: expected model or synthetic, not {self.engine!r}")
         if not self.step_ms >= 0:  # also refuses nan
             raise ValueError("--step-ms: must not be negative")
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prompt tokens one step prefills."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
 
     @property
     def waiting_limit(self) -> int:

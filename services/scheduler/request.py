@@ -15,9 +15,11 @@ from services.scheduler.sampling.logit_adjust import LogitAdjustment
 class RequestStatus(enum.Enum):
     """Where a request is; the scheduling policy (engine/scheduler.py) alone moves it, through ALLOWED."""
 
-    WAITING = "waiting"  # accepted, holds no KV: its prefill is its prompt
-    RUNNING = "running"  # holds KV: decoding one token per step
-    RETRACTED = "retracted"  # dropped its KV (pause "retract"): waits to be prefilled again, prompt and output
+    WAITING = "waiting"  # accepted, holds no KV yet
+    RUNNING = "running"  # holds KV pages and a request slot: prefilling (in chunks) or decoding a token per step
+    # Dropped its KV (pause "retract", or preempted when pages ran short; its full pages stay in the prefix cache):
+    # waits, first in line, to be prefilled again, prompt and output so far.
+    RETRACTED = "retracted"
     FINISHED = "finished"
 
 
@@ -93,8 +95,17 @@ class Request:
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet
     status: RequestStatus = RequestStatus.WAITING
-    slot: int = -1  # its KV slot while RUNNING
+    slot: int = -1  # its row of per-request sampling state while RUNNING
     output_ids: list[int] = field(default_factory=list)
+    # KV: the pages of its sequence (prompt then output), and how many of its tokens they hold so far.
+    page_table: list[int] = field(default_factory=list)
+    computed: int = 0
+    committed_pages: int = 0  # leading full pages put in the prefix cache
+    kv_epoch: int = 0  # the prefix cache's epoch when its KV began (older KV is never cached)
+    cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
+    admitted: bool = False  # it ran once (cached_tokens is known)
+    sampling_ready: bool = False  # its per-slot sampling state was set since it took its slot
+    prompt_logprobs: LogprobRows | None = None  # the prompt's rows, gathered chunk by chunk until they ship
     prompt_logprobs_sent: bool = False  # a request prefilled again (after a retract) does not send them twice
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
@@ -113,9 +124,12 @@ class Request:
         return self.logprob_start_len >= 0 and not self.prompt_logprobs_sent
 
     @property
-    def prefill_ids(self) -> np.ndarray:
-        """What its prefill runs: the prompt and the output so far (some, after a retract), whose logits give the
-        next token."""
+    def decoding(self) -> bool:
+        """Its KV holds every token but the last: its next row is one token."""
+        return self.computed == self.length - 1
+
+    def sequence(self) -> np.ndarray:
+        """Its tokens: the prompt, then the output so far."""
         if not self.output_ids:
             return self.input_ids
         return np.concatenate([self.input_ids, np.asarray(self.output_ids, dtype=np.int64)])

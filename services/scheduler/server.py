@@ -43,7 +43,15 @@ from services.common.model_store import model_name, resolve_model
 from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine.control import AbortAll, Continue, Control, Pause, SetWeightVersion, UpdateWeights
+from services.scheduler.engine.control import (
+    AbortAll,
+    Continue,
+    Control,
+    FlushCache,
+    Pause,
+    SetWeightVersion,
+    UpdateWeights,
+)
 from services.scheduler.engine.engine import Engine, QueueFull
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.synthetic import SyntheticRunner
@@ -67,14 +75,16 @@ class SchedulerService:
                  weights: ServedWeights | None = None, grammars: Grammars | None = None):
         """`weights`: the model's, for updates in place (None: --engine synthetic has none); `grammars`: compiles
         structured-output constraints (None: they are refused)."""
+        kv_tokens = (runner.num_pages - 1) * runner.page_size
         self.limits = SubmitLimits(vocab_size=runner.vocab_size, max_context=runner.max_context,
-                             max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
-                             output_interval=config.output_interval)
+                                   max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
+                                   output_interval=config.output_interval, max_total_tokens=kv_tokens)
         self.model_info = ModelInfo(
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex)
+            max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex,
+            max_total_tokens=kv_tokens, page_size=runner.page_size, prefix_cache=not config.disable_radix_cache)
         self.config = config
         self.grammars = grammars
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
@@ -211,6 +221,9 @@ class SchedulerService:
     async def abort_all(self, request: AbortAllRequest, context) -> ControlReply:
         return await self._control(AbortAll())
 
+    async def flush_cache(self, request: Empty, context) -> ControlReply:
+        return await self._control(FlushCache())
+
     async def update_weight_version(self, request: UpdateWeightVersionRequest, context) -> ControlReply:
         if not request.new_version:
             return self._refused("new_version: must not be empty")
@@ -245,12 +258,12 @@ async def serve(config: SchedulerConfig) -> None:
     model_dir = resolve_model(config.model, config.cache_dir)
     runner: StepRunner
     if config.engine == "synthetic":
-        runner = await asyncio.to_thread(SyntheticRunner, model_dir, config.max_context, config.max_running_requests,
-                                         config.max_top_logprobs, config.step_ms)
+        runner = await asyncio.to_thread(SyntheticRunner, model_dir, config.context_length, config.max_top_logprobs,
+                                         config.step_ms, config.page_size, config.max_total_tokens)
     else:
         runner = await asyncio.to_thread(
-            ModelRunner, model_dir, config.device, config.dtype, config.max_context, config.max_running_requests,
-            config.logits_chunk_rows)
+            ModelRunner, model_dir, config.device, config.dtype, config.context_length, config.max_running_requests,
+            config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's

@@ -1,5 +1,5 @@
-"""One step as the engine sees it: what it runs on (a StepRunner: the model, or the synthetic stand-in) and what
-it returns (StepResult, the step's host arrays)."""
+"""One step as the engine sees it: what it computes (a Batch of rows, from the scheduling policy), what it runs on
+(a StepRunner: the model, or the synthetic stand-in) and what it returns (StepResult, the step's host arrays)."""
 
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -8,18 +8,55 @@ import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
 
-from services.scheduler.model.kv_cache import SlotPool
 from services.scheduler.request import Request
 
 
 @dataclass
-class StepResult:
-    """What one step over `decode` then `prefill` rows produced, on the host."""
+class BatchRow:
+    """Positions [start, end) of the request's sequence: one token while it decodes, a chunk of its prompt (and,
+    after a retract, its output so far) while it prefills. A row that reaches the end of the sequence samples
+    the next token (`samples`, as of when the row was made: the sequence grows by that token)."""
 
-    next_ids: np.ndarray  # [rows] the token each row sampled
-    # [rows] logprob rows at the widest requesting row's width (k, m); None when no row asked for logprobs
+    request: Request
+    start: int
+    end: int
+    samples: bool = field(init=False)
+
+    def __post_init__(self):
+        self.samples = self.end == self.request.length
+
+    @property
+    def prompt_positions(self) -> range:
+        """The prompt positions whose logprob rows this row computes: position q's row comes from the hidden
+        state at q - 1, which this row holds for q - 1 in [start, end); none when the request owes none."""
+        request = self.request
+        if not request.owes_prompt_logprobs:
+            return range(0)
+        return range(max(self.start + 1, request.prompt_logprob_start), min(self.end + 1, request.prompt_len))
+
+
+@dataclass
+class Batch:
+    """A step's rows: the decoding rows (one token each) first, then the prefill chunks."""
+
+    rows: list[BatchRow]
+
+    @property
+    def sampling(self) -> list[BatchRow]:
+        return [row for row in self.rows if row.samples]
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+@dataclass
+class StepResult:
+    """What one step produced, on the host."""
+
+    next_ids: np.ndarray  # per sampling row (Batch.sampling, in order): its token
+    # per sampling row, at the widest requesting row's width (k, m); None when no such row asked for logprobs
     output: LogprobRows[np.ndarray] | None = None
-    # per prefill row that owes prompt logprobs, in row order: its rows for positions [prompt_logprob_start, L)
+    # per row with prompt positions (BatchRow.prompt_positions), in row order: their rows
     prompt: list[LogprobRows[np.ndarray]] = field(default_factory=list)
 
 
@@ -31,11 +68,9 @@ class StepRunner(Protocol):
     eos_token_ids: list[int]
     device: torch.device
     dtype: torch.dtype
+    num_pages: int  # of the KV memory, page 0 (padding) included
+    page_size: int
 
-    @property
-    def cache(self) -> SlotPool:  # read-only here, so that the model's SlotKVCache qualifies
-        ...
-
-    def step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
-        """One step: a token for each of `decode` (running) and `prefill` (just admitted) rows."""
+    def step(self, batch: Batch) -> StepResult:
+        """One step: the KV of every row's tokens, and a token for each row that samples."""
         ...

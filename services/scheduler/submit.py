@@ -40,6 +40,7 @@ class SubmitLimits:
     max_top_logprobs: int
     eos_token_ids: tuple[int, ...]
     output_interval: int  # tokens per entry of a request that does not stream (--output-interval)
+    max_total_tokens: int = 1 << 62  # the KV memory: a sequence longer than it can never run
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -62,6 +63,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     _check_ids(input_ids, "input_ids", limits.vocab_size)
     _check(len(input_ids) < limits.max_context, "input_ids",
            f"{len(input_ids)} tokens leave no room to generate within max_context {limits.max_context}")
+    _check(len(input_ids) < limits.max_total_tokens, "input_ids",
+           f"{len(input_ids)} tokens do not fit the KV memory of {limits.max_total_tokens} tokens (max_total_tokens)")
     _check(msg.stream_interval <= MAX_STREAM_INTERVAL, "stream_interval", f"must be at most {MAX_STREAM_INTERVAL}")
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS if sampling.max_new_tokens is None else sampling.max_new_tokens
     temperature = 1.0 if sampling.temperature is None else sampling.temperature
@@ -78,6 +81,11 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     repetition_penalty = 1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty
     _check(0 < repetition_penalty < math.inf, "sampling.repetition_penalty", "must be a finite number > 0")
     _check(sampling.min_new_tokens <= max_new_tokens, "sampling.min_new_tokens", "must not exceed max_new_tokens")
+    # Its whole sequence must fit the KV memory at once (past the context it ends anyway: LENGTH).
+    longest = min(len(input_ids) + max_new_tokens, limits.max_context)
+    _check(longest <= limits.max_total_tokens, "sampling.max_new_tokens",
+           f"{len(input_ids)} prompt tokens + {max_new_tokens} new ones do not fit the KV memory of "
+           f"{limits.max_total_tokens} tokens (max_total_tokens)")
     _check_ids(list(sampling.logit_bias), "sampling.logit_bias", limits.vocab_size)
     _check(all(map(math.isfinite, sampling.logit_bias.values())), "sampling.logit_bias", "biases must be finite")
 

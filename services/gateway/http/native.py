@@ -13,7 +13,7 @@ from contextlib import aclosing
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from flatwire_wire.scheduler import LogprobParams, SamplingParams
+from flatwire_wire.scheduler import LogprobParams, SamplingParams, SchedulerStats
 from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -24,13 +24,15 @@ from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
 from services.gateway.http.prompts import encode_checked
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, is_id_lists
+from services.gateway.rollout import control_response
 
 log = logging.getLogger("flatwire.gateway")
 router = APIRouter()
 
 # How long /health_generate waits for its one-token generation (SGLang's HEALTH_CHECK_TIMEOUT is 20 s).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-FLUSH_CACHE_TEXT = "Cache flushed.\nflatwire keeps no prefix cache: there was nothing to flush.\n"
+# SGLang's answer (sglang/srt/entrypoints/http_server.py), with each replica's.
+FLUSH_CACHE_NOTE = "(When there are running or waiting requests, the operation will not be performed.)"
 
 
 def _version() -> str:
@@ -108,16 +110,27 @@ async def server_info(request: Request) -> Response:
         "eos_token_ids": list(info.eos_token_ids),
         "max_top_logprobs": info.max_top_logprobs,
         "max_running_requests": info.max_running_requests,  # per scheduler replica
-        # Each running request holds one slot of max_context tokens (services/scheduler/kv_cache.py).
-        "max_total_num_tokens": info.max_running_requests * info.max_context,
+        "max_total_num_tokens": info.max_total_tokens,  # of each replica's KV memory
+        "page_size": info.page_size,
+        # Each replica's KV memory now (from its last health round): pages held, cached, free; the prefix cache.
+        "kv_memory": {address: _kv_memory(replica.stats) for address, replica in engine.schedulers.replicas.items()},
         "scheduler_replicas": len(engine.schedulers.replicas),
         "detokenizers": len(engine.detokenizers.addresses),
         "max_batch_size": config.max_batch_size,
         "max_outstanding_requests": engine.admission_limit,
-        "disable_radix_cache": True,  # no prefix cache: /flush_cache is a no-op, cached_tokens always 0
+        "disable_radix_cache": not info.prefix_cache,
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
     })
+
+
+def _kv_memory(stats: SchedulerStats | None) -> dict | None:
+    if stats is None:
+        return None
+    return {"pages": stats.kv_pages_total, "page_size": stats.page_size, "pages_used": stats.kv_pages_used,
+            "pages_cached": stats.kv_pages_cached, "tokens_used": stats.kv_tokens_used,
+            "running": stats.running, "waiting": stats.waiting, "prefill_tokens": stats.prefill_tokens,
+            "cached_prompt_tokens": stats.cached_prompt_tokens, "retractions": stats.retractions}
 
 
 @router.get("/version")
@@ -129,9 +142,14 @@ async def version() -> Response:
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache() -> Response:
-    """SGLang empties its prefix cache; flatwire has none, so this succeeds at once."""
-    return Response(FLUSH_CACHE_TEXT, media_type="text/plain")
+async def flush_cache(request: Request) -> Response:
+    """SGLang's: empty every replica's prefix cache; 400 when one refuses (requests run or wait) or does not
+    answer. An admin route (http/auth.py)."""
+    gateway = gateway_of(request)
+    response = control_response(await gateway.engine.schedulers.control(lambda client: client.flush_cache()))
+    lines = [f"{address}: {reply.message}" for address, reply in sorted(response.replicas.items())]
+    text = "\n".join(["Cache flushed." if response.success else "Cache not flushed.", *lines, FLUSH_CACHE_NOTE, ""])
+    return Response(text, status_code=200 if response.success else 400, media_type="text/plain")
 
 
 def _health_input() -> GenerateInput:

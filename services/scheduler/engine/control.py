@@ -1,6 +1,7 @@
-"""Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates and
-weight_version relabelling. They join the engine's inbox with new requests and aborts, so that the engine thread
-alone decides when each applies: always between two steps (engine.py says how)."""
+"""Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates,
+weight_version relabelling and flushing the prefix cache. They join the engine's inbox with new requests and
+aborts, so that the engine thread alone decides when each applies: always between two steps (engine.py says
+how)."""
 
 import concurrent.futures
 from collections.abc import Callable
@@ -40,6 +41,11 @@ class UpdateWeights(Control):
     abort_all_requests: bool
     weight_version: str | None  # None: the version stays
     aborted_requests: int = 0
+
+
+@dataclass(kw_only=True)
+class FlushCache(Control):
+    pass
 
 
 @dataclass(kw_only=True)

@@ -1,10 +1,11 @@
 """Continuous batching: the engine thread.
 
 Each iteration takes new requests, aborts and control commands from the inbox, ends the
-aborted requests, lets the scheduling policy (scheduler.py) admit waiting ones, runs one
-step over every running request plus the admitted prompts, and publishes a StepMessage
-with what ships (requests that stream every step; the others every --output-interval
-tokens and when they end: request.py PendingOutput) and what started and finished.
+aborted requests, lets the scheduling policy (scheduler.py) choose the step's rows (every
+decoding request, prefill chunks, newly admitted requests) within the KV memory, runs one
+step over them, and publishes a StepMessage with what ships (requests that stream every
+step; the others every --output-interval tokens and when they end: request.py
+PendingOutput), the prompt logprobs of prefills that ended, and what started and finished.
 Requests join and leave between steps. The thread blocks while there is no work.
 
 Rollout control (RL trainers, control.py) goes through the same inbox, so that the engine
@@ -15,7 +16,9 @@ thread alone decides when it takes effect, always between two steps:
   continue: under whatever weights are in place by then.
 - a weight update waits until it is safe: while running requests finish on the old weights
   nothing is admitted (abort_all_requests: they are aborted instead); while paused it applies
-  at once, and the requests kept in place continue on the new weights.
+  at once, and the requests kept in place continue on the new weights. The prefix cache is
+  flushed with every update and weight_version change: no KV of the old weights serves a new
+  request (nor do the requests kept in place put theirs in the cache).
 - before weights or their version change, every running request's pending output ships,
   labelled with the version that produced it (StepMessage.weight_version): no entry straddles
   a change, so the gateway knows which weights made each token.
@@ -33,24 +36,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flatwire_wire.control import ControlReply, PauseMode
+from flatwire_wire.logprobs import LogprobRows
 from flatwire_wire.scheduler import AbortRequest, SchedulerStats
 from flatwire_wire.steps import Finish, FinishReason, StepMessage
 
+from services.scheduler.cache.pages import PagePool
+from services.scheduler.cache.prefix_cache import PrefixCache
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import (
     ABORTING_PAUSES,
     AbortAll,
     Continue,
     Control,
+    FlushCache,
     Pause,
     SetWeightVersion,
     UpdateWeights,
     stopped_reply,
 )
-from services.scheduler.engine.scheduler import Scheduler
+from services.scheduler.engine.scheduler import Scheduler, SlotPool
 from services.scheduler.output.step_output import step_message
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.step import StepResult, StepRunner
+from services.scheduler.step import Batch, StepResult, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +88,19 @@ class Engine:
         self.config = config
         self.publish = publish
         self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
-        self.scheduler = Scheduler(runner.cache, config.max_tokens_per_step)
-        self.stats = SchedulerStats(kv_slots_total=runner.cache.num_slots)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: set[str] = set()  # rids submitted and not yet finished
-        self._live_lock = threading.Lock()
-        # Requests held at once: one per KV slot running, plus the waiting list's bound.
-        self._live_limit = runner.cache.num_slots + config.waiting_limit
+        self.pages = PagePool(runner.num_pages, runner.page_size)
+        self.prefix_cache = PrefixCache(self.pages, enabled=not config.disable_radix_cache)
+        self.scheduler = Scheduler(SlotPool(config.max_running_requests), self.pages, self.prefix_cache,
+                                   config.prefill_budget, chunked=config.chunked_prefill_size > 0)
         self._step = 0
         self._finished_total = 0
         self._aborted_total = 0
+        self._update_stats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: set[str] = set()  # rids submitted and not yet finished
+        self._live_lock = threading.Lock()
+        # Requests held at once: the running ones, plus the waiting list's bound.
+        self._live_limit = config.max_running_requests + config.waiting_limit
         self.weight_version = DEFAULT_WEIGHT_VERSION  # written by the engine thread only
         self._paused = False
         self._held_updates: list[UpdateWeights] = []  # waiting for the running requests to finish
@@ -115,7 +125,7 @@ class Engine:
                 return False
             if len(self._live) >= self._live_limit:
                 raise QueueFull(f"this scheduler is full: {len(self._live)} requests are running or waiting "
-                                f"({self.runner.cache.num_slots} run at once, at most {self.config.waiting_limit} "
+                                f"({self.config.max_running_requests} run at once, at most {self.config.waiting_limit} "
                                 f"wait: max_waiting_requests); retry later")
             self._live.add(request.rid)
         self._inbox.put(request)
@@ -195,35 +205,53 @@ class Engine:
             if (reply := self._control(control, out)) is not None:  # None: a weight update, answered once applied
                 control.done.set_result(reply)
         self._apply_held_updates(out)
-        stepping = not self._paused
-        decode = list(self.scheduler.running) if stepping else []
         # A held update waits for the running requests: none is admitted meanwhile.
-        prefill = self.scheduler.admit() if stepping and not self._held_updates else []
-        rows, result = decode + prefill, None
-        if rows:
+        batch = self.scheduler.schedule(admit=not self._held_updates) if not self._paused else Batch([])
+        result, shipped_prompts = None, []
+        if batch:
             try:
-                result = self.runner.step(decode, prefill)
+                result = self.runner.step(batch)
             except Exception as exc:  # keep serving: fail this step's requests, not the process
                 log.exception("step failed")
-                out.finished += [self._finish(r, FinishReason.ERROR, message=f"scheduler step failed: {exc}")
-                                 for r in rows]
-                rows, prefill = [], []
+                out.finished += [self._finish(row.request, FinishReason.ERROR, message=f"scheduler step failed: {exc}")
+                                 for row in batch.rows]
             else:
-                for request, finish in self._advance(rows, result):
+                self.scheduler.computed(batch)
+                shipped_prompts = self._gather_prompt_rows(batch, result)
+                for request, finish in self._advance(batch, result):
                     out.end(request, finish)
         # An ended request ships what it has left with its Finish (an aborted one too: the client gets
         # the tokens it had); the others when an entry's worth is pending.
         shipping = [r for r in out.ended if r.pending.count] + [
-            r for r in rows if r.status is RequestStatus.RUNNING and r.pending.due]
-        prompt_requests = [r for r in prefill if r.owes_prompt_logprobs]
-        if rows:
+            row.request for row in batch.sampling
+            if row.request.status is RequestStatus.RUNNING and row.request.pending.due]
+        if batch:
             self._step += 1
         self._update_stats()  # before publishing: a subscriber never sees stats older than the step
-        if out.new or shipping or out.finished or prompt_requests:
-            self.publish(step_message(self._step, out.new, shipping, result, prompt_requests, out.finished,
+        if out.new or shipping or out.finished or shipped_prompts:
+            self.publish(step_message(self._step, out.new, shipping, shipped_prompts, out.finished,
                                       self.weight_version))
-            for request in prompt_requests:
-                request.prompt_logprobs_sent = True
+            for request in shipped_prompts:
+                request.prompt_logprobs_sent, request.prompt_logprobs = True, None
+
+    def _gather_prompt_rows(self, batch: Batch, result: StepResult) -> list[Request]:
+        """Copy each row's prompt logprob rows into its request's; the requests whose prompt is whole now (the row
+        reached its end), to ship them."""
+        rows = iter(result.prompt)
+        whole = []
+        for row in batch.rows:
+            request, positions = row.request, row.prompt_positions
+            if not request.owes_prompt_logprobs:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = LogprobRows.allocate(request.prompt_len - request.prompt_logprob_start,
+                                                               request.top_logprobs_num,
+                                                               len(request.token_ids_logprob))
+            if len(positions):
+                request.prompt_logprobs.put(positions.start - request.prompt_logprob_start, next(rows))
+            if row.end >= request.prompt_len:
+                whole.append(request)
+        return whole
 
     def _drain_inbox(self, block: bool) -> tuple[list[Request], list[AbortRequest], list[Control]]:
         new, aborts, controls = [], [], []
@@ -265,6 +293,12 @@ class Engine:
                 aborted = self._abort_all(out, "aborted: weight version update") if control.abort_all_requests else 0
                 self._set_version(control.version, out)
                 return self._reply(f"Weight version updated to {control.version}.", aborted_requests=aborted)
+            case FlushCache():
+                if self.scheduler.requests:  # as SGLang: their KV may be cached yet
+                    return ControlReply(success=False, weight_version=self.weight_version, message=(
+                        f"Cache not flushed: {len(self.scheduler.requests)} requests are running or waiting."))
+                self.prefix_cache.flush()
+                return self._reply("Cache flushed.")
         raise TypeError(f"unknown control command {control!r}")
 
     def _reply(self, message: str, **fields) -> ControlReply:
@@ -282,6 +316,7 @@ class Engine:
         if not self._held_updates or (self.scheduler.running and not self._paused):
             return
         self._ship(out)
+        self.prefix_cache.flush()  # KV of the old weights serves no new request
         for update in self._held_updates:
             update.install()
             if update.weight_version is not None:
@@ -295,19 +330,21 @@ class Engine:
     def _set_version(self, version: str, out: _Outgoing) -> None:
         if version != self.weight_version:
             self._ship(out)
+            self.prefix_cache.flush()
             self.weight_version = version
 
     def _ship(self, out: _Outgoing) -> None:
         """Publish what `out` holds and every held request's pending output now, under the current version."""
         shipping = [r for r in [*out.ended, *self.scheduler.requests] if r.pending.count]  # retracted ones too
         if out.new or shipping or out.finished:
-            self.publish(step_message(self._step, out.new, shipping, None, [], out.finished, self.weight_version))
+            self.publish(step_message(self._step, out.new, shipping, [], out.finished, self.weight_version))
         out.new, out.finished, out.ended = [], [], []
 
-    def _advance(self, rows: list[Request], result: StepResult) -> list[tuple[Request, Finish]]:
-        """Append each row's new token (to its output and its pending entry); finish the requests that are done."""
+    def _advance(self, batch: Batch, result: StepResult) -> list[tuple[Request, Finish]]:
+        """Append each sampled token (to its request's output and pending entry); finish the requests that are done."""
         done = []
-        for row, (request, token) in enumerate(zip(rows, result.next_ids.tolist())):
+        for row, (sampled, token) in enumerate(zip(batch.sampling, result.next_ids.tolist())):
+            request = sampled.request
             if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
                 done.append((request, self._finish(request, FinishReason.LENGTH)))
                 continue
@@ -329,18 +366,24 @@ class Engine:
         else:
             self._finished_total += 1
         return Finish(rid=request.rid, reason=reason, matched_token=matched_token, matched_stop=matched_stop,
-                      message=message, output_tokens=len(request.output_ids))
+                      message=message, output_tokens=len(request.output_ids), cached_tokens=request.cached_tokens)
 
     def _update_stats(self) -> None:
         # Swapped whole so that GetStats (another thread) reads a consistent snapshot.
-        running = self.scheduler.running
+        scheduler, pages = self.scheduler, self.pages
+        held = pages.usable - pages.free - pages.evictable  # by requests (some also cached)
         self.stats = SchedulerStats(
-            running=len(running),
-            waiting=len(self.scheduler.waiting),
-            kv_slots_used=self.runner.cache.used_slots,
-            kv_slots_total=self.runner.cache.num_slots,
-            kv_tokens_used=sum(r.length for r in running),
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_tokens_used=sum(r.computed for r in scheduler.running),
             steps=self._step,
             finished=self._finished_total,
             aborted=self._aborted_total,
+            kv_pages_total=pages.usable,
+            kv_pages_used=held,
+            kv_pages_cached=self.prefix_cache.nodes,
+            page_size=pages.page_size,
+            prefill_tokens=scheduler.prefill_tokens,
+            cached_prompt_tokens=scheduler.cached_prompt_tokens,
+            retractions=scheduler.retractions,
         )

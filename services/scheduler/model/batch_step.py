@@ -1,6 +1,7 @@
-"""One model step for a scheduled batch: forward, logprobs, sampling, one host copy."""
+"""One model step for a scheduled batch: forward over every row's tokens, then for the rows that sample the
+logits, their adjustments and masks, the draw and the logprob rows, and for prefill rows the prompt's logprob
+rows; one host copy."""
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -12,32 +13,7 @@ from services.scheduler.request import Request
 from services.scheduler.sampling.grammar import ConstrainedRow, TokenMask, accept_tokens
 from services.scheduler.sampling.logit_adjust import AdjustedRow, SlotPenalties, adjust_logits
 from services.scheduler.sampling.sampler import SamplingBatch, chunked_logprob_rows, logprob_rows, sample
-from services.scheduler.step import StepResult
-
-
-@dataclass
-class StepTokens:
-    """The step's flat sequence: decode tokens first, then whole prompts."""
-
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slots: np.ndarray  # [T]
-    decode_lengths: np.ndarray  # [num_decode] sequence length (position + 1) of each decode token
-    prefill_lengths: np.ndarray  # [num_prefill]
-
-
-def _flat_tokens(decode: list[Request], prefill: list[Request]) -> StepTokens:
-    prefill_ids = [r.prefill_ids for r in prefill]
-    lengths = np.array([len(ids) for ids in prefill_ids], dtype=np.int64)
-    return StepTokens(
-        input_ids=np.concatenate([np.array([r.output_ids[-1] for r in decode], dtype=np.int64), *prefill_ids]),
-        positions=np.concatenate([np.array([r.length - 1 for r in decode], dtype=np.int64),
-                                  *(np.arange(n) for n in lengths)]),
-        slots=np.concatenate([np.array([r.slot for r in decode], dtype=np.int64),
-                              np.repeat(np.array([r.slot for r in prefill], dtype=np.int64), lengths)]),
-        decode_lengths=np.array([r.length for r in decode], dtype=np.int64),
-        prefill_lengths=lengths,
-    )
+from services.scheduler.step import Batch, BatchRow, StepResult
 
 
 class Model(Protocol):
@@ -46,11 +22,22 @@ class Model(Protocol):
     device: torch.device
     penalties: SlotPenalties
     token_mask: TokenMask
-    def forward(self, step: StepTokens) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the step's tokens."""
+
+    def forward(self, batch: Batch, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's tokens (each row's, in row order)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of the given hidden rows."""
+
+
+def row_tokens(row: BatchRow) -> np.ndarray:
+    """The token ids at positions [start, end) of the row's sequence (prompt, then output)."""
+    request = row.request
+    if row.end <= request.prompt_len:
+        return request.input_ids[row.start:row.end]
+    if row.end - row.start == 1:  # a decoding row: its last output token
+        return np.array([request.output_ids[row.start - request.prompt_len]], dtype=np.int64)
+    return request.sequence()[row.start:row.end]
 
 
 def _padded_ids(requests: list[Request], device) -> torch.Tensor:
@@ -62,42 +49,45 @@ def _padded_ids(requests: list[Request], device) -> torch.Tensor:
     return torch.from_numpy(ids).to(device)
 
 
-def run_step(runner: Model, decode: list[Request], prefill: list[Request], chunk_rows: int) -> StepResult:
-    """Rows are decode requests then prefill requests."""
-    rows = decode + prefill
-    step = _flat_tokens(decode, prefill)
+def run_step(runner: Model, batch: Batch, chunk_rows: int) -> StepResult:
+    rows = batch.rows
+    counts = np.array([row.end - row.start for row in rows], dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # each row's first flat index
+    input_ids = np.concatenate([row_tokens(row) for row in rows])
+    positions = np.concatenate([np.arange(row.start, row.end) for row in rows])
     with torch.inference_mode():
-        hidden = runner.forward(step)
-        prompt_ends = len(decode) + np.cumsum(step.prefill_lengths)
-        last_rows = torch.from_numpy(np.concatenate([np.arange(len(decode)), prompt_ends - 1])).to(runner.device)
-        logits = runner.logits(hidden[last_rows])
-        sampled = [(i, r) for i, r in enumerate(rows) if r.temperature > 0]
+        hidden = runner.forward(batch, input_ids, positions)
+        sampling = [i for i, row in enumerate(rows) if row.samples]
+        requests = [rows[i].request for i in sampling]
+        last = torch.from_numpy(first[sampling] + counts[sampling] - 1).to(runner.device)
+        logits = runner.logits(hidden[last])
+        sampled = [(i, r) for i, r in enumerate(requests) if r.temperature > 0]
         params = SamplingBatch(
             rows=[i for i, _ in sampled], temperature=[r.temperature for _, r in sampled],
             top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
             min_p=[r.min_p for _, r in sampled], generators=[r.generator(runner.device) for _, r in sampled])
-        constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
-        next_ids = _sample_adjusted(logits, rows, prefill, params, runner.penalties, runner.token_mask,
-                                    constrained)
+        constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        next_ids = _sample_adjusted(logits, requests, params, runner.penalties, runner.token_mask, constrained)
         output = None
-        if any(r.return_logprob for r in rows):
-            output = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in rows),
-                                  _padded_ids(rows, runner.device))
-        prompt = _prompt_logprobs(runner, hidden, prefill, prompt_ends, chunk_rows)
+        if any(r.return_logprob for r in requests):
+            output = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in requests),
+                                  _padded_ids(requests, runner.device))
+        prompt = _prompt_logprobs(runner, hidden, rows, first, chunk_rows)
         host_ids, host_output, host_prompt = copy_to_host(next_ids, output, prompt)
         accept_tokens(constrained, host_ids)
         return StepResult(next_ids=host_ids, output=host_output, prompt=host_prompt)
 
 
-def _sample_adjusted(logits: torch.Tensor, rows: list[Request], prefill: list[Request], params: SamplingBatch,
-                     penalties: SlotPenalties, mask: TokenMask,
-                     constrained: list[ConstrainedRow]) -> torch.Tensor:
+def _sample_adjusted(logits: torch.Tensor, requests: list[Request], params: SamplingBatch, penalties: SlotPenalties,
+                     mask: TokenMask, constrained: list[ConstrainedRow]) -> torch.Tensor:
     """Next tokens sampled from the logits as each request adjusts them (logit_adjust.py), then as the
     `constrained` rows' grammars allow (grammar.py); logprobs are taken from the unadjusted `logits`."""
-    for request in prefill:
-        if request.adjustment is not None and request.adjustment.counts_tokens:
-            penalties.start(request.slot, request.adjustment, request.input_ids, request.output_ids)
-    adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(rows)
+    for request in requests:
+        if not request.sampling_ready:  # it took its slot since it last sampled: the slot's penalties are not its
+            if request.adjustment is not None and request.adjustment.counts_tokens:
+                penalties.start(request.slot, request.adjustment, request.input_ids, request.output_ids)
+            request.sampling_ready = True
+    adjusted = [AdjustedRow(i, r.slot, len(r.output_ids), r.adjustment) for i, r in enumerate(requests)
                 if r.adjustment is not None]
     to_sample = adjust_logits(logits, adjusted, penalties)
     if constrained:  # masked in place: on a copy of `logits` unless the adjustments made one
@@ -107,25 +97,23 @@ def _sample_adjusted(logits: torch.Tensor, rows: list[Request], prefill: list[Re
     if counted:
         device = logits.device
         penalties.add(torch.tensor([a.slot for a in counted], device=device),
-                   next_ids[torch.tensor([a.row for a in counted], device=device)])
+                      next_ids[torch.tensor([a.row for a in counted], device=device)])
     return next_ids
 
 
-def _prompt_logprobs(runner: Model, hidden: torch.Tensor, prefill: list[Request], prompt_ends: np.ndarray,
+def _prompt_logprobs(runner: Model, hidden: torch.Tensor, rows: list[BatchRow], first: np.ndarray,
                      chunk_rows: int) -> list[LogprobRows[torch.Tensor]]:
-    """Prompt logprob rows of each prefill owing them, in request order.
-
-    Position p's logprob comes from the hidden state at p - 1, for p in [start, L).
-    """
+    """The prompt logprob rows each row computes (BatchRow.prompt_positions), in row order: position q's row
+    comes from the hidden state at q - 1."""
     parts = []
-    for request, end in zip(prefill, prompt_ends.tolist()):
-        if not request.owes_prompt_logprobs:
+    for row, begin in zip(rows, first.tolist()):
+        positions = row.prompt_positions
+        if not len(positions):
             continue
-        first = request.prompt_logprob_start
-        begin = end - len(request.prefill_ids)  # the request's first row in the flat sequence
-        targets = torch.from_numpy(request.input_ids[first:]).to(runner.device)
+        request = row.request
+        targets = torch.from_numpy(request.input_ids[positions.start:positions.stop]).to(runner.device)
         ids = torch.tensor([request.token_ids_logprob], dtype=torch.long, device=runner.device)
-        prompt_end = begin + request.prompt_len
-        parts.append(chunked_logprob_rows(hidden[begin + first - 1:prompt_end - 1], targets,
-                                          request.top_logprobs_num, ids, runner.logits, chunk_rows))
+        at = begin + positions.start - 1 - row.start  # the flat row of the hidden state at positions.start - 1
+        parts.append(chunked_logprob_rows(hidden[at:at + len(positions)], targets, request.top_logprobs_num, ids,
+                                          runner.logits, chunk_rows))
     return parts

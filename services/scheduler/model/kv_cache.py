@@ -1,40 +1,52 @@
-"""A fixed pool of KV-cache slots, one slot per running request.
+"""The KV memory's tensors: in every layer, keys and values for `num_pages` pages of `page_size` token slots.
 
-Each layer owns one key and one value tensor of shape
-[slots, kv_heads, max_context, head_dim]; a request holds one slot from admission
-to finish, and its token at position p lives at index p. Zero-filled so that
-masked-out positions never carry NaN into attention (0 * NaN is NaN).
+Each layer holds two tensors shaped [num_pages, page_size, kv_heads, head_dim]; token p of a request lives in page
+page_table[p // page_size] at offset p % page_size (cache/pages.py hands out the pages). Zero-filled, so that
+the padding a step's attention reads (page 0) never carries NaN into it (0 * NaN is NaN).
+
+How many pages: --max-total-tokens when given; else on CUDA what --mem-fraction-static of the device leaves
+after the weights, and on CPU DEFAULT_CPU_TOKENS.
 """
+
+import logging
 
 import torch
 
+log = logging.getLogger(__name__)
 
-class SlotPool:
-    """Which of `num_slots` slots are held; the engine's admission asks it for room."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    @property
-    def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
-
-    def allocate(self) -> int:
-        return self._free.pop()
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
+DEFAULT_CPU_TOKENS = 131072  # the KV memory of the former 32 slots x 4096 tokens
 
 
-class SlotKVCache(SlotPool):
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_context: int, head_dim: int,
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        super().__init__(num_slots)
-        shape = (num_slots, num_kv_heads, max_context, head_dim)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.num_pages = num_pages
+        self.page_size = page_size
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys and values of one token in every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_pages(max_total_tokens: int, page_size: int, token_bytes: int, device: torch.device,
+               mem_fraction_static: float) -> int:
+    """The pool's pages (page 0, the padding page, included) for --max-total-tokens or, on CUDA without it,
+    --mem-fraction-static of the device's memory less what the weights (already loaded) take."""
+    tokens = max_total_tokens
+    if not tokens and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        room = int(mem_fraction_static * total) - torch.cuda.memory_allocated(device)
+        if room <= 0:
+            raise ValueError(f"--mem-fraction-static {mem_fraction_static}: the weights already take "
+                             f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
+        tokens = room // token_bytes
+    tokens = tokens or DEFAULT_CPU_TOKENS
+    return max(tokens // page_size, 1) + 1

@@ -2,9 +2,9 @@
 
 The model is any local Hugging Face causal LM whose attention goes through
 transformers' AttentionInterface (Llama, Qwen2/3, Mistral without sliding window,
-...). Its attention is switched to `model/attention.py`, and KV lives in
-our slot pool rather than a transformers Cache, so requests can join and leave
-between steps without padding.
+...). Its attention is switched to `model/attention.py`, and KV lives in our paged
+pool (model/kv_cache.py) rather than a transformers Cache, so requests can join and
+leave between steps without padding, and share the pages of a common prefix.
 """
 
 import logging
@@ -14,17 +14,16 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from services.scheduler.model.attention import ATTENTION_NAME, FlatBatch
-from services.scheduler.model.batch_step import StepTokens, run_step
-from services.scheduler.model.kv_cache import SlotKVCache
-from services.scheduler.request import Request
+from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch
+from services.scheduler.model.batch_step import run_step
+from services.scheduler.model.kv_cache import KVPool, bytes_per_token, pool_pages
 from services.scheduler.sampling.grammar import TokenMask
 from services.scheduler.sampling.logit_adjust import SlotPenalties
-from services.scheduler.step import StepResult
+from services.scheduler.step import Batch, StepResult
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_MAX_CONTEXT = 4096  # of a config that states none
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,8 +52,13 @@ def eos_token_ids(model) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
+def model_max_context(config) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT)
+
+
 class ModelRunner:
-    def __init__(self, model_dir: Path, device: str, dtype: str, max_context: int, max_running: int,
+    def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
+                 page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
                  logits_chunk_rows: int = 256):
         self.logits_chunk_rows = logits_chunk_rows
         self.device = pick_device(device)
@@ -71,49 +75,36 @@ class ModelRunner:
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = eos_token_ids(self.model)
-        model_max = int(getattr(text_config, "max_position_embeddings", DEFAULT_MAX_CONTEXT))
-        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, model_max)
+        self.max_context = min(context_length or model_max_context(text_config), model_max_context(text_config))
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        self.cache = SlotKVCache(
-            num_layers=text_config.num_hidden_layers, num_slots=max_running,
-            num_kv_heads=text_config.num_key_value_heads, max_context=self.max_context,
-            head_dim=head_dim, dtype=self.dtype, device=self.device)
+        layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads
+        token_bytes = bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        self.page_size = page_size
+        self.num_pages = pool_pages(max_total_tokens, page_size, token_bytes, self.device, mem_fraction_static)
+        self.kv = KVPool(layers, self.num_pages, page_size, kv_heads, head_dim, self.dtype, self.device)
         self.penalties = SlotPenalties(max_running, self.vocab_size, self.device)
         self.token_mask = TokenMask(max_running, self.vocab_size, self.device)  # for structured output
-        log.info("loaded %s on %s (%s), vocab %d, max context %d, %d KV slots",
-                 model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
-                 self.max_context, max_running)
+        log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d tokens (%d pages of %d, %.2f GiB, %d "
+                 "bytes a token)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
+                 self.max_context, (self.num_pages - 1) * page_size, self.num_pages - 1, page_size,
+                 self.kv.bytes / 2**30, token_bytes)
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, step: StepTokens) -> torch.Tensor:
+    def forward(self, batch: Batch, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's tokens."""
-        num_decode = len(step.decode_lengths)
-        longest = int(step.decode_lengths.max(initial=0))
-        lengths = self._tensor(step.decode_lengths)
-        spans, first = [], num_decode
-        for length in step.prefill_lengths.tolist():
-            spans.append((first, length))
-            first += length
-        batch = FlatBatch(
-            cache=self.cache,
-            slots=self._tensor(step.slots),
-            positions=self._tensor(step.positions),
-            num_decode=num_decode,
-            decode_slots=self._tensor(step.slots[:num_decode]),
-            decode_mask=(torch.arange(longest, device=self.device) < lengths[:, None]).view(num_decode, 1, 1, longest),
-            prefill_spans=spans,
-        )
-        positions = batch.positions.unsqueeze(0)
+        paged = PagedBatch.build(self.kv, [row.request.page_table for row in batch.rows],
+                                 np.array([row.start for row in batch.rows], dtype=np.int64),
+                                 np.array([row.end for row in batch.rows], dtype=np.int64), self.device)
         out = self.decoder(
-            input_ids=self._tensor(step.input_ids).unsqueeze(0),
-            position_ids=positions,
+            input_ids=self._tensor(input_ids).unsqueeze(0),
+            position_ids=self._tensor(positions).unsqueeze(0),
             # A mask mapping tells transformers the masks are handled (by our attention).
             attention_mask={"full_attention": None, "sliding_attention": None},
             use_cache=False,
-            flat_batch=batch,
+            paged_batch=paged,
         )
         return out.last_hidden_state[0]
 
@@ -122,6 +113,6 @@ class ModelRunner:
         """float32 logits [rows, vocab] of the given hidden rows."""
         return self.lm_head(hidden).float()
 
-    def step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
-        """One model step over running `decode` and admitted `prefill` requests (batch_step.run_step)."""
-        return run_step(self, decode, prefill, self.logits_chunk_rows)
+    def step(self, batch: Batch) -> StepResult:
+        """One model step over the batch's rows (batch_step.run_step)."""
+        return run_step(self, batch, self.logits_chunk_rows)

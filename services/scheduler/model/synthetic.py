@@ -25,10 +25,9 @@ import torch
 from flatwire_wire.logprobs import LogprobRows
 from transformers import AutoConfig, AutoTokenizer
 
-from services.scheduler.model.kv_cache import SlotPool
-from services.scheduler.model.runner import DEFAULT_MAX_CONTEXT
-from services.scheduler.request import Request
-from services.scheduler.step import StepResult
+from services.scheduler.model.kv_cache import DEFAULT_CPU_TOKENS
+from services.scheduler.model.runner import model_max_context
+from services.scheduler.step import Batch, BatchRow, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +51,16 @@ def _eos_ids(model_dir: Path, config) -> list[int]:
 
 
 class SyntheticRunner:
-    def __init__(self, model_dir: Path, max_context: int, max_running: int, max_top_logprobs: int, step_ms: float):
+    """The model's shapes and messages without its weights; its KV memory is only the pages the policy counts."""
+
+    def __init__(self, model_dir: Path, context_length: int, max_top_logprobs: int, step_ms: float,
+                 page_size: int = 16, max_total_tokens: int = 0):
         config = AutoConfig.from_pretrained(model_dir).get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = _eos_ids(model_dir, config)
-        model_max = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_CONTEXT))
-        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, model_max)
-        self.cache = SlotPool(max_running)
+        self.max_context = min(context_length or model_max_context(config), model_max_context(config))
+        self.page_size = page_size
+        self.num_pages = (max_total_tokens or DEFAULT_CPU_TOKENS) // page_size + 1
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.step_s = step_ms / 1e3
         self._next_step_at = 0.0  # time.perf_counter() at which the next step may return
@@ -74,20 +76,20 @@ class SyntheticRunner:
         self.candidates = np.concatenate([unique[order], others[:missing]]).astype(np.int32)
         self.text = rank[inverse]  # the paragraph as indices into candidates
         self.values = (-0.25 - np.log(np.arange(1, max_top_logprobs + 2))).astype(np.float32)  # best first
-        log.info("synthetic engine (no weights) for %s: %g ms per step, vocab %d, max context %d, %d slots",
-                 model_dir, step_ms, self.vocab_size, self.max_context, max_running)
+        log.info("synthetic engine (no weights) for %s: %g ms per step, vocab %d, context %d, %d KV pages of %d",
+                 model_dir, step_ms, self.vocab_size, self.max_context, self.num_pages - 1, page_size)
 
     def _ids(self, first: np.ndarray, k: int) -> np.ndarray:
         """[len(first), k] distinct candidate ids, row i starting at candidate first[i]."""
         return self.candidates[(first[:, None] + np.arange(k)) % len(self.candidates)]
 
-    def step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
-        rows = decode + prefill
+    def step(self, batch: Batch) -> StepResult:
+        rows = [row.request for row in batch.sampling]
         # The new token's position is the sequence length so far (prompt + generated).
         where = np.array([((r.seed or 0) * SEED_STRIDE + r.length) % len(self.text) for r in rows], dtype=np.int64)
         chosen = self.text[where]
         result = StepResult(next_ids=self.candidates[chosen],
-                            prompt=[self._prompt_rows(r) for r in prefill if r.owes_prompt_logprobs])
+                            prompt=[self._prompt_rows(row) for row in batch.rows if len(row.prompt_positions)])
         if any(r.return_logprob for r in rows):
             k = max(r.top_logprobs_num for r in rows)
             m = max(len(r.token_ids_logprob) for r in rows)
@@ -100,10 +102,10 @@ class SyntheticRunner:
         self._next_step_at = max(now, self._next_step_at) + self.step_s
         return result
 
-    def _prompt_rows(self, request: Request) -> LogprobRows[np.ndarray]:
-        """Rows for prompt positions [prompt_logprob_start, prompt_len)."""
-        positions = np.arange(request.prompt_logprob_start, request.prompt_len)
-        k, m = request.top_logprobs_num, len(request.token_ids_logprob)
+    def _prompt_rows(self, row: BatchRow) -> LogprobRows[np.ndarray]:
+        """Rows for the prompt positions the row computes."""
+        positions = np.arange(row.prompt_positions.start, row.prompt_positions.stop)
+        k, m = row.request.top_logprobs_num, len(row.request.token_ids_logprob)
         return LogprobRows(np.full(len(positions), OTHER_LOGPROB, dtype=np.float32),
                            np.tile(self.values[:k], (len(positions), 1)), self._ids(positions, k),
                            np.full((len(positions), m), OTHER_LOGPROB, dtype=np.float32))

@@ -4,7 +4,6 @@ from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.steps import Finish, RequestStart, StepMessage
 
 from services.scheduler.request import Request
-from services.scheduler.step import StepResult
 
 NO_ROWS: LogprobRows = LogprobRows.allocate(0, 0, 0)  # the part of a request without logprobs in a block
 
@@ -14,18 +13,18 @@ def started(request: Request) -> RequestStart:
                         prompt_tokens=request.prompt_len)
 
 
-def step_message(step: int, new: list[Request], shipping: list[Request], result: StepResult | None,
-                 prompt_requests: list[Request], finished: list[Finish], weight_version: str) -> StepMessage:
+def step_message(step: int, new: list[Request], shipping: list[Request], prompt_requests: list[Request],
+                 finished: list[Finish], weight_version: str) -> StepMessage:
     """The message of one step; `shipping` requests' pending output becomes its entries (and is marked shipped),
-    every token of them produced by the weights labelled `weight_version`; `prompt_requests` (the prefills owing
-    prompt logprobs) get the result's prompt rows."""
+    every token of them produced by the weights labelled `weight_version`; `prompt_requests` (whose prefill
+    reached the end of the prompt) ship the prompt logprob rows they gathered."""
     output = None
     if any(r.return_logprob for r in shipping):
         output = LogprobBlock.of_rows([r.pending.shipped_rows() or NO_ROWS for r in shipping])
     prompt = None
     if prompt_requests:
-        assert result is not None and len(result.prompt) == len(prompt_requests), "the step computed their rows"
-        prompt = LogprobBlock.of_rows(result.prompt, [int(r.logprob_start_len == 0) for r in prompt_requests])
+        prompt = LogprobBlock.of_rows([r.prompt_logprobs or NO_ROWS for r in prompt_requests],
+                                      [int(r.logprob_start_len == 0) for r in prompt_requests])
     message = StepMessage(
         step=step,
         weight_version=weight_version,

@@ -18,7 +18,8 @@ class PauseMode(enum.IntEnum):
 
 
 @twin(scheduler_pb2.SubmitReply, scheduler_pb2.AbortReply, scheduler_pb2.StreamStepsRequest,
-      scheduler_pb2.ModelInfoRequest, scheduler_pb2.StatsRequest, generate_pb2.ModelInfoRequest)
+      scheduler_pb2.ModelInfoRequest, scheduler_pb2.StatsRequest, generate_pb2.ModelInfoRequest,
+      scheduler_pb2.FlushCacheRequest, generate_pb2.FlushCacheRequest)
 @dataclass
 class Empty:
     """The twin of the messages without fields."""

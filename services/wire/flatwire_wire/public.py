@@ -183,5 +183,6 @@ GENERATION = ServiceSpec(
            "PushWeights": (WeightsChunk, ControlResponse), "PauseGeneration": (PauseGenerationRequest, ControlResponse),
            "ContinueGeneration": (ContinueGenerationRequest, ControlResponse),
            "AbortAll": (AbortAllRequest, ControlResponse),
-           "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlResponse)},
+           "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlResponse),
+           "FlushCache": (Empty, ControlResponse)},
     response_protos={"Generate": generate_pb2.GenerateResponsePacked})

@@ -96,6 +96,9 @@ class ModelInfo:
     max_running_requests: int
     instance_id: str  # new each time the scheduler process starts
     weight_version: str = ""
+    max_total_tokens: int = 0  # the KV memory, in tokens
+    page_size: int = 0
+    prefix_cache: bool = False  # whether it keeps one (not --disable-radix-cache)
 
 
 @twin(scheduler_pb2.SchedulerStats)
@@ -103,12 +106,17 @@ class ModelInfo:
 class SchedulerStats:
     running: int = 0
     waiting: int = 0
-    kv_slots_used: int = 0
-    kv_slots_total: int = 0
     kv_tokens_used: int = 0
     steps: int = 0
     finished: int = 0
     aborted: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    kv_pages_cached: int = 0
+    page_size: int = 0
+    prefill_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    retractions: int = 0
 
 
 SCHEDULER = ServiceSpec(
@@ -119,7 +127,8 @@ SCHEDULER = ServiceSpec(
            "PushWeights": (WeightsChunk, ControlReply), "PauseGeneration": (PauseGenerationRequest, ControlReply),
            "ContinueGeneration": (ContinueGenerationRequest, ControlReply),
            "AbortAll": (AbortAllRequest, ControlReply),
-           "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply)})
+           "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
+           "FlushCache": (Empty, ControlReply)})
 
 
 class SchedulerServicer(Protocol):
@@ -136,6 +145,7 @@ class SchedulerServicer(Protocol):
     async def continue_generation(self, request: ContinueGenerationRequest, context: Any) -> ControlReply: ...
     async def abort_all(self, request: AbortAllRequest, context: Any) -> ControlReply: ...
     async def update_weight_version(self, request: UpdateWeightVersionRequest, context: Any) -> ControlReply: ...
+    async def flush_cache(self, request: Empty, context: Any) -> ControlReply: ...
 
 
 class SchedulerClient:
@@ -177,3 +187,6 @@ class SchedulerClient:
 
     async def update_weight_version(self, request: UpdateWeightVersionRequest) -> ControlReply:
         return await self._calls["UpdateWeightVersion"](request)
+
+    async def flush_cache(self) -> ControlReply:
+        return await self._calls["FlushCache"](EMPTY)

@@ -72,6 +72,7 @@ class Finish:
     # Output tokens the request produced, all told: a hop holds its whole output only with positions
     # 0..output_tokens-1 (wire rule 5).
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
 
 
 @twin(scheduler_pb2.RequestResume)

@@ -251,6 +251,10 @@ class AbortAllRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FlushCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("new_version", "abort_all_requests")
     NEW_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -83,6 +83,11 @@ class GenerationStub:
                 request_serializer=flatwire_dot_v1_dot_generate__pb2.UpdateWeightVersionRequest.SerializeToString,
                 response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/flatwire.v1.Generation/FlushCache',
+                request_serializer=flatwire_dot_v1_dot_generate__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -155,6 +160,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """Empty every replica's prefix cache; refused while requests run or wait (SGLang's /flush_cache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +213,11 @@ def add_GenerationServicer_to_server(servicer, server):
             'UpdateWeightVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightVersion,
                     request_deserializer=flatwire_dot_v1_dot_generate__pb2.UpdateWeightVersionRequest.FromString,
+                    response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=flatwire_dot_v1_dot_generate__pb2.FlushCacheRequest.FromString,
                     response_serializer=flatwire_dot_v1_dot_generate__pb2.ControlResponse.SerializeToString,
             ),
     }
@@ -450,6 +467,33 @@ class Generation:
             target,
             '/flatwire.v1.Generation/UpdateWeightVersion',
             flatwire_dot_v1_dot_generate__pb2.UpdateWeightVersionRequest.SerializeToString,
+            flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.v1.Generation/FlushCache',
+            flatwire_dot_v1_dot_generate__pb2.FlushCacheRequest.SerializeToString,
             flatwire_dot_v1_dot_generate__pb2.ControlResponse.FromString,
             options,
             channel_credentials,

@@ -149,20 +149,22 @@ class RequestStart(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("rid", "reason", "matched_token", "matched_stop", "message", "output_tokens")
+    __slots__ = ("rid", "reason", "matched_token", "matched_stop", "message", "output_tokens", "cached_tokens")
     RID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     reason: _arrays_pb2.FinishReason
     matched_token: int
     matched_stop: str
     message: str
     output_tokens: int
-    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version")
@@ -199,7 +201,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +212,9 @@ class ModelInfo(_message.Message):
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -220,31 +225,44 @@ class ModelInfo(_message.Message):
     max_running_requests: int
     instance_id: str
     weight_version: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    max_total_tokens: int
+    page_size: int
+    prefix_cache: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_slots_used", "kv_slots_total", "kv_tokens_used", "steps", "finished", "aborted")
+    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
-    KV_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
-    KV_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
-    kv_slots_used: int
-    kv_slots_total: int
     kv_tokens_used: int
     steps: int
     finished: int
     aborted: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ...) -> None: ...
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_cached: int
+    page_size: int
+    prefill_tokens: int
+    cached_prompt_tokens: int
+    retractions: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsFromDiskRequest(_message.Message):
     __slots__ = ("model_path", "load_format", "abort_all_requests", "weight_version")
@@ -279,6 +297,10 @@ class ContinueGenerationRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AbortAllRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushCacheRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -93,6 +93,11 @@ class SchedulerStub:
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.SerializeToString,
                 response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/FlushCache',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -174,6 +179,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """Empty the prefix cache; refused (success false) while requests run or wait, as SGLang's flush_cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +242,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'UpdateWeightVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightVersion,
                     request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.FlushCacheRequest.FromString,
                     response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
             ),
     }
@@ -533,6 +550,33 @@ class Scheduler:
             target,
             '/flatwire.internal.v1.Scheduler/UpdateWeightVersion',
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightVersionRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/FlushCache',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
             options,
             channel_credentials,
