@@ -215,7 +215,6 @@ def test_the_client_rid_names_the_request(http):
     body = {"sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     meta = generate(http, text=PROMPT, rid="my-request-1", **body)["meta_info"]
     assert meta["id"] == "my-request-1"
-    assert meta["cached_tokens"] == 0  # SGLang sends it always; there is no prefix cache here
     batch = generate(http, text=[PROMPT, "Another"], rid=["a-1", "a-2"], **body)
     assert [item["meta_info"]["id"] for item in batch] == ["a-1", "a-2"]
     for rid, text in ((["a", "a"], [PROMPT, PROMPT]), ("one", [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT)):

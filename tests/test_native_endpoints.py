@@ -53,13 +53,6 @@ def test_version(http):
     assert response.json() == {"version": importlib.metadata.version("flatwire")}
 
 
-@pytest.mark.parametrize("method", ["GET", "POST"])
-def test_flush_cache_is_a_no_op(http, method):
-    response = http.request(method, "/flush_cache")
-    assert response.status_code == 200
-    assert response.text.startswith("Cache flushed.")
-
-
 def test_health_generate(http):
     response = http.get("/health_generate")
     assert response.status_code == 200

@@ -318,6 +318,7 @@ class EngineClient:
             text=text,
             finish_reason=finish.reason,
             e2e_latency=time.perf_counter() - state.started_at,
+            cached_tokens=finish.cached_tokens,
             token_ids_logprob=list(state.inp.logprob.token_ids_logprob) or None,
             prompt=state.prompt,
             output=output,

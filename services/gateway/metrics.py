@@ -32,9 +32,11 @@ class GatewayMetrics:
         self.bytes_sent = Counter("flatwire_response_bytes", "response body bytes, by logprob format",
                                   ["format"], registry=self.registry)
 
-    def watch_admission(self, engine) -> None:
-        """Export the engine client's admission control (read at each scrape; the gRPC API's requests included)."""
+    def watch_engine(self, engine) -> None:
+        """Export the engine client's admission control (the gRPC API's requests included) and each scheduler
+        replica's KV memory and prefix cache (as of its last health round); read at each scrape."""
         self.registry.register(_AdmissionCollector(engine))
+        self.registry.register(_ReplicaCollector(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -56,6 +58,36 @@ class _AdmissionCollector:
                                 "gRPC)", value=self.engine.outstanding)
         yield GaugeMetricFamily("flatwire_admission_limit", "most generations this gateway holds at once",
                                 value=self.engine.admission_limit)
+
+
+# SchedulerStats field -> (metric, help); counters count since the replica started.
+REPLICA_GAUGES = {
+    "running": ("flatwire_scheduler_running_requests", "requests running in the replica"),
+    "waiting": ("flatwire_scheduler_waiting_requests", "requests waiting in the replica"),
+    "kv_pages_total": ("flatwire_kv_pages", "pages of the replica's KV memory"),
+    "kv_pages_used": ("flatwire_kv_pages_used", "KV pages that running requests hold"),
+    "kv_pages_cached": ("flatwire_kv_pages_cached", "KV pages the prefix cache holds (some also in use)"),
+}
+REPLICA_COUNTERS = {
+    "prefill_tokens": ("flatwire_prefill_tokens", "prompt tokens whose KV the replica computed"),
+    "cached_prompt_tokens": ("flatwire_cached_prompt_tokens", "prompt tokens found in the prefix cache"),
+    "retractions": ("flatwire_retractions", "running requests retracted (preempted) for want of KV pages"),
+}
+
+
+class _ReplicaCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        replicas = [(address, replica.stats) for address, replica in self.engine.schedulers.replicas.items()
+                    if replica.stats is not None]
+        for fields, family in ((REPLICA_GAUGES, GaugeMetricFamily), (REPLICA_COUNTERS, CounterMetricFamily)):
+            for field, (name, help_text) in fields.items():
+                metric = family(name, help_text, labels=["replica"])
+                for address, stats in replicas:
+                    metric.add_metric([address], getattr(stats, field))
+                yield metric
 
 
 class TokenTimer:

@@ -35,6 +35,7 @@ class RequestResult:
     prompt: RequestLogprobs | None = None  # set when logprob_start_len >= 0
     token_ids_logprob: list[int] | None = None  # the ids of ids_logprobs columns
     e2e_latency: float = 0.0
+    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (their KV not computed again)
     error: str | None = None  # why, with finish_reason ABORT
     # Which weights produced which output positions (no token yet: one empty span, the version then in force).
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)

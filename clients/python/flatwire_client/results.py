@@ -28,6 +28,7 @@ class Generation:
     completion_tokens: int  # so far
     weight_version: str = ""  # of the weights that produced the last token so far ("": none yet)
     weight_versions: list[VersionSpan] = field(default_factory=list)  # which weights produced which positions
+    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (set on a stream's last chunk)
 
 
 def generation(response: GenerateResponse, input_ids: list[int] | None) -> Generation:
@@ -39,7 +40,8 @@ def generation(response: GenerateResponse, input_ids: list[int] | None) -> Gener
     finish = response.finish_reason.api_name if response.finish_reason != FinishReason.UNSPECIFIED else None
     return Generation(response.rid, response.tokens, response.text, response.output_logprobs(),
                       response.prompt_logprobs(input_ids), finish, matched, response.prompt_tokens,
-                      response.completion_tokens, response.weight_version, response.weight_versions)
+                      response.completion_tokens, response.weight_version, response.weight_versions,
+                      response.cached_tokens)
 
 
 class ChunkStream:
@@ -62,4 +64,5 @@ class ChunkStream:
         prompt = next((c.prompt for c in self.chunks if c.prompt is not None), None)
         return Generation(last.rid, np.concatenate([c.token_ids for c in self.chunks]),
                           "".join(c.text for c in self.chunks), output, prompt, last.finish_reason, last.matched_stop,
-                          last.prompt_tokens, last.completion_tokens, last.weight_version, last.weight_versions)
+                          last.prompt_tokens, last.completion_tokens, last.weight_version, last.weight_versions,
+                          last.cached_tokens)

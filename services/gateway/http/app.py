@@ -27,7 +27,7 @@ def _report_warming(task: asyncio.Task) -> None:
 
 def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
     gateway = Gateway(engine, config)
-    gateway.metrics.watch_admission(engine)
+    gateway.metrics.watch_engine(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

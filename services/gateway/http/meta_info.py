@@ -23,7 +23,7 @@ def base_meta_info(result: RequestResult) -> dict:
         "finish_reason": finish_reason(result),
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
-        "cached_tokens": 0,  # SGLang's prefix-cache hits; flatwire has no prefix cache
+        "cached_tokens": result.cached_tokens,  # prompt tokens found in the prefix cache
         "e2e_latency": result.e2e_latency,
         # As SGLang: the version that produced the last token, and the output ranges of each version.
         "weight_version": result.weight_version,

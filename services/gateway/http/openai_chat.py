@@ -62,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
         "id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
         "model": gateway.engine.model_name,
         "choices": [_choice(gateway, req, i, result) for i, result in enumerate(results)],
-        "usage": usage(len(ids), sum(r.completion_tokens for r in results)),
+        "usage": usage(len(ids), results, req.n),
     })
     gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc(len(body))
     return Response(body, media_type="application/json")
@@ -97,14 +97,14 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
 
     for i in range(req.n):
         yield chunk_event(i, {"role": "assistant", "content": ""})
-    completion_tokens = 0
+    ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
     async for i, chunk in gens.merged():
-        completion_tokens += len(chunk.token_ids)
         if chunk.token_ids or chunk.text:
             yield chunk_event(i, {"content": chunk.text}, _logprobs(gateway, req, chunk.output),
                               meta=metas.chunk(i, chunk))
         if chunk.result is not None:
+            ended[i] = chunk.result
             yield chunk_event(i, {}, finish=finish_fields(chunk.result), meta=metas.last(chunk.result))
     if req.include_usage:
-        yield event(head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield event(head | {"choices": [], "usage": usage(prompt_tokens, [ended[i] for i in range(req.n)], req.n)})
     yield DONE

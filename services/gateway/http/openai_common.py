@@ -26,9 +26,13 @@ def finish_fields(result: RequestResult) -> dict:
     return {"finish_reason": result.finish_name, "matched_stop": result.matched_stop}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, results: list[RequestResult], n: int) -> dict:
+    """OpenAI's usage of a response whose choice p * n + j is prompt p's j-th sample. A prompt's choices share
+    it, so its cached tokens are its first choice's (the others found what that one computed), as SGLang."""
+    completion_tokens = sum(result.completion_tokens for result in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(result.cached_tokens for result in results[::n])}}
 
 
 def _meta_format(req: OpenAIRequest) -> LogprobFormat:

@@ -74,7 +74,7 @@ async def completions(request: Request) -> Response:
         "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
         "model": gateway.engine.model_name,
         "choices": [_choice(gateway, req, i, result, echoes[i]) for i, result in enumerate(results)],
-        "usage": usage(prompt_tokens, sum(r.completion_tokens for r in results)),
+        "usage": usage(prompt_tokens, results, req.n),
     })
     count_bytes(len(body))
     return Response(body, media_type="application/json")
@@ -112,9 +112,8 @@ async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, e
             "model": gateway.engine.model_name}
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
     metas = StreamedMetaInfo(gateway, req, len(echoes))
-    completion_tokens = 0
+    ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
     async for i, chunk in gens.merged():
-        completion_tokens += len(chunk.token_ids)
         text = chunk.text
         if sent_chars[i] == 0 and echoes[i]:
             text = echoes[i] + text
@@ -127,10 +126,12 @@ async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, e
             sent_chars[i] += len(text)
             yield event(head | {"choices": [choice]})
         if chunk.result is not None:
+            ended[i] = chunk.result
             last = {"index": i, "text": "", "logprobs": None, **finish_fields(chunk.result)}
             if (meta := metas.last(chunk.result)) is not None:
                 last["meta_info"] = meta
             yield event(head | {"choices": [last]})
     if req.include_usage:
-        yield event(head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        choices = [ended[i] for i in range(len(echoes))]
+        yield event(head | {"choices": [], "usage": usage(prompt_tokens, choices, req.n)})
     yield DONE

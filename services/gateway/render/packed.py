@@ -22,6 +22,7 @@ def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) ->
         prompt=LogprobBlock.of_request(chunk.prompt) if chunk.prompt is not None else None)
     if (result := chunk.result) is not None and result.finish_reason is not None:
         response.finish_reason = result.finish_reason
+        response.cached_tokens = result.cached_tokens
         if result.finish_reason is FinishReason.STOP_STRING:
             response.matched_stop = str(result.matched_stop)
         elif result.finish_reason is FinishReason.STOP_TOKEN:

@@ -90,6 +90,7 @@ class GenerateResponse:
     completion_tokens: int = 0  # so far
     weight_version: str = ""
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held; set on the last chunk
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "GenerateResponse":
@@ -103,13 +104,15 @@ class GenerateResponse:
                    finish_reason=FinishReason(m.finish_reason), matched_token=m.matched_token,
                    matched_stop=m.matched_stop, prompt_tokens=m.prompt_tokens, completion_tokens=m.completion_tokens,
                    weight_version=m.weight_version,
-                   weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in m.weight_versions])
+                   weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in m.weight_versions],
+                   cached_tokens=m.cached_tokens)
 
     def to_bytes(self) -> bytes:
         message = generate_pb2.GenerateResponsePacked(
             rid=self.rid, token_ids=self.token_ids, text=self.text, finish_reason=self.finish_reason,
             matched_token=self.matched_token, matched_stop=self.matched_stop, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, weight_version=self.weight_version,
+            cached_tokens=self.cached_tokens,
             weight_versions=[generate_pb2.WeightVersionSpan(version=s.version, start=s.start, end=s.end)
                              for s in self.weight_versions])
         if self.output is not None:
