@@ -1,9 +1,10 @@
-"""Two scheduler replicas behind one gateway: balancing, failover, and rejoining.
+"""Two scheduler replicas behind one gateway: balancing, prefix-aware routing, failover, and rejoining.
 
-One detokenizer follows both replicas; the gateway balances across them by
-outstanding work. A replica killed mid-run (SIGKILL: no goodbye on its streams) must
-fail its in-flight requests with HTTP 503 naming it within the hop timeout while the
-other keeps serving, and must come back into rotation when restarted on the same port.
+One detokenizer follows both replicas; the gateway sends a request where its session or prompt prefix
+went before (that replica's prefix cache holds it), else to the replica with the least outstanding work.
+A replica killed mid-run (SIGKILL: no goodbye on its streams) must fail its in-flight requests with HTTP
+503 naming it within the hop timeout while the other keeps serving, and must come back into rotation when
+restarted on the same port.
 """
 
 import concurrent.futures
@@ -120,6 +121,51 @@ def test_concurrent_requests_spread_over_both_replicas(cluster):
     served = [after - b for after, b in zip(cluster.finished(), before)]
     print(f"\n40 concurrent requests, served per replica: {served}")
     assert sum(served) == 40 and min(served) > 0, served
+
+
+def served(cluster: Cluster, before: list[SchedulerStats]) -> list[int]:
+    return [scheduler.stats().finished - stats.finished for scheduler, stats in zip(cluster.schedulers, before)]
+
+
+def test_samples_of_one_prompt_go_to_one_replica(cluster):
+    """GRPO's n samples: the replica that computes the prompt serves them all, from its cache."""
+    before = [s.stats() for s in cluster.schedulers]
+    prompt = "A prompt long enough to share: " + "the quick brown fox jumps over the lazy dog. " * 30
+    reply = httpx.post(f"{cluster.http_url}/generate", timeout=REQUEST_TIMEOUT_S, json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 8, "n": 8, "temperature": 1.0}})
+    assert reply.status_code == 200, reply.text
+    counts = served(cluster, before)
+    assert sorted(counts) == [0, 8], counts
+    prompt_tokens = reply.json()[0]["meta_info"]["prompt_tokens"]
+    prefilled = sum(s.stats().prefill_tokens - b.prefill_tokens for s, b in zip(cluster.schedulers, before))
+    print(f"\nn=8 samples of a {prompt_tokens}-token prompt: served per replica {counts}, {prefilled} tokens prefilled")
+    assert prefilled <= 1.2 * prompt_tokens, prefilled
+
+
+@pytest.mark.parametrize("header", ["X-SMG-Routing-Key", "X-Session-ID"])
+def test_a_session_key_keeps_its_replica(cluster, header):
+    """Unrelated short prompts (no shared prefix to follow) of one session all go where its first went, though
+    the other replica is as idle; the first went to the least loaded, the one not running a long request."""
+    busy = concurrent.futures.ThreadPoolExecutor(1).submit(cluster._generate, "keep one replica busy", LONG)
+    deadline = time.monotonic() + 60
+    while not any(s.stats().running for s in cluster.schedulers):
+        assert time.monotonic() < deadline, "the long request never ran"
+        time.sleep(0.02)
+    idle = next(i for i, s in enumerate(cluster.schedulers) if not s.stats().running)
+    before = [s.stats() for s in cluster.schedulers]
+    session = {header: f"session-{header}"}
+
+    def turn(i: int) -> None:
+        reply = httpx.post(f"{cluster.http_url}/generate", headers=session, timeout=REQUEST_TIMEOUT_S,
+                           json={"text": f"turn {i} of a session", "sampling_params": SHORT})
+        assert reply.status_code == 200, reply.text
+
+    turn(0)
+    busy.result(timeout=REQUEST_TIMEOUT_S)
+    for i in range(1, 6):
+        turn(i)
+    counts = served(cluster, before)
+    assert counts[idle] == 6 and counts[1 - idle] == 1, counts  # the other served only the long request
 
 
 def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(cluster):

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, option, require_positive
+from services.gateway.routing import RoutingPolicy
 
 
 @dataclass
@@ -23,6 +24,11 @@ class GatewayConfig(ServiceConfig):
     admin_api_key: str | None = option(None, "the only key that opens the admin operations (weight updates, pause and "
                                        "continue, abort_all, update_weight_version; HTTP and public gRPC), as "
                                        "SGLang's --admin-api-key; unset: they need --api-key like the rest")
+    routing_policy: RoutingPolicy = option(
+        RoutingPolicy.CACHE_AWARE, "which scheduler replica takes a request: cache_aware, the one its session "
+        "(X-SMG-Routing-Key or X-Session-ID header, or gRPC metadata) or the longest prefix of its prompt last went "
+        "to, unless it is much busier than the least loaded (routing.py); least_loaded, the one with the fewest "
+        "requests outstanding")
     owner_id: str | None = option(None, "this gateway's routing id (default: random)")
     health_interval_s: float = option(1.0, "seconds between checks of each scheduler's path (scheduler, detokenizer)")
     health_timeout_s: float = option(2.0, "how long one such check waits for an answer")

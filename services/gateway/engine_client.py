@@ -70,6 +70,7 @@ class GenerateInput:
     detokenize: DetokenizeParams
     stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
     rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
+    routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -203,7 +204,7 @@ class EngineClient:
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0)
         try:
-            state.scheduler = await self._submit(request, inp.fields)
+            state.scheduler = await self._submit(request, inp)
             if state.abort_requested:  # aborted while it was being submitted
                 self.schedulers.abort(state.scheduler, rid)
             while True:
@@ -235,9 +236,9 @@ class EngineClient:
             self.schedulers.abort(state.scheduler, state.rid)
         return True
 
-    async def _submit(self, request: TokenizedRequest, fields: dict[str, str]) -> str:
+    async def _submit(self, request: TokenizedRequest, inp: GenerateInput) -> str:
         try:
-            return await self.schedulers.submit(request)
+            return await self.schedulers.submit(request, inp.routing_key)
         except grpc.aio.AioRpcError as exc:
             status = GRPC_TO_STATUS.get(exc.code(), "unavailable")
             detail = exc.details() or str(exc.code())
@@ -246,7 +247,7 @@ class EngineClient:
             if status in ("unavailable", "resource_exhausted"):
                 raise RequestError(status, None, detail) from None
             field = dict(exc.trailing_metadata() or ()).get(FIELD_METADATA)
-            raise RequestError(status, *rename_field(field, detail, fields)) from None
+            raise RequestError(status, *rename_field(field, detail, inp.fields)) from None
 
     def _take_chunk(self, state: GenerationState) -> Chunk:
         result = state.result

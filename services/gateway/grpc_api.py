@@ -36,6 +36,7 @@ from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_l
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.packed import packed_response
 from services.gateway.rollout import control_response
+from services.gateway.routing import routing_key
 
 SERVICE_NAME = public.GENERATION.name
 ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in (
@@ -160,6 +161,7 @@ class GenerationService:
         try:
             # Off the event loop: tokenizing a long text takes seconds that HTTP and other streams must not wait.
             inp = await asyncio.to_thread(self.to_input, request)
+            inp.routing_key = routing_key(dict(context.invocation_metadata() or ()))
             prompt_tokens = len(inp.input_ids)
             completion_tokens = 0
             async for chunk in self.engine.generate(inp):

@@ -88,6 +88,13 @@ class _ReplicaCollector:
                 for address, stats in replicas:
                     metric.add_metric([address], getattr(stats, field))
                 yield metric
+        router = self.engine.schedulers.router
+        routed = CounterMetricFamily("flatwire_routed_requests", "requests sent to a replica: by=affinity, where "
+                                     "their session or prompt prefix went before; by=load, to the least loaded",
+                                     labels=["by"])
+        routed.add_metric(["affinity"], router.by_affinity)
+        routed.add_metric(["load"], router.by_load)
+        yield routed
 
 
 class TokenTimer:

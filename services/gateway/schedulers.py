@@ -8,7 +8,8 @@ re-resolved on every health round, so replicas that come and go are followed
 A replica is in rotation only while its whole path works: it answers, and some
 detokenizer that this gateway is connected to follows its step stream (outputs of
 a request sent anywhere else would never arrive). Requests go to the replica in
-rotation with the least outstanding work. When the path breaks, the replica leaves
+rotation that routing.py picks: where the request's session or prompt prefix went before (that
+replica's prefix cache holds it), else the least loaded. When the path breaks, the replica leaves
 rotation at once; its in-flight requests are failed only once the path has stayed
 broken for --hop-timeout-s (within that, a restarted detokenizer replays what they
 missed), or at once when the replica answers with a new instance id (it restarted,
@@ -34,6 +35,7 @@ from services.common.discovery import resolve
 from services.common.rpc import create_channel
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams
+from services.gateway.routing import Router
 
 log = logging.getLogger("flatwire.gateway")
 EXPIRE_INTERVAL_S = 0.25
@@ -58,6 +60,10 @@ class Replica:
     weight_version: str = ""  # of its weights, from its last ModelInfo or control reply ("": not known yet)
     stats: SchedulerStats | None = None  # from its last health round (KV memory, prefix cache)
 
+    @property
+    def load(self) -> int:
+        return len(self.outstanding)
+
 
 class SchedulerPool:
     def __init__(self, config: GatewayConfig, detokenizers: DetokenizerStreams,
@@ -66,6 +72,7 @@ class SchedulerPool:
         requests on it."""
         self.config = config
         self.replicas: dict[str, Replica] = {}
+        self.router = Router(config.routing_policy)
         self.detokenizers = detokenizers
         self._on_replica_lost = on_replica_lost
         # Submit and Abort RPCs in flight at once, over all replicas: a burst of thousands (a big batch)
@@ -123,12 +130,13 @@ class SchedulerPool:
             await asyncio.sleep(0.2)
             await self._refresh()
 
-    async def submit(self, request: TokenizedRequest) -> str:
-        """Submit to the least-loaded replica in rotation (once an RPC slot is free); returns its address."""
+    async def submit(self, request: TokenizedRequest, routing_key: str | None = None) -> str:
+        """Submit to the replica in rotation that the router picks (once an RPC slot is free); returns its
+        address. `routing_key`: the client's session key, if any."""
         async with self._rpc_slots:
-            return await self._submit(request)
+            return await self._submit(request, routing_key)
 
-    async def _submit(self, request: TokenizedRequest) -> str:
+    async def _submit(self, request: TokenizedRequest, routing_key: str | None) -> str:
         tried: set[str] = set()
         full: grpc.aio.AioRpcError | None = None  # a replica's refusal: its waiting list is full
         while True:
@@ -139,7 +147,7 @@ class SchedulerPool:
                 problems = "; ".join(f"{r.address}: {r.problem}" for r in self.replicas.values() if r.problem)
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                            details=f"no scheduler can serve requests now ({problems or 'none'})")
-            replica = min(candidates, key=lambda r: len(r.outstanding))
+            replica = self.router.choose(candidates, request.input_ids, routing_key)
             replica.outstanding.add(request.rid)
             try:
                 await replica.client.submit(request, timeout=self.config.hop_timeout_s)

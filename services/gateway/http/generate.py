@@ -22,6 +22,7 @@ from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render import packed as packed_format
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
+from services.gateway.routing import routing_key
 
 ENDPOINT = "/generate"
 LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="sampling_params.max_new_tokens",
@@ -43,7 +44,8 @@ async def generate(request: Request) -> Response:
                              "per request")
     inputs = await _inputs(gateway, req)
     gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
+                                   routing_key(request.headers)))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream and packed:

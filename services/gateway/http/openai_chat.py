@@ -27,6 +27,7 @@ from services.gateway.protocol.openai import ChatCompletionRequest
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
 from services.gateway.result import RequestResult
+from services.gateway.routing import routing_key
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -49,7 +50,8 @@ async def chat_completions(request: Request) -> Response:
     check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
     gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
+                                   routing_key(request.headers)))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream:

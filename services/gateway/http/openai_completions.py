@@ -28,6 +28,7 @@ from services.gateway.protocol.openai import CompletionRequest
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
 from services.gateway.result import RequestResult
+from services.gateway.routing import routing_key
 
 ENDPOINT = "/v1/completions"
 LOGPROB_FIELDS = LogprobFields(top_k="logprobs", max_new_tokens="max_tokens", prompt="the prompt, with echo", n="n")
@@ -60,7 +61,8 @@ async def completions(request: Request) -> Response:
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started))
+        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
+                                   routing_key(request.headers)))
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     prompt_tokens = sum(map(len, ids))

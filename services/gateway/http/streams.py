@@ -36,14 +36,17 @@ class Generations:
 
     @classmethod
     async def start(cls, engine: EngineClient, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
-                    started: float) -> "Generations":
+                    started: float, routing_key: str | None = None) -> "Generations":
         """Submit every input and take each one's first chunk (the scheduler pool bounds the Submits in flight).
+        `routing_key`: the client's session key (routing.py), for every input.
 
         If one fails, the others are cancelled (those not yet submitted never are), every
         read's outcome is retrieved, the submitted ones are aborted, and the first failure
         in input order is raised. Admission control takes the inputs whole or refuses them all
         (RequestError "resource_exhausted").
         """
+        for inp in inputs:
+            inp.routing_key = routing_key
         with engine.admit(len(inputs)) as admission:  # until every generation has started or never will
             iterators = [engine.generate(inp, admission) for inp in inputs]
             reads = [asyncio.ensure_future(anext(it)) for it in iterators]
