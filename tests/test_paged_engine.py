@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import UpdateWeights
 from services.scheduler.engine.engine import Engine
+from services.scheduler.model.attention import MAX_PADDING, _similar
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.submit import SubmitLimits, parse_request
 
@@ -205,3 +206,16 @@ def test_a_weight_update_never_serves_kv_of_the_old_weights(model):
     got = run.result("after")
     assert got["finish"].cached_tokens == 0  # the cache was flushed with the update
     check(new_model, ids, 6, got)
+
+
+def test_rows_of_similar_size_share_an_attention_call():
+    """One SDPA call per group of rows: similar rows are one call; a long context among short ones is its own,
+    rather than the length every row is padded to."""
+    one_query = np.ones(32, dtype=np.int64)
+    uniform = _similar(np.arange(32), one_query, np.full(32, 64))
+    assert [len(g) for g in uniform] == [32]
+    mixed = _similar(np.arange(32), one_query, np.array([16] * 31 + [512]))
+    assert [sorted(g.tolist()) for g in mixed] == [[31], list(range(31))]
+    spread = _similar(np.arange(32), one_query, np.arange(1, 33))
+    for group in spread:  # padded to the group's most pages: within MAX_PADDING of what the rows need
+        assert len(group) * (group.max() + 1) <= MAX_PADDING * (group + 1).sum()

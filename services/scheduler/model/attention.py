@@ -1,18 +1,19 @@
 """Attention over the paged KV memory for one step's flat batch, plugged into transformers.
 
 Every step runs the model once on a single sequence [1, T] holding the tokens of all its rows: one token per
-decoding request first, then each prefill chunk (a prompt, part of one, or a retracted request's prompt and
-output), each row at its own positions. Registered in transformers' AttentionInterface as "flatwire", the
-function below receives each layer's new queries, keys and values plus this step's `PagedBatch` (a forward
-kwarg that transformers hands down to attention), writes the new keys and values into their pages, and attends
-with two batched SDPA calls per layer, whatever the rows:
-- decode rows (one query each) against the pages of their whole context, masked to each row's length;
-- prefill chunks (many queries each, padded to the longest chunk) against the pages of their context so far,
-  cached prefix included: causal, each query seeing the keys up to its own position.
+decoding request, and each prefill chunk (a prompt, part of one, or a retracted request's prompt and output),
+each row at its own positions. Registered in transformers' AttentionInterface as "flatwire", the function below
+receives each layer's new queries, keys and values plus this step's `PagedBatch` (a forward kwarg that
+transformers hands down to attention), writes the new keys and values into their pages, and attends with one
+batched SDPA call per group of rows: each row's queries against the pages of its context so far (cached prefix
+included), causal, each query seeing the keys up to its own position. A group pads its rows' queries to the
+longest and their pages to the most, so rows are grouped by size, largest first, such that padding costs at most
+MAX_PADDING times what the rows need: a batch of similar rows is one call, and one long context among short ones
+is a call of its own rather than the length every row pays. Decode rows and prefill chunks never share a group.
 
-This is the torch path, for CPU and CUDA, and the reference any kernel is tested against: it reads each row's
-pages with one index_select per layer (a page-granular gather, padded to the row's page count), where a paged
-kernel would read them in place.
+This is the torch path, for CPU and CUDA, and the reference any kernel is tested against: it reads each group's
+pages with one index_select per layer (a page-granular gather of what the rows attend to), where a paged kernel
+would read them in place.
 """
 
 from dataclasses import dataclass
@@ -25,74 +26,82 @@ from transformers import AttentionInterface
 from services.scheduler.model.kv_cache import KVPool
 
 ATTENTION_NAME = "flatwire"
+MAX_PADDING = 1.5  # a group's padded attention (rows x queries x pages) over what its rows need, at most
+
+
+@dataclass
+class AttentionGroup:
+    """Rows attended by one SDPA call."""
+
+    queries: torch.Tensor  # [R, Q] flat index of each row's queries, padded with its first
+    valid: torch.Tensor  # [R, Q] which of those are real
+    pages: torch.Tensor  # [R, P] pages of each row's context (cached prefix and the row), padded with page 0
+    mask: torch.Tensor  # [R, 1, Q, P * page_size] True where a query sees a key
 
 
 @dataclass
 class PagedBatch:
-    """Where each token of the step's flat sequence writes its KV, and which pages each row attends to (built once
+    """Where each token of the step's flat sequence writes its KV, and the groups its rows attend in (built once
     per step, used by every layer)."""
 
     pool: KVPool
     write_pages: torch.Tensor  # [T] the page of each new token
     write_offsets: torch.Tensor  # [T] its offset in that page
-    num_decode: int  # rows [0, num_decode) of the flat sequence are single decode tokens
-    decode_pages: torch.Tensor  # [D, P] pages of each decode row's context, padded with page 0
-    decode_mask: torch.Tensor  # [D, 1, 1, P * page_size] True where a key is visible
-    extend_queries: torch.Tensor  # [E, Q] flat index of each chunk's queries, padded with its first
-    extend_valid: torch.Tensor  # [E, Q] which of those are real
-    extend_pages: torch.Tensor  # [E, P'] pages of each chunk's context (cached prefix and the chunk)
-    extend_mask: torch.Tensor  # [E, 1, Q, P' * page_size]
+    groups: list[AttentionGroup]
 
     @classmethod
     def build(cls, pool: KVPool, page_tables: list[list[int]], starts: np.ndarray, ends: np.ndarray,
               device: torch.device) -> "PagedBatch":
-        """Row i feeds positions [starts[i], ends[i]) of its request, whose KV lives in page_tables[i]; rows of
-        one token come first."""
+        """Row i feeds positions [starts[i], ends[i]) of its request, whose KV lives in page_tables[i]; the rows'
+        tokens follow each other in the flat sequence."""
         ps = pool.page_size
         counts = ends - starts
-        num_decode = int(np.argmax(counts > 1)) if (counts > 1).any() else len(counts)
+        needed = -(-ends // ps)  # pages each row's context reaches
+        tables = [np.asarray(table[:count], dtype=np.int64) for table, count in zip(page_tables, needed.tolist())]
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # each row's first flat index
         positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(counts) else \
             np.zeros(0, np.int64)
         owners = np.repeat(np.arange(len(counts)), counts)
-        pages_of = _padded_pages(page_tables, pool.page_size, ends)  # [rows, P]
-        write_pages = pages_of[owners, positions // ps]
+        table_starts = np.concatenate([[0], np.cumsum(needed)[:-1]]).astype(np.int64)
+        flat_tables = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+        write_pages = flat_tables[table_starts[owners] + positions // ps]
 
         def put(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
 
-        decode, extend = slice(0, num_decode), slice(num_decode, len(counts))
-        decode_pages = _trimmed(pages_of[decode], ends[decode], ps)
-        decode_keys = np.arange(decode_pages.shape[1] * ps)
-        decode_mask = (decode_keys[None, :] < ends[decode][:, None]).reshape(num_decode, 1, 1, len(decode_keys))
+        def group(rows: np.ndarray) -> AttentionGroup:
+            width, page_count = int(counts[rows].max()), int(needed[rows].max())
+            pages = np.zeros((len(rows), page_count), dtype=np.int64)
+            for i, row in enumerate(rows.tolist()):
+                pages[i, :needed[row]] = tables[row]
+            offsets = np.arange(width)
+            valid = offsets[None, :] < counts[rows][:, None]
+            shift = np.where(valid, offsets[None, :], 0)
+            keys = np.arange(page_count * ps)
+            mask = keys[None, None, :] <= (starts[rows][:, None] + shift)[:, :, None]  # padding sees its first key
+            return AttentionGroup(queries=put(first[rows][:, None] + shift), valid=put(valid), pages=put(pages),
+                                  mask=put(mask.reshape(len(rows), 1, width, len(keys))))
 
-        extend_counts, extend_starts = counts[extend], starts[extend]
-        width = int(extend_counts.max(initial=0))
-        first_row = num_decode + np.concatenate([[0], np.cumsum(extend_counts)[:-1]]).astype(np.int64)
-        offsets = np.arange(width)
-        valid = offsets[None, :] < extend_counts[:, None]
-        queries = first_row[:, None] + np.where(valid, offsets[None, :], 0)
-        extend_pages = _trimmed(pages_of[extend], ends[extend], ps)
-        keys = np.arange(extend_pages.shape[1] * ps)
-        query_positions = extend_starts[:, None] + np.where(valid, offsets[None, :], 0)
-        extend_mask = keys[None, None, :] <= query_positions[:, :, None]  # padded queries see their first key
-        return cls(pool=pool, write_pages=put(write_pages), write_offsets=put(positions % ps), num_decode=num_decode,
-                   decode_pages=put(decode_pages), decode_mask=put(decode_mask), extend_queries=put(queries),
-                   extend_valid=put(valid), extend_pages=put(extend_pages),
-                   extend_mask=put(extend_mask.reshape(len(extend_counts), 1, width, len(keys))))
+        single = counts == 1
+        groups = [group(rows) for kind in (single, ~single)
+                  for rows in _similar(np.flatnonzero(kind), counts, needed)]
+        return cls(pool=pool, write_pages=put(write_pages), write_offsets=put(positions % ps), groups=groups)
 
 
-def _padded_pages(page_tables: list[list[int]], page_size: int, ends: np.ndarray) -> np.ndarray:
-    """[rows, most pages] the pages each row's context up to its end needs, padded with page 0."""
-    needed = -(-ends // page_size)
-    pages = np.zeros((len(page_tables), int(needed.max(initial=0))), dtype=np.int64)
-    for row, (table, count) in enumerate(zip(page_tables, needed.tolist())):
-        pages[row, :count] = table[:count]
-    return pages
-
-
-def _trimmed(pages: np.ndarray, ends: np.ndarray, page_size: int) -> np.ndarray:
-    """The columns of `pages` that these rows' contexts reach."""
-    return pages[:, :int(-(-ends.max(initial=0) // page_size))] if len(pages) else pages[:, :0]
+def _similar(rows: np.ndarray, queries: np.ndarray, pages: np.ndarray) -> list[np.ndarray]:
+    """`rows`, largest first, cut into runs whose padded size stays within MAX_PADDING of their own."""
+    order = rows[np.lexsort((queries[rows], pages[rows]))[::-1]]  # most pages first, then most queries
+    runs: list[list[int]] = []
+    own = most_queries = most_pages = 0
+    for row in order.tolist():
+        q, p = int(queries[row]), int(pages[row])
+        if runs and (len(runs[-1]) + 1) * max(most_queries, q) * most_pages <= MAX_PADDING * (own + q * p):
+            runs[-1].append(row)
+            own, most_queries = own + q * p, max(most_queries, q)
+        else:
+            runs.append([row])
+            own, most_queries, most_pages = q * p, q, p
+    return [np.array(run, dtype=np.int64) for run in runs]
 
 
 def _context(pages: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -112,20 +121,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     values[batch.write_pages, batch.write_offsets] = value[0].transpose(0, 1)
 
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
-    n = batch.num_decode
-    if n:
-        decoded = F.scaled_dot_product_attention(
-            query[0, :, :n].transpose(0, 1).unsqueeze(2),  # [n, H, 1, D]
-            _context(batch.decode_pages, keys), _context(batch.decode_pages, values),
-            attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True)
-        out[:n] = decoded.squeeze(2)
-    if batch.extend_queries.numel():
-        chunk_queries = query[0][:, batch.extend_queries].transpose(0, 1)  # [E, H, Q, D]
-        extended = F.scaled_dot_product_attention(
-            chunk_queries, _context(batch.extend_pages, keys), _context(batch.extend_pages, values),
-            attn_mask=batch.extend_mask, scale=scaling, enable_gqa=True)  # [E, H, Q, D]
-        valid = batch.extend_valid
-        out[batch.extend_queries[valid]] = extended.transpose(1, 2)[valid]
+    for group in batch.groups:
+        attended = F.scaled_dot_product_attention(
+            query[0][:, group.queries].transpose(0, 1),  # [R, H, Q, D]
+            _context(group.pages, keys), _context(group.pages, values),
+            attn_mask=group.mask, scale=scaling, enable_gqa=True)  # [R, H, Q, D]
+        out[group.queries[group.valid]] = attended.transpose(1, 2)[group.valid]
     return out.unsqueeze(0), None
 
 
