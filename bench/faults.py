@@ -43,7 +43,7 @@ from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
 from flatwire_wire.steps import StepMessage
 
-from tests.procs import ServiceProcess, free_port
+from harness.procs import ServiceProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 128

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness.procs import ServiceProcess, free_port
+from harness.scheduler_client import SchedulerClient
 from services.common.model_store import DEFAULT_CACHE_DIR, resolve_model
-from tests.procs import ServiceProcess, free_port
-from tests.scheduler_client import SchedulerClient
 
 CACHE_DIR = Path(os.environ.get("FLATWIRE_CACHE_DIR", DEFAULT_CACHE_DIR))
 

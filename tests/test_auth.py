@@ -20,9 +20,9 @@ from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, Tok
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from harness.procs import ServiceProcess, free_port
 from services.common.auth import SECRET_METADATA, load_internal_secret
 from services.common.rpc import check_health, message_options
-from tests.procs import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

@@ -16,8 +16,8 @@ from flatwire_wire.control import EMPTY
 from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
 from flatwire_wire.scheduler import SCHEDULER, LogprobParams, SamplingParams
 
+from harness.scheduler_client import SchedulerClient
 from services.common.rpc import message_options
-from tests.scheduler_client import SchedulerClient
 
 STALL_S = 2.0
 REQUESTS, TOKENS = 8, 2000

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flatwire_client import AsyncFlatwireClient, AsyncHttpClient, FlatwireClient, Generation, HttpClient, HttpError
 
-from tests.procs import ROOT
+from harness.procs import ROOT
 
 PROMPT = "Flat arrays for every client"
 OPTIONS = {"max_new_tokens": 9, "temperature": 0, "top_logprobs_num": 6, "logprob_start_len": 0}

@@ -30,12 +30,12 @@ import yaml
 from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
 
+from harness.procs import ROOT, ServiceProcess, free_port
 from services.common.auth import SECRET_METADATA
 from services.common.config import env_name
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
-from tests.procs import ROOT, ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

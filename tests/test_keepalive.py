@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from harness.procs import ServiceProcess, free_port
 from services.common.rpc import check_health
-from tests.procs import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

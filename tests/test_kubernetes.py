@@ -33,6 +33,7 @@ from flatwire_client import FlatwireClient
 from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER
 
+from harness.procs import ROOT, ServiceProcess, free_port
 from services.common.auth import SECRET_METADATA
 from services.common.config import env_name, parse_config
 from services.common.rpc import check_health
@@ -40,7 +41,6 @@ from services.detokenizer.config import DetokenizerConfig
 from services.gateway import detokenizers
 from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
-from tests.procs import ROOT, ServiceProcess, free_port
 
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")

@@ -21,10 +21,10 @@ import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire import public
 
+from harness.procs import free_port
 from services.common.rpc import message_options
 from services.gateway.config import GatewayConfig
 from tests.conftest import Stack
-from tests.procs import free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

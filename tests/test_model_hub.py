@@ -10,9 +10,9 @@ import pytest
 from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER
 
+from harness.procs import ROOT
 from services.common.model_store import model_name, resolve_model
 from tests.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
-from tests.procs import ROOT
 
 
 @pytest.fixture(scope="module")

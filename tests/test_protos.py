@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.procs import ROOT
+from harness.procs import ROOT
 
 pytestmark = pytest.mark.slow  # runs protoc
 

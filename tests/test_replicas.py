@@ -16,7 +16,7 @@ import pytest
 from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
 
-from tests.procs import ServiceProcess, free_port
+from harness.procs import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

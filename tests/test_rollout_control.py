@@ -26,13 +26,13 @@ from flatwire_wire.steps import StepMessage
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from harness.procs import ServiceProcess, free_port
 from services.common.auth import AccessKeys
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.synthetic import SyntheticRunner
 from services.scheduler.submit import SubmitLimits, parse_request
-from tests.procs import ServiceProcess, free_port
 
 ADMIN_KEY = f"admin-{secrets.token_hex(8)}"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

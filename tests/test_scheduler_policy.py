@@ -10,11 +10,11 @@ from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams,
 from flatwire_wire.steps import FinishReason
 from transformers import AutoModelForCausalLM
 
+from harness.scheduler_client import SchedulerClient
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.submit import SubmitLimits, parse_request
-from tests.scheduler_client import SchedulerClient
 
 SLOTS, BUDGET, CONTEXT, CHUNK = 2, 16, 64, 7
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import ServiceProcess, free_port
+from harness.procs import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

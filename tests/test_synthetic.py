@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.procs import free_port
+from harness.procs import free_port
 
 STEP_MS = 5
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.procs import ROOT
+from harness.procs import ROOT
 
 pytestmark = pytest.mark.slow  # a mypy run: a minute from a cold cache
 

@@ -16,7 +16,7 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from flatwire_wire.steps import EntryOrder, FinishReason, entry_order
 from google.protobuf.descriptor import FieldDescriptor
 
-from tests.scheduler_client import SchedulerClient
+from harness.scheduler_client import SchedulerClient
 
 FLOAT_FIELDS = ["token_logprobs", "topk_values", "ids_logprobs"]
 COUNT_FIELDS = ["rows", "null_prefix", "topk", "id_counts"]

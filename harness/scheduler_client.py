@@ -1,4 +1,4 @@
-"""A test-side scheduler client: submits requests as one owner and collects that
+"""A scheduler client for the tests and benchmarks: submits requests as one owner and collects that
 owner's outputs from the step stream (as a detokenizer would)."""
 
 import threading

@@ -1,4 +1,4 @@
-"""Start real flatwire services as processes on loopback for the tests."""
+"""Start real flatwire services as processes on loopback (for the tests and the benchmarks)."""
 
 import os
 import signal
