@@ -16,7 +16,7 @@ from harness.procs import ROOT, free_port
 from services.common.config import env_name
 from services.common.rpc import check_health
 from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
-from tests.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
+from tests.deploy.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 

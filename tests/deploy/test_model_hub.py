@@ -12,7 +12,7 @@ from flatwire_wire.scheduler import SCHEDULER
 
 from harness.procs import ROOT
 from services.common.model_store import model_name, resolve_model
-from tests.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
+from tests.deploy.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
 
 
 @pytest.fixture(scope="module")
