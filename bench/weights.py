@@ -32,10 +32,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bench.common import OUT_DIR, Progress, Table, fmt_time, write_results
-from bench.faults import Pipeline, running
+from harness.stack import Stack, running
 from services.common.model_store import resolve_model
 
 SEED = 20260202
+SCHEDULER_ARGS = ("--max-running-requests", "64")  # what the notes of its table say
 ONE_LAYER = ".layers.1."
 
 
@@ -78,9 +79,9 @@ class Stream(threading.Thread):
         return [b - a for a, b in zip(times, times[1:])]
 
 
-def under_load(pipeline: Pipeline, concurrency: int, tokens: int, action) -> dict:
+def under_load(stack: Stack, concurrency: int, tokens: int, action) -> dict:
     """`action()` while `concurrency` requests stream; their gaps around it, and its wall time."""
-    streams = [Stream(pipeline.http_url, i, tokens) for i in range(concurrency)]
+    streams = [Stream(stack.http_url, i, tokens) for i in range(concurrency)]
     for stream in streams:
         stream.start()
     deadline = time.monotonic() + 120
@@ -93,7 +94,7 @@ def under_load(pipeline: Pipeline, concurrency: int, tokens: int, action) -> dic
     action()
     after = time.perf_counter()
     time.sleep(0.5)
-    httpx.post(f"{pipeline.http_url}/abort_request", json={"abort_all": True}, timeout=60)  # end the long ones
+    httpx.post(f"{stack.http_url}/abort_request", json={"abort_all": True}, timeout=60)  # end the long ones
     for stream in streams:
         stream.join(600)
     window = [gap for s in streams for gap in s.gaps(before - 0.5, after + 0.5)]
@@ -111,9 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = OUT_DIR / "weights-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(8, "weights")
-    with tempfile.TemporaryDirectory() as scratch, running(model_dir, log_dir) as pipeline, \
-            FlatwireClient(pipeline.grpc_address) as client, httpx.Client(timeout=600) as http:
-        pipeline.wait_ready()
+    with tempfile.TemporaryDirectory() as scratch, \
+            running(model_dir, log_dir, scheduler_args=SCHEDULER_ARGS) as stack, \
+            FlatwireClient(stack.grpc_address) as client, httpx.Client(timeout=600) as http:
+        stack.wait_ready()
         other = perturbed_checkpoint(model_dir, Path(scratch))
         checkpoints = [other, model_dir]
         tensors = [load_file(path / "model.safetensors") for path in checkpoints]
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         count = iter(range(10**6))
 
         def from_disk() -> None:
-            reply = http.post(f"{pipeline.http_url}/update_weights_from_disk",
+            reply = http.post(f"{stack.http_url}/update_weights_from_disk",
                               json={"model_path": str(checkpoints[next(count) % 2])})
             assert reply.status_code == 200 and reply.json()["success"], reply.text
 
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                   "pause(in_place) + PushWeights one layer + continue": (paused(pushed(layer)), 4000),
                   "update_weights_from_disk, no pause (running requests finish first)": (from_disk, 300)}
         for name, (action, tokens) in loaded.items():
-            runs = [under_load(pipeline, args.concurrency, tokens, action) for _ in range(3)]
+            runs = [under_load(stack, args.concurrency, tokens, action) for _ in range(3)]
             rows.append({"operation": name, "in_flight": args.concurrency,
                          **{key: statistics.median(run[key] for run in runs) for key in runs[0]}})
             progress.step(f"{name}: {fmt_time(rows[-1]['seconds'])}, max gap {fmt_time(rows[-1]['max_gap'])}")

@@ -1,6 +1,6 @@
-"""Fuzz every public and internal surface beside a good request; the table goes into RELIABILITY.md.
+"""Fuzz every public and internal surface beside a good request.
 
-The three services run as separate processes (bench/faults.py's Pipeline). While a
+The three services run as separate processes (a harness.stack.Stack). While a
 monitor sends a good /generate every few tenths of a second (its output must never
 change, and it must never fail), three kinds of bad input are sent:
 
@@ -17,12 +17,10 @@ Each case is counted as: accepted (2xx / OK), refused naming the field (4xx with
 refused otherwise, 5xx or UNKNOWN/INTERNAL, hung (no answer within CASE_TIMEOUT_S),
 crashed (a service exited). Target: 0 in the last three.
 
-    pip install -e '.[test]'              # hypothesis, hypothesis-jsonschema
-    python -m bench.fuzz                 # 1000 schema cases per endpoint; writes the RELIABILITY.md section
-    python -m bench.fuzz --cases 50      # quicker
+Needs hypothesis and hypothesis-jsonschema (`pip install -e '.[test]'`). `python -m bench.fuzz` runs the
+full counts and writes RELIABILITY.md's fuzzing section; tests/reliability/test_fuzz.py runs it in small.
 """
 
-import argparse
 import json
 import random
 import re
@@ -30,7 +28,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import httpx
@@ -42,12 +39,10 @@ from flatwire_wire.public import SamplingParams as PublicSamplingParams
 from flatwire_wire.rpc import ServiceSpec
 from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, TokenizedRequest
 
-from bench.faults import Pipeline, running
+from harness.stack import Stack
 
-ROOT = Path(__file__).resolve().parent.parent
 CASE_TIMEOUT_S = 30.0
 OUTCOMES = ("accepted", "refused naming the field", "refused otherwise", "5xx or UNKNOWN", "hung", "crashed")
-SECTION = "## Fuzzing"
 GOOD = {"text": "The good request", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 ENDPOINTS = ("/generate", "/v1/chat/completions", "/v1/completions")
 # Fields whose value sets how much work an accepted request is: kept small.
@@ -222,7 +217,7 @@ def schema_fuzz(client: httpx.Client, path: str, schema: dict, cases: int, tally
 # -- raw gRPC --------------------------------------------------------------------------------------
 
 
-def grpc_methods(pipeline: Pipeline) -> dict[str, list[tuple[str, str, bytes]]]:
+def grpc_methods(stack: Stack) -> dict[str, list[tuple[str, str, bytes]]]:
     """service -> [(address, method path, a valid request)]."""
     submit = TokenizedRequest(rid="fuzz", owner="fuzz", input_ids=[9707], sampling=SamplingParams(max_new_tokens=1))
 
@@ -234,10 +229,10 @@ def grpc_methods(pipeline: Pipeline) -> dict[str, list[tuple[str, str, bytes]]]:
     generate = GenerateRequest(text="Hi", sampling=PublicSamplingParams(max_new_tokens=1))
     gateway = [valid(GENERATION, "Generate", generate), valid(GENERATION, "GetModelInfo", EMPTY)]
     return {
-        "scheduler": [(pipeline.scheduler, path, data) for path, data in scheduler],
-        "detokenizer": [(pipeline.detokenizer, *valid(DETOKENIZER, "StreamOutputs",
+        "scheduler": [(stack.scheduler_address, path, data) for path, data in scheduler],
+        "detokenizer": [(stack.detokenizer_address, *valid(DETOKENIZER, "StreamOutputs",
                                                       StreamOutputsRequest(owner="fuzz")))],
-        "gateway": [(pipeline.grpc_address, path, data) for path, data in gateway],
+        "gateway": [(stack.grpc_address, path, data) for path, data in gateway],
     }
 
 
@@ -284,26 +279,26 @@ def grpc_fuzz(address: str, method: str, valid: bytes, cases: int, tally: Tally,
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def check_alive(pipeline: Pipeline, tally: Tally) -> None:
-    for name, proc in pipeline.procs.items():
+def check_alive(stack: Stack, tally: Tally) -> None:
+    for name, proc in stack.procs.items():
         if proc.proc.poll() is not None:
             tally.add("crashed", f"{name} exited with {proc.proc.returncode}")
-            pipeline.start(name)
+            stack.start(name)
 
 
-def run(pipeline: Pipeline, cases: int, seed: int = 0, api_key: str = "", secret: str = "") -> list[tuple]:
-    """Every section against a running pipeline; returns (tally, good-request verdict) rows."""
+def run(stack: Stack, cases: int, seed: int = 0, api_key: str = "", secret: str = "") -> list[tuple]:
+    """Every section against a running stack; returns (tally, good-request verdict) rows."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
     rows = []
-    with httpx.Client(base_url=pipeline.http_url, timeout=CASE_TIMEOUT_S, headers=headers) as client:
+    with httpx.Client(base_url=stack.http_url, timeout=CASE_TIMEOUT_S, headers=headers) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         sections = [("HTTP hostile corpus", lambda tally: [send_http(client, tally, path, body)
                                                            for path, body in hostile_corpus(model)])]
         for path, schema in request_schemas().items():
             sections.append((f"HTTP schema fuzz {path}",
                              lambda tally, p=path, s=schema: schema_fuzz(client, p, s, cases, tally, model)))
-        for service, methods in grpc_methods(pipeline).items():
+        for service, methods in grpc_methods(stack).items():
             metadata = (("authorization", f"Bearer {api_key}"),) if service == "gateway" and api_key else ()
             metadata += (("x-flatwire-secret", secret),) if service != "gateway" and secret else ()
             per_method = max(cases // len(methods), 20)
@@ -311,11 +306,11 @@ def run(pipeline: Pipeline, cases: int, seed: int = 0, api_key: str = "", secret
                 grpc_fuzz(address, method, valid, n, tally, rng, md) for address, method, valid in ms]))
         for name, section in sections:
             print(f"{name} ...", flush=True)
-            pipeline.wait_ready()
-            good = GoodRequests(pipeline.http_url, headers)
+            stack.wait_ready()
+            good = GoodRequests(stack.http_url, headers)
             tally = Tally(name)
             section(tally)
-            check_alive(pipeline, tally)
+            check_alive(stack, tally)
             rows.append((tally, good.verdict()))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     return rows
@@ -329,31 +324,3 @@ def table(rows: list[tuple]) -> str:
         lines.append(f"| {tally.name} | {sum(tally.counts.values())} | "
                      + " | ".join(str(tally.counts[o]) for o in OUTCOMES) + f" | {verdict} | {examples} |")
     return "\n".join(lines)
-
-
-def write_section(text: str) -> None:
-    path = ROOT / "RELIABILITY.md"
-    report = path.read_text() if path.exists() else "# Reliability\n"
-    head = report.split(f"\n{SECTION}\n")[0].rstrip("\n")
-    path.write_text(f"{head}\n\n{SECTION}\n\n{text}\n")
-
-
-def main() -> None:
-    from bench.common import machine_line
-    from services.common.model_store import resolve_model
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=1000, help="schema cases per endpoint, gRPC cases per service")
-    args = parser.parse_args()
-    log_dir = ROOT / "bench" / "out" / "fuzz-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with running(resolve_model(None, None), log_dir) as pipeline:
-        rows = run(pipeline, args.cases)
-    write_section(f"What bad input does, beside a good request (`bench/fuzz.py`). Command: "
-                  f"`python -m bench.fuzz --cases {args.cases}`. Machine: {machine_line()}.\n"
-                  f"Target: 0 in the 5xx, hung and crashed columns, and the good request intact.\n\n{table(rows)}")
-    print("RELIABILITY.md: fuzzing section written")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,10 @@
-"""A scheduler client for the tests and benchmarks: submits requests as one owner and collects that
-owner's outputs from the step stream (as a detokenizer would)."""
+"""Subscribers of a scheduler's step stream, for the tests and benchmarks: SchedulerClient submits requests as
+one owner and collects that owner's outputs (as a detokenizer would); Tap records every request's output."""
 
 import threading
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import grpc
@@ -116,3 +117,64 @@ class SchedulerClient:
                     mine[finish.rid].finish = finish
                     mine[finish.rid].finish_step = message.step
                     mine[finish.rid].done.set()
+
+
+@dataclass
+class Produced:
+    """What the scheduler produced for one request, by position."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    rows: dict[int, tuple[bytes, bytes, bytes]] = field(default_factory=dict)  # token_logprob, topk values, ids
+    output_tokens: int | None = None  # from its Finish
+
+
+class Tap:
+    """A subscriber of the scheduler's step stream, recording every request's output, whoever owns it (the
+    undisturbed reference of what the scheduler produced)."""
+
+    def __init__(self, scheduler: str):
+        self.requests: dict[str, Produced] = defaultdict(Produced)
+        self.last_step = 0
+        self._channel = grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 1 << 30)])
+        self._call = SCHEDULER.calls(self._channel)["StreamSteps"](EMPTY)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for step in self._call:
+                self._record(step)
+        except grpc.RpcError:
+            pass  # cancelled, or the scheduler died
+
+    def _record(self, step: StepMessage) -> None:
+        self.last_step = max(self.last_step, step.step)
+        for i, (rid, position) in enumerate(zip(step.rids, step.positions)):
+            produced = self.requests[rid]
+            entry = step.output.request(i) if step.output is not None else None
+            for j, token in enumerate(step.entry_tokens(i)):
+                produced.tokens[position + j] = token
+                if entry is not None and entry.n:
+                    produced.rows[position + j] = (entry.token_logprobs[j:j + 1].tobytes(),
+                                                   entry.topk_values[j].tobytes(), entry.topk_ids[j].tobytes())
+        for finish in step.finished:
+            self.requests[finish.rid].output_tokens = finish.output_tokens
+
+    def stats(self) -> SchedulerStats:
+        return SCHEDULER.calls(self._channel)["GetStats"](EMPTY, timeout=10)
+
+    def catch_up(self, timeout: float = 30) -> None:
+        """With the scheduler idle, until the tap has read its whole replay (earlier requests, finished)."""
+        deadline = time.monotonic() + timeout
+        while (stats := self.stats()).running or stats.waiting or self.last_step < stats.steps:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"scheduler not idle, or the tap behind: {stats}")
+            time.sleep(0.05)
+
+    def running(self, min_tokens: int) -> int:
+        """Requests with at least `min_tokens` tokens and no finish yet."""
+        return sum(len(p.tokens) >= min_tokens and p.output_tokens is None for p in list(self.requests.values()))
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._channel.close()

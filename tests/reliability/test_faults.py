@@ -2,7 +2,7 @@
 
 The services run as separate processes, as compose runs them. Every scenario puts
 16 requests in flight (k=128 flat base64 over HTTP, streaming HTTP, streaming gRPC),
-injects the fault, and classifies what each client got (bench/faults.py): equal to
+injects the fault, and classifies what each client got (harness/faults.py): equal to
 what the scheduler produced bit for bit, or an explicit failure within the hop
 timeout. A short "complete" response or a hang fails the test, in every scenario.
 """
@@ -10,7 +10,8 @@ timeout. A short "complete" response or a hang fails the test, in every scenario
 import pytest
 from transformers import AutoTokenizer
 
-from bench.faults import LONG_HOP_TIMEOUT_S, run_scenario, running
+from harness.faults import LONG_HOP_TIMEOUT_S, SCHEDULER_ARGS, run_scenario
+from harness.stack import running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -21,9 +22,9 @@ HEALTH_ROUND_S = 3.5  # a failure may come up to one health round (check timeout
 
 
 @pytest.fixture(scope="module")
-def pipeline(model_dir, log_dir):
-    with running(model_dir, log_dir) as pipeline:
-        yield pipeline
+def stack(model_dir, log_dir):
+    with running(model_dir, log_dir, scheduler_args=SCHEDULER_ARGS) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,8 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def run(pipeline, tokenizer, name, hop_timeout_s=HOP_TIMEOUT_S):
-    result = run_scenario(pipeline, name, REQUESTS, TOKENS, tokenizer)
+def run(stack, tokenizer, name, hop_timeout_s=HOP_TIMEOUT_S):
+    result = run_scenario(stack, name, REQUESTS, TOKENS, tokenizer)
     print(f"\n{name}: {dict(result.counts)}; max time to fail "
           f"{max(result.fail_times, default=0):.1f}s; {result.notes}; {result.details}")
     assert result.counts["truncated silently"] == 0, result
@@ -42,38 +43,38 @@ def run(pipeline, tokenizer, name, hop_timeout_s=HOP_TIMEOUT_S):
     return result
 
 
-def test_no_fault_every_request_is_identical(pipeline, tokenizer):
-    assert run(pipeline, tokenizer, "no fault").counts["identical"] == REQUESTS
+def test_no_fault_every_request_is_identical(stack, tokenizer):
+    assert run(stack, tokenizer, "no fault").counts["identical"] == REQUESTS
 
 
-def test_detokenizer_restart_loses_nothing(pipeline, tokenizer):
+def test_detokenizer_restart_loses_nothing(stack, tokenizer):
     """The restarted detokenizer resumes every request from the scheduler's replay.
 
     It takes 3-6 s to come back on this 2-core machine under load; with the default hop
     timeout (5 s) the gateway may fail the requests explicitly first, so this test gives
     it longer. test_detokenizer_restart_within_the_default_timeout covers the default.
     """
-    pipeline.restart_gateway("--hop-timeout-s", str(LONG_HOP_TIMEOUT_S))
+    stack.restart("gateway", "--hop-timeout-s", str(LONG_HOP_TIMEOUT_S))
     try:
-        result = run(pipeline, tokenizer, "detokenizer killed and restarted", LONG_HOP_TIMEOUT_S)
+        result = run(stack, tokenizer, "detokenizer killed and restarted", LONG_HOP_TIMEOUT_S)
     finally:
-        pipeline.restart_gateway()
+        stack.restart("gateway")
     assert result.counts["identical"] == REQUESTS
 
 
-def test_detokenizer_restart_within_the_default_timeout(pipeline, tokenizer):
+def test_detokenizer_restart_within_the_default_timeout(stack, tokenizer):
     """Identical or failed explicitly, request by request; nothing in between."""
-    run(pipeline, tokenizer, "detokenizer killed and restarted")
+    run(stack, tokenizer, "detokenizer killed and restarted")
 
 
-def test_detokenizer_gone_fails_every_request_explicitly(pipeline, tokenizer):
-    result = run(pipeline, tokenizer, "detokenizer killed for good")
+def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
+    result = run(stack, tokenizer, "detokenizer killed for good")
     assert result.counts["failed explicitly"] == REQUESTS
     _refused_at_once(result.admission, "detokenizer")
 
 
-def test_scheduler_killed_fails_every_request_explicitly(pipeline, tokenizer):
-    result = run(pipeline, tokenizer, "scheduler killed")
+def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
+    result = run(stack, tokenizer, "scheduler killed")
     assert result.counts["failed explicitly"] == REQUESTS
     _refused_at_once(result.admission, "not answering")
 
@@ -85,12 +86,12 @@ def _refused_at_once(admission, missing: str):
     assert any(missing in (s["problem"] or "") for s in admission.health["schedulers"].values()), admission
 
 
-def test_scheduler_stopped_fails_requests_and_leaves_no_orphans(pipeline, tokenizer):
-    result = run(pipeline, tokenizer, "scheduler stopped 20s")
+def test_scheduler_stopped_fails_requests_and_leaves_no_orphans(stack, tokenizer):
+    result = run(stack, tokenizer, "scheduler stopped 20s")
     assert result.counts["failed explicitly"] == REQUESTS
     assert not any(note.startswith("ORPHANS") for note in result.notes), result.notes
 
 
-def test_gateway_killed_its_requests_are_aborted_in_the_scheduler(pipeline, tokenizer):
-    result = run(pipeline, tokenizer, "gateway killed")
+def test_gateway_killed_its_requests_are_aborted_in_the_scheduler(stack, tokenizer):
+    result = run(stack, tokenizer, "gateway killed")
     assert not any(note.startswith("ORPHANS") for note in result.notes), result.notes
