@@ -53,3 +53,18 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def start_service(command: str, args: list[str], log_dir: Path, env: dict | None = None) -> tuple[ServiceProcess, str]:
+    """`flatwire <command> --port P *args` on a free loopback port P (a scheduler or a detokenizer: the gateway
+    serves HTTP there, harness.stack.Stack runs gateways), once its gRPC health answers SERVING: (process,
+    "127.0.0.1:P"). A service that does not come up is stopped."""
+    port = free_port()
+    proc = ServiceProcess(command, ["--port", str(port), *args], log_dir, env)
+    address = f"127.0.0.1:{port}"
+    try:
+        proc.wait_healthy(address)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, address

@@ -159,7 +159,7 @@ class Stack:
                     service.proc.stop()  # an exited one: closes its log
                 service.proc = ServiceProcess(kind, [*service.args, *service.extra], self.log_dir, service.env)
             for service in batch:
-                service.proc.wait_healthy(service.address)
+                self._proc(service.name).wait_healthy(service.address)
         return self
 
     def signal(self, name: str, sig: int) -> None:
