@@ -20,7 +20,7 @@ from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, Tok
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from harness.procs import ServiceProcess, free_port
+from harness.stack import running
 from services.common.auth import SECRET_METADATA, load_internal_secret
 from services.common.rpc import check_health, message_options
 
@@ -32,41 +32,12 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 WRONG = [None, [(SECRET_METADATA, "wrong")], [(SECRET_METADATA, SECRET + "x")], [("authorization", SECRET)]]
 
 
-class AuthStack:
-    def __init__(self, model_dir, log_dir):
-        self.procs: list[ServiceProcess] = []
-        ports = {name: free_port() for name in ("scheduler", "detokenizer", "http", "grpc")}
-        self.scheduler = f"127.0.0.1:{ports['scheduler']}"
-        self.detokenizer = f"127.0.0.1:{ports['detokenizer']}"
-        self.http_url = f"http://127.0.0.1:{ports['http']}"
-        self.grpc = f"127.0.0.1:{ports['grpc']}"
-        secret = {"FLATWIRE_INTERNAL_SECRET": SECRET}
-        model = ["--model", str(model_dir)]
-        self._start("scheduler", ["--port", str(ports["scheduler"]), "--max-running-requests", "8", *model],
-                    log_dir, secret, self.scheduler)
-        self._start("detokenizer", ["--port", str(ports["detokenizer"]), "--schedulers", self.scheduler, *model],
-                    log_dir, secret, self.detokenizer)
-        self._start("gateway", ["--port", str(ports["http"]), "--grpc-port", str(ports["grpc"]), *model,
-                                "--schedulers", self.scheduler, "--detokenizers", self.detokenizer],
-                    log_dir, {**secret, "FLATWIRE_API_KEY": API_KEY}, self.grpc)
-
-    def _start(self, command, args, log_dir, env, health_address) -> None:
-        proc = ServiceProcess(command, args, log_dir, env)
-        self.procs.append(proc)
-        proc.wait_healthy(health_address)  # health is open: no secret, no key
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def stack(model_dir, log_dir):
-    stack = AuthStack(model_dir, log_dir)
-    try:
+    # Health is open: the stack waits for each service's without a secret or a key.
+    with running(model_dir, log_dir, scheduler_args=("--max-running-requests", "8"),
+                 env={"FLATWIRE_INTERNAL_SECRET": SECRET}, gateway_env={"FLATWIRE_API_KEY": API_KEY}) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def unary(address: str, spec: ServiceSpec, method: str, request, metadata=None):
@@ -120,27 +91,27 @@ def stream_outputs(address: str, metadata, owner: str = "someone-else"):
 def test_scheduler_refuses_calls_without_the_secret(stack, method):
     call = scheduler_calls("intruder", f"auth-{uuid.uuid4().hex}")[method]
     for metadata in WRONG:
-        assert code_of(call, stack.scheduler, metadata) == UNAUTHENTICATED, (method, metadata)
+        assert code_of(call, stack.scheduler_address, metadata) == UNAUTHENTICATED, (method, metadata)
 
 
 def test_detokenizer_refuses_calls_without_the_secret(stack):
     for metadata in WRONG:
-        assert code_of(stream_outputs, stack.detokenizer, metadata) == UNAUTHENTICATED, metadata
+        assert code_of(stream_outputs, stack.detokenizer_address, metadata) == UNAUTHENTICATED, metadata
 
 
 def test_internal_methods_are_served_with_the_secret(stack):
     good = [(SECRET_METADATA, SECRET)]
     owner, rid = f"auth-test-{uuid.uuid4().hex[:8]}", f"auth-{uuid.uuid4().hex}"
     calls = scheduler_calls(owner, rid)
-    assert calls["GetModelInfo"](stack.scheduler, good).vocab_size > 0
-    assert calls["GetStats"](stack.scheduler, good) is not None
-    calls["StreamSteps"](stack.scheduler, good)
+    assert calls["GetModelInfo"](stack.scheduler_address, good).vocab_size > 0
+    assert calls["GetStats"](stack.scheduler_address, good) is not None
+    calls["StreamSteps"](stack.scheduler_address, good)
     # Submit as a gateway would, read it back from the detokenizer as its owner, then Abort.
-    with grpc.insecure_channel(stack.detokenizer, options=message_options(64)) as channel:
+    with grpc.insecure_channel(stack.detokenizer_address, options=message_options(64)) as channel:
         stream = DETOKENIZER.calls(channel)["StreamOutputs"](StreamOutputsRequest(owner=owner), metadata=good,
                                                               timeout=60)
         stream.initial_metadata()
-        calls["Submit"](stack.scheduler, good)
+        calls["Submit"](stack.scheduler_address, good)
         seen = set()
         for step in stream:
             seen.update(start.rid for start in step.started)
@@ -149,11 +120,11 @@ def test_internal_methods_are_served_with_the_secret(stack):
         stream.cancel()
     assert rid in seen
     # Served: NOT_FOUND once the 2-token request has finished, OK while it runs; never UNAUTHENTICATED.
-    assert code_of(calls["Abort"], stack.scheduler, good) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND)
+    assert code_of(calls["Abort"], stack.scheduler_address, good) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND)
 
 
 def test_health_is_open_everywhere(stack):
-    for address in (stack.scheduler, stack.detokenizer, stack.grpc):
+    for address in (stack.scheduler_address, stack.detokenizer_address, stack.grpc_address):
         assert check_health(address), address
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -171,11 +142,11 @@ def reflection_services(address: str, metadata=None) -> list[str]:
 
 
 def test_reflection_only_on_the_public_port(stack):
-    for address in (stack.scheduler, stack.detokenizer):
+    for address in (stack.scheduler_address, stack.detokenizer_address):
         assert code_of(reflection_services, address) == UNAUTHENTICATED
         assert code_of(reflection_services, address, [(SECRET_METADATA, SECRET)]) == grpc.StatusCode.UNIMPLEMENTED
-    assert code_of(reflection_services, stack.grpc) == UNAUTHENTICATED
-    assert "flatwire.v1.Generation" in reflection_services(stack.grpc, [("authorization", f"Bearer {API_KEY}")])
+    assert code_of(reflection_services, stack.grpc_address) == UNAUTHENTICATED
+    assert "flatwire.v1.Generation" in reflection_services(stack.grpc_address, [("authorization", f"Bearer {API_KEY}")])
 
 
 def test_pipeline_end_to_end(stack):
@@ -229,12 +200,12 @@ def test_metrics_with_the_key(stack):
 
 def test_public_grpc_needs_the_key(stack, model_dir):
     for api_key in (None, "wrong"):
-        with FlatwireClient(stack.grpc, api_key=api_key) as client:
+        with FlatwireClient(stack.grpc_address, api_key=api_key) as client:
             with pytest.raises(grpc.RpcError) as refused:
                 client.generate("Hello", max_new_tokens=2)
             assert refused.value.code() == UNAUTHENTICATED
             assert code_of(client.model_info) == UNAUTHENTICATED
-    with FlatwireClient(stack.grpc, api_key=API_KEY) as client:
+    with FlatwireClient(stack.grpc_address, api_key=API_KEY) as client:
         result = client.generate("Hello", max_new_tokens=3, temperature=0, top_logprobs_num=4)
         assert result.completion_tokens == 3 and result.output.topk_ids.shape == (3, 4)
         assert client.model_info().model == model_dir.name

@@ -5,7 +5,6 @@ import asyncio
 import time
 
 import grpc
-import httpx
 import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire.detokenizer import DETOKENIZER
@@ -18,10 +17,8 @@ from services.gateway.engine_client import EngineClient, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field
 from services.gateway.protocol.sglang import GenerateRequest
+from tests.gateway.bodies import CHAT, COMPLETION
 
-SERVED = "<the served model>"  # replaced by the name /v1/models gives
-CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 2}
 INT32_OVERFLOW = 2**31
 INT40 = 1099511627776
 
@@ -47,24 +44,14 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def post(http):
-    model = http.get("/v1/models").json()["data"][0]["id"]
-
-    def post(endpoint: str, body: dict) -> httpx.Response:
-        return http.post(endpoint, json={**body, "model": model} if body.get("model") == SERVED else body)
-
-    return post
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     with FlatwireClient(stack.grpc_address) as c:
         yield c
 
 
 @pytest.mark.parametrize(("endpoint", "body", "field"), CASES, ids=[f"{c[0]}:{c[2]}" for c in CASES])
-def test_overflowing_and_scheduler_refused_values_are_400_naming_the_clients_field(post, endpoint, body, field):
-    response = post(endpoint, body)
+def test_overflowing_and_scheduler_refused_values_are_400_naming_the_clients_field(send, endpoint, body, field):
+    response = send(endpoint, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field
@@ -72,36 +59,36 @@ def test_overflowing_and_scheduler_refused_values_are_400_naming_the_clients_fie
     assert "sampling." not in error["message"] and "logprob." not in error["message"]
 
 
-def test_logprob_start_len_is_ignored_without_return_logprob(post):
+def test_logprob_start_len_is_ignored_without_return_logprob(send):
     """As SGLang: logprob_start_len only matters with return_logprob."""
-    response = post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, "logprob_start_len": INT40})
+    response = send("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, "logprob_start_len": INT40})
     assert response.status_code == 200, response.text
 
 
-def _greedy_ids(post, **sampling) -> list[int]:
+def _greedy_ids(send, **sampling) -> list[int]:
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 12, "ignore_eos": True,
                                                                     **sampling}}
-    response = post("/generate", body)
+    response = send("/generate", body)
     assert response.status_code == 200, response.text
     return response.json()["output_ids"]
 
 
-def test_tiny_temperature_is_greedy(post, client):
+def test_tiny_temperature_is_greedy(send, client):
     """SGLang: temperature < 1e-6 samples greedily. 1e-45 (a float32 denormal) once emitted token 0 each step."""
-    greedy = _greedy_ids(post, temperature=0)
+    greedy = _greedy_ids(send, temperature=0)
     assert greedy != [0] * len(greedy)
-    assert _greedy_ids(post, temperature=1e-45) == greedy
-    assert _greedy_ids(post, temperature=1e-7, seed=3) == greedy
+    assert _greedy_ids(send, temperature=1e-45) == greedy
+    assert _greedy_ids(send, temperature=1e-7, seed=3) == greedy
     grpc_ids = client.generate("The capital of France is", max_new_tokens=12, ignore_eos=True, temperature=1e-45)
     assert grpc_ids.token_ids.tolist() == greedy
-    chat = post("/v1/chat/completions", {**CHAT, "temperature": 1e-45, "max_tokens": 6, "seed": 1}).json()
-    chat_greedy = post("/v1/chat/completions", {**CHAT, "temperature": 0, "max_tokens": 6}).json()
+    chat = send("/v1/chat/completions", {**CHAT, "temperature": 1e-45, "max_tokens": 6, "seed": 1}).json()
+    chat_greedy = send("/v1/chat/completions", {**CHAT, "temperature": 0, "max_tokens": 6}).json()
     assert chat["choices"][0]["message"] == chat_greedy["choices"][0]["message"]
 
 
-def test_top_p_below_float32_keeps_the_most_likely_token(post):
+def test_top_p_below_float32_keeps_the_most_likely_token(send):
     """top_p=1e-50 rounds to 0 as float32 (which the scheduler refuses); it means the top token alone."""
-    assert _greedy_ids(post, temperature=1.0, top_p=1e-50) == _greedy_ids(post, temperature=0)
+    assert _greedy_ids(send, temperature=1.0, top_p=1e-50) == _greedy_ids(send, temperature=0)
 
 
 # -- the public gRPC API: /generate's validation, its own field names --------------------------------------
@@ -114,7 +101,7 @@ def _grpc_error(client, *args, **options) -> grpc.RpcError:
     return caught.value
 
 
-def test_grpc_refuses_what_http_refuses_with_the_same_message(client, post):
+def test_grpc_refuses_what_http_refuses_with_the_same_message(client, send):
     info = client.model_info()
     prompt = [9707] * (info.max_context - 1)
     cases = [  # (gRPC options, the same request on /generate, the gRPC field)
@@ -136,7 +123,7 @@ def test_grpc_refuses_what_http_refuses_with_the_same_message(client, post):
     ]
     for options, body, field in cases:
         details = _grpc_error(client, **options).details()
-        http_error = post("/generate", body).json()["error"]
+        http_error = send("/generate", body).json()["error"]
         assert details.startswith(field + ": "), details
         assert details == http_error["message"].replace("sampling_params.", "sampling."), (details, http_error)
 

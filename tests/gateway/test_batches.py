@@ -48,7 +48,7 @@ def test_a_batch_at_the_limit_completes(stack, http):
     assert all(len(item["output_ids"]) == 1 for item in body)
     assert all(item["meta_info"]["finish_reason"]["type"] in ("length", "stop") for item in body)
     assert len({item["meta_info"]["id"] for item in body}) == MAX_BATCH_SIZE
-    log = stack.gateway.log()
+    log = stack.procs["gateway"].log()
     assert "never retrieved" not in log
     assert "CANCELLED" not in log
 

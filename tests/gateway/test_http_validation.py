@@ -2,12 +2,10 @@
 
 import threading
 
-import httpx
 import pytest
 
-SERVED = "<the served model>"  # replaced by the name /v1/models gives
-CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 2}
+from tests.gateway.bodies import CHAT, COMPLETION
+
 TOO_MANY = 1_000_000  # above any server's top-k maximum
 
 # (endpoint, body (dict, or raw bytes), expected status, the field the error must name)
@@ -57,22 +55,10 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def post(http):
-    model = http.get("/v1/models").json()["data"][0]["id"]
-
-    def post(endpoint: str, body) -> httpx.Response:
-        if isinstance(body, bytes):
-            return http.post(endpoint, content=body, headers={"content-type": "application/json"})
-        return http.post(endpoint, json={**body, "model": model} if body.get("model") == SERVED else body)
-
-    return post
-
-
 @pytest.mark.parametrize(("endpoint", "body", "status", "field"), CASES,
                          ids=[f"{c[0]}:{c[3]}:{i}" for i, c in enumerate(CASES)])
-def test_bad_input_names_the_field(post, endpoint, body, status, field):
-    response = post(endpoint, body)
+def test_bad_input_names_the_field(send, endpoint, body, status, field):
+    response = send(endpoint, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == field
@@ -80,7 +66,7 @@ def test_bad_input_names_the_field(post, endpoint, body, status, field):
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def test_bad_input_leaves_a_concurrent_request_and_the_services_alone(stack, http, post):
+def test_bad_input_leaves_a_concurrent_request_and_the_services_alone(stack, http, send):
     good = {"text": "A long story about gRPC", "sampling_params": {"max_new_tokens": 48, "temperature": 0,
                                                                  "ignore_eos": True},
             "return_logprob": True, "top_logprobs_num": 4}
@@ -92,12 +78,12 @@ def test_bad_input_leaves_a_concurrent_request_and_the_services_alone(stack, htt
 
     thread = threading.Thread(target=run_good)
     thread.start()
-    statuses = [post(endpoint, body).status_code for endpoint, body, _, _ in CASES]
+    statuses = [send(endpoint, body).status_code for endpoint, body, _, _ in CASES]
     thread.join(timeout=120)
     assert all(400 <= s < 500 for s in statuses)
     assert result["body"]["output_ids"] == alone["output_ids"]
     assert result["body"]["meta_info"]["finish_reason"] == {"type": "length", "length": 48}
     assert http.get("/health").status_code == 200
-    assert stack.gateway.proc.poll() is None
+    assert stack.procs["gateway"].proc.poll() is None
     metrics = http.get("/metrics").text
     assert 'flatwire_request_errors_total{endpoint="/generate",status="400"}' in metrics

@@ -8,10 +8,10 @@ streams (the detokenizer and gateway log every cut).
 
 import time
 
-import httpx
 import pytest
 
-from harness.procs import ServiceProcess, free_port
+from harness.http import generate
+from harness.stack import running
 from services.common.rpc import check_health
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
@@ -22,33 +22,15 @@ CUTS = ("stream:", "ended its step stream", "stream ended", "too_many_pings", "G
 
 
 def test_idle_streams_survive_fast_keepalive_pings(model_dir, log_dir):
-    ports = {name: free_port() for name in ("scheduler", "detokenizer", "http", "grpc")}
-    scheduler, detokenizer = f"127.0.0.1:{ports['scheduler']}", f"127.0.0.1:{ports['detokenizer']}"
-    model = ["--model", str(model_dir)]
-    procs = []
-    try:
-        procs.append(ServiceProcess("scheduler", ["--port", str(ports["scheduler"]), *model], log_dir, KEEPALIVE))
-        procs[-1].wait_healthy(scheduler)
-        procs.append(ServiceProcess("detokenizer", ["--port", str(ports["detokenizer"]), "--schedulers", scheduler,
-                                                    *model], log_dir, KEEPALIVE))
-        procs[-1].wait_healthy(detokenizer)
-        procs.append(ServiceProcess("gateway", [
-            "--port", str(ports["http"]), "--grpc-port", str(ports["grpc"]), "--schedulers", scheduler,
-            "--detokenizers", detokenizer, *model], log_dir, {**KEEPALIVE, "GRPC_TRACE": "http_keepalive",
-                                                             "GRPC_VERBOSITY": "debug"}))
-        procs[-1].wait_healthy(f"127.0.0.1:{ports['grpc']}")
+    with running(model_dir, log_dir, env=KEEPALIVE,
+                 gateway_env={"GRPC_TRACE": "http_keepalive", "GRPC_VERBOSITY": "debug"}) as stack:
         time.sleep(IDLE_S)
-        assert check_health(detokenizer), "the detokenizer lost its scheduler stream"
-        reply = httpx.post(f"http://127.0.0.1:{ports['http']}/generate", timeout=60,
-                           json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
-        assert reply.status_code == 200, reply.text
-        gateway_log = procs[-1].log()
+        assert check_health(stack.detokenizer_address), "the detokenizer lost its scheduler stream"
+        generate(stack.http_url, text="hello", sampling_params={"max_new_tokens": 4})
+        gateway_log = stack.procs["gateway"].log()
         assert gateway_log.count("Finish keepalive ping") > 3, \
             "the gateway's channels completed no keepalive pings: the test would prove nothing"
-        for proc in procs:
+        for proc in stack.procs.values():
             log = proc.log()
             assert not [line for line in log.splitlines() if any(cut in line for cut in CUTS)], \
                 f"{proc.command} saw a stream cut:\n{log[-3000:]}"
-    finally:
-        for proc in reversed(procs):
-            proc.stop()

@@ -13,6 +13,7 @@ import statistics
 import string
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
@@ -21,10 +22,10 @@ import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire import public
 
-from harness.procs import free_port
+from harness.http import post
+from harness.stack import Stack
 from services.common.rpc import message_options
 from services.gateway.config import GatewayConfig
-from tests.conftest import Stack
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -100,10 +101,6 @@ def assert_error(status_and_body, status: int, param: str | None, *words: str) -
     return error
 
 
-def post(url: str, path: str, body, **kwargs) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=kwargs.pop("timeout", 120), **kwargs)
-
-
 def words_text(chars: int, seed: int = 0) -> str:
     rng = random.Random(seed)
     words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))) for _ in range(5000)]
@@ -133,7 +130,7 @@ def model(stack) -> str:
 
 
 def test_a_declared_300mb_body_is_refused_before_it_is_read(stack):
-    pid = stack.gateway.proc.pid
+    pid = stack.procs["gateway"].proc.pid
     before = rss_mb(pid)
     head = (b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
             b"Content-Length: 300000000\r\n\r\n")
@@ -150,7 +147,7 @@ def test_a_declared_300mb_body_is_refused_before_it_is_read(stack):
 def test_a_300mb_chunked_body_is_cut_at_the_limit(stack):
     """No length announced: the gateway reads up to the limit, answers 413 and closes; the client could
     not push more than the limit and the socket buffers."""
-    pid = stack.gateway.proc.pid
+    pid = stack.procs["gateway"].proc.pid
     before = rss_mb(pid)
     head = b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     megabyte = b"a" * (1 << 20)
@@ -299,7 +296,7 @@ def test_the_response_a_request_asks_for_is_bounded(stack, model):
 def test_the_public_grpc_server_refuses_a_message_past_the_request_limit(stack):
     """A 40 MB message (the issue sent 900 MB) is refused as its length arrives: RESOURCE_EXHAUSTED,
     nothing kept."""
-    pid = stack.gateway.proc.pid
+    pid = stack.procs["gateway"].proc.pid
     before = rss_mb(pid)
     request = public.GenerateRequest(text="a" * (40 << 20), sampling=public.SamplingParams(max_new_tokens=2))
     with grpc.insecure_channel(stack.grpc_address, options=message_options(1024)) as channel:
@@ -318,7 +315,7 @@ def test_rejected_20mb_bodies_leave_the_gateway_as_it_was(stack, model):
     than 128 bytes a token) nor leaves memory behind. 100 of them (plus 10 each through completions,
     chat, a 20 MB stop string, and gRPC text and stop) leave the gateway's RSS within 10 MB of where it
     was after warm-up."""
-    pid = stack.gateway.proc.pid
+    pid = stack.procs["gateway"].proc.pid
     text = words_text(20_000_000)
     body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 2}}).encode()
     completion = json.dumps({"model": model, "prompt": text, "max_tokens": 2}).encode()
@@ -431,23 +428,15 @@ def test_health_answers_while_long_prompts_are_tokenized(stack, api):
 
 
 @pytest.fixture(scope="module")
-def tight(start_service) -> Stack:
+def tight(model_dir, log_dir) -> Iterator[Stack]:
     """One running slot and a waiting list of one (the scheduler holds 2); a gateway admitting 2
-    generations (batches of 2) with 1 s read timeouts; a second gateway with the automatic limits."""
-    _, scheduler = start_service("scheduler", "--max-running-requests", "1", "--max-waiting-requests", "1")
-    _, detokenizer = start_service("detokenizer", "--schedulers", scheduler)
-    grpc_port = free_port()
-    gateway, http = start_service(
-        "gateway", "--schedulers", scheduler, "--detokenizers", detokenizer, "--grpc-port", str(grpc_port),
-        "--max-batch-size", "2", "--max-outstanding-requests", "2", "--http-header-timeout-s", "1",
-        "--http-body-timeout-s", "1", health_port=grpc_port)
-    second_grpc = free_port()
-    _, second_http = start_service(
-        "gateway", "--schedulers", scheduler, "--detokenizers", detokenizer, "--grpc-port", str(second_grpc),
-        health_port=second_grpc)
-    stack = Stack(f"http://{http}", f"127.0.0.1:{grpc_port}", scheduler, detokenizer, gateway)
-    stack.second_http_url = f"http://{second_http}"
-    return stack
+    generations (batches of 2) with 1 s read timeouts; a second gateway ("gateway-1") with the automatic limits."""
+    stack = Stack(model_dir, log_dir, scheduler_args=("--max-running-requests", "1", "--max-waiting-requests", "1"),
+                  gateway_args=("--max-batch-size", "2", "--max-outstanding-requests", "2",
+                                "--http-header-timeout-s", "1", "--http-body-timeout-s", "1"))
+    stack.add("gateway")
+    with stack:
+        yield stack.start()
 
 
 LONG = {"text": "count", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
@@ -513,7 +502,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole(tight):
 def test_past_the_schedulers_waiting_list_requests_get_429(tight):
     """The first gateway fills the scheduler (1 running, 1 waiting); the second gateway, far from its own
     limit, gets RESOURCE_EXHAUSTED from the scheduler and answers 429 too, the replica kept in rotation."""
-    second = tight.second_http_url
+    second = tight.services["gateway-1"].http_url
     assert metric(second, "flatwire_admission_limit") == DEFAULTS.max_batch_size  # max(4096, 8 x 1 slot)
     with holding(tight.http_url, 2, expect_outstanding=2):
         response = post(second, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})

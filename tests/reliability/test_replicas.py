@@ -7,16 +7,12 @@ other keeps serving, and must come back into rotation when restarted on the same
 """
 
 import concurrent.futures
-import signal
 import time
 
-import grpc
-import httpx
 import pytest
-from flatwire_wire.control import EMPTY
-from flatwire_wire.scheduler import SCHEDULER, SchedulerStats
 
-from harness.procs import ServiceProcess, free_port
+from harness.http import post
+from harness.stack import Stack, running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -27,51 +23,27 @@ REQUEST_TIMEOUT_S = 120  # a hung request fails the test instead of stalling it
 HOP_TIMEOUT_S = 3.0
 
 
-class Scheduler:
-    """A scheduler replica that can be killed and restarted on the same port."""
-
-    def __init__(self, model_dir, log_dir):
-        self.model_dir, self.log_dir = model_dir, log_dir
-        self.address = f"127.0.0.1:{free_port()}"
-        self.proc: ServiceProcess | None = None
-
-    def launch(self) -> None:
-        port = self.address.rsplit(":", 1)[1]
-        self.proc = ServiceProcess("scheduler", ["--port", port, "--model", str(self.model_dir), *SCHEDULER_ARGS],
-                                   self.log_dir)
-
-    def start(self) -> None:
-        self.launch()
-        self.proc.wait_healthy(self.address)
-
-    def kill(self) -> None:
-        self.proc.proc.send_signal(signal.SIGKILL)
-        self.proc.proc.wait(timeout=30)
-        self.proc.stop()  # closes the log
-
-    def stats(self) -> SchedulerStats:
-        with grpc.insecure_channel(self.address) as channel:
-            return SCHEDULER.calls(channel)["GetStats"](EMPTY, timeout=10)
-
-
 class Cluster:
-    def __init__(self, schedulers: list[Scheduler], http_url: str):
-        self.schedulers = schedulers
-        self.http_url = http_url
+    """A stack of scheduler replicas, and the requests its gateway is sent."""
+
+    def __init__(self, stack: Stack):
+        self.stack = stack
+        self.replicas = [service.name for service in stack.services.values() if service.kind == "scheduler"]
 
     def finished(self) -> list[int]:
-        return [s.stats().finished for s in self.schedulers]
+        return [self.stack.stats(name).finished for name in self.replicas]
 
     def generate_all(self, count: int, sampling: dict) -> list[concurrent.futures.Future]:
         """`count` concurrent /generate requests; each future gives its meta_info."""
         pool = concurrent.futures.ThreadPoolExecutor(count)
-        futures = [pool.submit(self._generate, f"request {i}: the quick brown fox", sampling) for i in range(count)]
+        futures = [pool.submit(self._request, f"request {i}: the quick brown fox", sampling) for i in range(count)]
         pool.shutdown(wait=False)
         return futures
 
-    def _generate(self, text: str, sampling: dict) -> dict:
-        reply = httpx.post(f"{self.http_url}/generate", json={"text": text, "sampling_params": sampling},
-                           timeout=REQUEST_TIMEOUT_S)
+    def _request(self, text: str, sampling: dict) -> dict:
+        """Its meta_info; a 503's error message, and when it came."""
+        reply = post(self.stack.http_url, "/generate", {"text": text, "sampling_params": sampling},
+                     timeout=REQUEST_TIMEOUT_S)
         if reply.status_code == 503:
             return {"error": reply.json()["error"]["message"], "ended": time.monotonic()}
         assert reply.status_code == 200, reply.text
@@ -84,33 +56,10 @@ def results(futures: list[concurrent.futures.Future]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, log_dir):
-    schedulers = [Scheduler(model_dir, log_dir), Scheduler(model_dir, log_dir)]
-    addresses = ",".join(s.address for s in schedulers)
-    detokenizer_port, http_port, grpc_port = free_port(), free_port(), free_port()
-    common = ["--model", str(model_dir), "--schedulers", addresses]
-    started = []
-    try:
-        for scheduler in schedulers:
-            scheduler.launch()
-            started.append(scheduler.proc)
-        for scheduler in schedulers:
-            scheduler.proc.wait_healthy(scheduler.address)
-        detokenizer = ServiceProcess("detokenizer", ["--port", str(detokenizer_port), *common], log_dir)
-        started.append(detokenizer)
-        detokenizer.wait_healthy(f"127.0.0.1:{detokenizer_port}")
-        gateway = ServiceProcess("gateway", [
-            "--port", str(http_port), "--grpc-port", str(grpc_port), *common,
-            "--detokenizers", f"127.0.0.1:{detokenizer_port}", "--health-interval-s", "0.2",
-            "--hop-timeout-s", str(HOP_TIMEOUT_S)], log_dir)
-        started.append(gateway)
-        gateway.wait_healthy(f"127.0.0.1:{grpc_port}")
-        yield Cluster(schedulers, f"http://127.0.0.1:{http_port}")
-    finally:
-        for proc in reversed(started):
-            proc.stop()
-        for scheduler in schedulers:  # a restarted one
-            if scheduler.proc not in started:
-                scheduler.proc.stop()
+    """Two replicas, one detokenizer following both."""
+    with running(model_dir, log_dir, schedulers=2, scheduler_args=SCHEDULER_ARGS,
+                 gateway_args=("--health-interval-s", "0.2", "--hop-timeout-s", str(HOP_TIMEOUT_S))) as stack:
+        yield Cluster(stack)
 
 
 def test_concurrent_requests_spread_over_both_replicas(cluster):
@@ -123,13 +72,14 @@ def test_concurrent_requests_spread_over_both_replicas(cluster):
 
 
 def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(cluster):
-    victim, survivor = cluster.schedulers
+    stack = cluster.stack
+    victim, survivor = cluster.replicas
     futures = cluster.generate_all(16, LONG)
     deadline = time.monotonic() + 60
-    while not (victim.stats().running and survivor.stats().running):
+    while not (stack.stats(victim).running and stack.stats(survivor).running):
         assert time.monotonic() < deadline, "the long requests never ran on both replicas"
         time.sleep(0.05)
-    victim.kill()
+    stack.kill(victim)
     killed = time.monotonic()
     metas = results(futures)  # every one ends: none hangs on the dead replica
 
@@ -139,7 +89,7 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(cluster):
           f"survivor; first error: {failed[0]['error'] if failed else None!r}")
     assert len(failed) + len(completed) == len(metas), metas
     assert failed and completed
-    assert all(victim.address in meta["error"] for meta in failed), failed
+    assert all(stack.services[victim].address in meta["error"] for meta in failed), failed
     # Within the hop timeout, plus a health round and its check's own timeout.
     assert max(meta["ended"] for meta in failed) - killed < HOP_TIMEOUT_S + 3, failed
 
@@ -148,44 +98,24 @@ def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(cluster):
 
 
 def test_restarted_replica_rejoins_rotation(cluster):
-    victim, _ = cluster.schedulers
-    victim.start()
+    stack = cluster.stack
+    victim, _ = cluster.replicas
+    stack.start(victim)  # on the same port
     # Requests right after it is healthy again: none may be lost while the pipeline reconnects.
     deadline = time.monotonic() + 60
-    while victim.stats().finished == 0:
+    while stack.stats(victim).finished == 0:
         assert time.monotonic() < deadline, "no request reached the restarted replica"
         metas = results(cluster.generate_all(8, SHORT))
         assert all(meta["finish_reason"]["type"] == "length" for meta in metas), metas
-    print(f"\nrestarted replica served {victim.stats().finished} requests")
+    print(f"\nrestarted replica served {stack.stats(victim).finished} requests")
 
 
 def test_one_detokenizer_per_scheduler(model_dir, log_dir):
     """The other topology: each replica followed by its own detokenizer; the gateway listens to both."""
-    schedulers = [Scheduler(model_dir, log_dir), Scheduler(model_dir, log_dir)]
-    http_port, grpc_port = free_port(), free_port()
-    detokenizers = [f"127.0.0.1:{free_port()}" for _ in schedulers]
-    started = []
-    try:
-        for scheduler in schedulers:
-            scheduler.launch()
-            started.append(scheduler.proc)
-        for scheduler, detokenizer in zip(schedulers, detokenizers):
-            scheduler.proc.wait_healthy(scheduler.address)
-            proc = ServiceProcess("detokenizer", ["--port", detokenizer.rsplit(":", 1)[1], "--model", str(model_dir),
-                                                  "--schedulers", scheduler.address], log_dir)
-            started.append(proc)
-            proc.wait_healthy(detokenizer)
-        gateway = ServiceProcess("gateway", [
-            "--port", str(http_port), "--grpc-port", str(grpc_port), "--model", str(model_dir),
-            "--schedulers", ",".join(s.address for s in schedulers), "--detokenizers", ",".join(detokenizers),
-            "--health-interval-s", "0.2"], log_dir)
-        started.append(gateway)
-        gateway.wait_healthy(f"127.0.0.1:{grpc_port}")
-        cluster = Cluster(schedulers, f"http://127.0.0.1:{http_port}")
+    with running(model_dir, log_dir, schedulers=2, detokenizers=2, scheduler_args=SCHEDULER_ARGS,
+                 gateway_args=("--health-interval-s", "0.2")) as stack:
+        cluster = Cluster(stack)
         metas = results(cluster.generate_all(12, SHORT))
         assert all(meta["finish_reason"] == {"type": "length", "length": 8} for meta in metas), metas
         served = cluster.finished()
         assert sum(served) == 12 and min(served) > 0, served
-    finally:
-        for proc in reversed(started):
-            proc.stop()

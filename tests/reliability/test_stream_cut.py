@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from harness.procs import ServiceProcess, free_port
+from harness.procs import free_port
+from harness.stack import Stack
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -24,8 +25,8 @@ REQUEST = {"text": "a long one", "sampling_params": {"max_new_tokens": 400, "tem
 class CuttableProxy:
     """Forwards 127.0.0.1:port to a target; cut() closes every connection it carries."""
 
-    def __init__(self, target_port: int):
-        self.port, self.target_port = free_port(), target_port
+    def __init__(self, port: int, target_port: int):
+        self.port, self.target_port = port, target_port
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
@@ -62,22 +63,14 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 def test_a_cut_output_stream_fails_its_requests_explicitly(model_dir, log_dir):
-    ports = {name: free_port() for name in ("scheduler", "detokenizer", "http", "grpc")}
-    scheduler = f"127.0.0.1:{ports['scheduler']}"
-    model = ["--model", str(model_dir)]
-    procs, proxy = [], None
+    proxy_port = free_port()  # the gateway's detokenizer address: the proxy, in front of the real one
+    stack = Stack(model_dir, log_dir, gateway_args=("--detokenizers", f"127.0.0.1:{proxy_port}"))
+    proxy = None
     try:
-        procs.append(ServiceProcess("scheduler", ["--port", str(ports["scheduler"]), *model], log_dir))
-        procs[-1].wait_healthy(scheduler)
-        procs.append(ServiceProcess("detokenizer", ["--port", str(ports["detokenizer"]), "--schedulers", scheduler,
-                                                    *model], log_dir))
-        procs[-1].wait_healthy(f"127.0.0.1:{ports['detokenizer']}")
-        proxy = CuttableProxy(ports["detokenizer"])
-        procs.append(ServiceProcess("gateway", [
-            "--port", str(ports["http"]), "--grpc-port", str(ports["grpc"]), "--schedulers", scheduler,
-            "--detokenizers", f"127.0.0.1:{proxy.port}", *model], log_dir))
-        procs[-1].wait_healthy(f"127.0.0.1:{ports['grpc']}")
-        url = f"http://127.0.0.1:{ports['http']}/generate"
+        stack.start("scheduler", "detokenizer")
+        proxy = CuttableProxy(proxy_port, stack.services["detokenizer"].port)
+        stack.start("gateway")
+        url = f"{stack.http_url}/generate"
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(httpx.post, url, json=REQUEST, timeout=120) for _ in range(4)]
@@ -98,7 +91,6 @@ def test_a_cut_output_stream_fails_its_requests_explicitly(model_dir, log_dir):
             time.sleep(0.5)
         assert reply.json()["meta_info"]["completion_tokens"] == 4
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stack.close()
         if proxy:
             proxy.close()

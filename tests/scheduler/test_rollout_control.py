@@ -26,7 +26,8 @@ from flatwire_wire.steps import StepMessage
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.procs import ServiceProcess, free_port
+from harness.checkpoints import perturbed_checkpoint
+from harness.stack import running
 from services.common.auth import AccessKeys
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
@@ -162,43 +163,12 @@ def test_access_keys_follow_sglang():
 # -- the stack ------------------------------------------------------------------------------------------
 
 
-class RolloutStack:
-    def __init__(self, model_dir: Path, log_dir: Path):
-        ports = {name: free_port() for name in ("scheduler", "detokenizer", "http", "grpc")}
-        self.scheduler = f"127.0.0.1:{ports['scheduler']}"
-        self.http_url = f"http://127.0.0.1:{ports['http']}"
-        self.grpc = f"127.0.0.1:{ports['grpc']}"
-        model = ["--model", str(model_dir)]
-        detokenizer = f"127.0.0.1:{ports['detokenizer']}"
-        self.procs = []
-        for command, args, env, health in (
-                ("scheduler", ["--port", str(ports["scheduler"]), "--max-running-requests", str(IN_FLIGHT),
-                               "--max-context", "1024"], {}, self.scheduler),
-                ("detokenizer", ["--port", str(ports["detokenizer"]), "--schedulers", self.scheduler], {}, detokenizer),
-                ("gateway", ["--port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
-                             "--schedulers", self.scheduler, "--detokenizers", detokenizer],
-                 {"FLATWIRE_ADMIN_API_KEY": ADMIN_KEY}, self.grpc)):
-            proc = ServiceProcess(command, [*args, *model], log_dir, env)
-            self.procs.append(proc)
-            proc.wait_healthy(health)
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def stack(model_dir, log_dir):
-    stack = RolloutStack(model_dir, log_dir)
-    try:
-        with httpx.Client(base_url=stack.http_url, timeout=300) as http:
-            deadline = time.monotonic() + 60
-            while http.get("/health").status_code != 200:  # the gateway admits once the whole path works
-                assert time.monotonic() < deadline, "the gateway never became healthy"
-                time.sleep(0.2)
+    with running(model_dir, log_dir, scheduler_args=("--max-running-requests", str(IN_FLIGHT), "--max-context", "1024"),
+                 gateway_env={"FLATWIRE_ADMIN_API_KEY": ADMIN_KEY}) as stack:
+        stack.wait_ready()  # the gateway admits once the whole path works
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -209,25 +179,14 @@ def http(stack):
 
 @pytest.fixture(scope="module")
 def admin_client(stack):
-    with FlatwireClient(stack.grpc, admin_api_key=ADMIN_KEY) as client:
+    with FlatwireClient(stack.grpc_address, admin_api_key=ADMIN_KEY) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def perturbed_dir(model_dir, tmp_path_factory) -> Path:
     """The default model with noise on two layers (fixed seed), saved as a checkpoint beside its tokenizer."""
-    target = tmp_path_factory.mktemp("perturbed")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(PERTURB_SEED)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if any(layer in name for layer in PERTURBED_LAYERS):
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (model_dir / name).is_file():
-            shutil.copy(model_dir / name, target / name)
-    return target
+    return perturbed_checkpoint(model_dir, tmp_path_factory.mktemp("perturbed"), PERTURB_SEED, PERTURBED_LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +292,7 @@ def test_update_from_disk_while_serving(stack, http, model_dir, perturbed_dir, r
     after = greedy(http, ids)
     assert after["output_ids"] == new and after["meta_info"]["weight_version"] == "v1"
     assert served_version(http) == "v1"
-    with FlatwireClient(stack.grpc) as client:
+    with FlatwireClient(stack.grpc_address) as client:
         assert client.model_info().weight_version == "v1"
 
 
@@ -361,7 +320,7 @@ def test_pushed_safetensors_equal_the_disk_update(stack, http, model_dir, pertur
                  if any(layer in name for layer in PERTURBED_LAYERS)}  # a subset: the layers that changed
     response = admin_client.push_weights(perturbed, weight_version="pushed")
     assert response.success, response.message
-    assert response.replicas[stack.scheduler].weight_version == "pushed"
+    assert response.replicas[stack.scheduler_address].weight_version == "pushed"
     body = greedy(http, ids)
     assert body["output_ids"] == transformers_greedy(references["new"], ids)
     assert body["meta_info"]["weight_version"] == "pushed"
@@ -378,7 +337,7 @@ def test_a_request_that_spans_an_update_says_which_weights_made_which_tokens(sta
     time.sleep(0.3)  # what was produced before the pause arrives
     made = stream.tokens
     response = admin_client.update_weights_from_disk(str(model_dir), weight_version="after")
-    assert response.success and response.replicas[stack.scheduler].num_paused_requests == 1
+    assert response.success and response.replicas[stack.scheduler_address].num_paused_requests == 1
     assert admin_client.continue_generation().success
     meta = stream.result()["meta_info"]
     assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "after"
@@ -398,7 +357,8 @@ def test_pause_retract_prefills_kept_requests_again_under_the_new_weights(stack,
     assert admin_client.pause_generation("retract").success
     time.sleep(0.3)  # what was produced before the pause arrives
     response = admin_client.update_weights_from_disk(str(perturbed_dir), weight_version="new")
-    assert response.success and response.replicas[stack.scheduler].num_paused_requests == 0  # none kept in place
+    # none kept in place
+    assert response.success and response.replicas[stack.scheduler_address].num_paused_requests == 0
     assert admin_client.continue_generation().success
     last = stream.result()
     output, spans = last["output_ids"], last["meta_info"]["weight_versions"]
@@ -495,14 +455,14 @@ def test_admin_routes_need_the_admin_key(http, path, body):
 def test_ordinary_routes_stay_open_and_grpc_admin_methods_need_the_key(stack, http):
     assert http.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
     assert http.get("/model_info").status_code == 200
-    with FlatwireClient(stack.grpc) as client:
+    with FlatwireClient(stack.grpc_address) as client:
         assert client.generate(input_ids=prompt(2), max_new_tokens=2, ignore_eos=True).completion_tokens == 2
         assert client.abort("no-such-request").success  # Abort by rid is an ordinary method
         for call in (client.continue_generation, client.abort_all, lambda: client.push_weights({})):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with FlatwireClient(stack.grpc, admin_api_key="wrong") as client:
+    with FlatwireClient(stack.grpc_address, admin_api_key="wrong") as client:
         with pytest.raises(grpc.RpcError) as refused:
             client.update_weight_version("x", abort_all_requests=False)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -2,48 +2,51 @@
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import numpy as np
 import pytest
 
-from harness.procs import free_port
+from harness.http import generate, stream_events
+from harness.stack import Stack, running
+
+pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 STEP_MS = 5
+PROMPT = "Capacity planning without a GPU"
 
 
 @pytest.fixture(scope="module")
-def backend(start_service) -> tuple[str, str]:
-    """A synthetic scheduler and a detokenizer following it: (scheduler, detokenizer) addresses."""
-    _, scheduler = start_service("scheduler", "--engine", "synthetic", "--step-ms", str(STEP_MS),
-                                 "--max-running-requests", "8")
-    _, detokenizer = start_service("detokenizer", "--schedulers", scheduler)
-    return scheduler, detokenizer
+def synthetic(model_dir, log_dir) -> Iterator[Stack]:
+    """A synthetic scheduler, a detokenizer following it, and a gateway."""
+    with running(model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", str(STEP_MS),
+                                                     "--max-running-requests", "8")) as stack:
+        yield stack
 
 
-def gateway(start_service, backend, *args: str) -> httpx.Client:
-    scheduler, detokenizer = backend
-    grpc_port = free_port()
-    _, address = start_service("gateway", "--schedulers", scheduler, "--detokenizers", detokenizer,
-                               "--grpc-port", str(grpc_port), *args, health_port=grpc_port)
-    return httpx.Client(base_url=f"http://{address}", timeout=60)
+@contextmanager
+def gateway(stack: Stack, *args: str) -> Iterator[httpx.Client]:
+    """Another gateway on the same scheduler and detokenizer, with `args`; stopped on the way out."""
+    extra = stack.add("gateway", *args)
+    stack.start(extra.name)
+    try:
+        with httpx.Client(base_url=extra.http_url, timeout=60) as client:
+            yield client
+    finally:
+        stack.stop(extra.name)
 
 
 @pytest.fixture(scope="module")
-def http(start_service, backend):
-    with gateway(start_service, backend) as client:
+def http(synthetic):
+    with httpx.Client(base_url=synthetic.http_url, timeout=60) as client:
         yield client
-
-
-def generate(http, **body) -> dict:
-    response = http.post("/generate", json={"text": "Capacity planning without a GPU", **body})
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def test_runs_to_max_new_tokens_with_sorted_top_logprobs(http):
     start = time.perf_counter()
-    body = generate(http, sampling_params={"max_new_tokens": 20}, return_logprob=True, top_logprobs_num=8)
+    body = generate(http, text=PROMPT, sampling_params={"max_new_tokens": 20}, return_logprob=True, top_logprobs_num=8)
     elapsed = time.perf_counter() - start
     meta = body["meta_info"]
     assert meta["completion_tokens"] == 20 and len(body["output_ids"]) == 20
@@ -61,11 +64,11 @@ def test_runs_to_max_new_tokens_with_sorted_top_logprobs(http):
 def test_identical_requests_give_identical_output(http):
     request = dict(sampling_params={"max_new_tokens": 12, "temperature": 1.0}, return_logprob=True,
                    top_logprobs_num=3, logprob_start_len=0)
-    first, second = generate(http, **request), generate(http, **request)
+    first, second = generate(http, text=PROMPT, **request), generate(http, text=PROMPT, **request)
     assert first["output_ids"] == second["output_ids"] and first["text"] == second["text"]
     assert first["meta_info"]["output_top_logprobs"] == second["meta_info"]["output_top_logprobs"]
     assert first["meta_info"]["input_top_logprobs"] == second["meta_info"]["input_top_logprobs"]
-    seeded = generate(http, sampling_params={"max_new_tokens": 12, "seed": 3})
+    seeded = generate(http, text=PROMPT, sampling_params={"max_new_tokens": 12, "seed": 3})
     assert seeded["output_ids"] != first["output_ids"]  # the seed picks another place in the table
 
 
@@ -77,21 +80,14 @@ def test_model_info_is_the_checkpoints(http, model_dir):
     assert info["device"] == "cpu" and info["dtype"] == "float32"
 
 
-def _stream(http, body: dict) -> list[dict]:
-    with http.stream("POST", "/generate", json={**body, "stream": True}) as reply:
-        assert reply.status_code == 200
-        return [json.loads(line[len("data: "):]) for line in reply.iter_lines()
-                if line.startswith("data: ") and line != "data: [DONE]"]
-
-
-def test_stream_interval_sends_fewer_larger_chunks_with_the_same_result(http, start_service, backend):
+def test_stream_interval_sends_fewer_larger_chunks_with_the_same_result(http, synthetic):
     """--stream-interval 5 (SGLang's): a streaming request ships 5 tokens per message; the events carry the
     same cumulative text and ids, and end where the request without streaming ends."""
-    body = {"text": "Capacity planning without a GPU", "sampling_params": {"max_new_tokens": 23}}
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 23}}
     whole = generate(http, **body)
-    per_token = _stream(http, body)
-    with gateway(start_service, backend, "--stream-interval", "5") as coarse_http:
-        coarse = _stream(coarse_http, body)
+    per_token = stream_events(http, **body)
+    with gateway(synthetic, "--stream-interval", "5") as coarse_http:
+        coarse = stream_events(coarse_http, **body)
     for events in (per_token, coarse):
         assert events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
     sizes = [len(event["output_ids"]) for event in coarse]
@@ -101,14 +97,14 @@ def test_stream_interval_sends_fewer_larger_chunks_with_the_same_result(http, st
     assert len(per_token) >= 12  # a message per token: many more, smaller events
 
 
-def test_incremental_streaming_output_sends_only_what_is_new(http, start_service, backend):
+def test_incremental_streaming_output_sends_only_what_is_new(http, synthetic):
     """--incremental-streaming-output (SGLang's): text, output_ids and the output logprob lists of each event
     are that event's only; joined, they are the response without streaming."""
-    body = {"text": "Capacity planning without a GPU", "sampling_params": {"max_new_tokens": 17},
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 17},
             "return_logprob": True, "top_logprobs_num": 3}
     whole = generate(http, **body)
-    with gateway(start_service, backend, "--incremental-streaming-output") as incremental_http:
-        events = _stream(incremental_http, body)
+    with gateway(synthetic, "--incremental-streaming-output") as incremental_http:
+        events = stream_events(incremental_http, **body)
     assert "".join(event["text"] for event in events) == whole["text"]
     assert [i for event in events for i in event["output_ids"]] == whole["output_ids"]
     for key in ("output_token_logprobs", "output_top_logprobs"):
