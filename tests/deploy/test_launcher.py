@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness.procs import ROOT, free_port
+from harness.http import post
+from harness.launcher import Launcher
+from harness.procs import ROOT
 from services.common.config import env_name
 from services.common.rpc import check_health
 from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
@@ -21,110 +23,63 @@ from tests.deploy.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
 
-def _launch(model: str, log_path: Path, env: dict[str, str] | None = None,
-            options: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[str, int]]:
-    """`flatwire up` on free public ports, its internal ports left to it."""
-    ports = {name: free_port() for name in ("port", "grpc-port")}
-    args = [f"--{name}={port}" for name, port in ports.items()]
-    with open(log_path, "w") as log:
-        up = subprocess.Popen([sys.executable, "-m", "services", "up", "--model", model, *args, *options],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    return up, ports
-
-
-def _wait_up(up: subprocess.Popen, ports: dict[str, int], log_path: Path) -> None:
-    """Until `up` has printed that it is up; adds the internal ports its services listen on to `ports`."""
-    deadline = time.monotonic() + 240
-    while "flatwire is up" not in log_path.read_text():
-        if up.poll() is not None or time.monotonic() > deadline:
-            up.kill()
-            raise AssertionError(f"flatwire up did not come up:\n{log_path.read_text()}")
-        time.sleep(0.5)
-    for service in ("scheduler", "detokenizer"):
-        argv = _child_argv(up.pid, service)
-        assert argv is not None, f"no {service} child found"
-        ports[f"{service}-port"] = int(argv[argv.index("--port") + 1])
-
-
-def _start_up(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+def _start_up(model_dir: Path, log_path: Path) -> Launcher:
     """`flatwire up` on free ports, once it has printed that it is up."""
-    up, ports = _launch(str(model_dir), log_path)
-    _wait_up(up, ports, log_path)
-    return up, ports
+    up = Launcher(log_path, model_dir)
+    up.wait_up()
+    return up
 
 
-def _stop_up(up: subprocess.Popen, ports: dict[str, int], log_path: Path) -> None:
+def _stop_up(up: Launcher) -> None:
     """Ctrl-C stops the launcher cleanly and all three services with it."""
-    up.send_signal(signal.SIGINT)
-    assert up.wait(timeout=30) == 0, log_path.read_text()
+    assert up.stop() == 0, up.log()
     for name in ("scheduler-port", "detokenizer-port", "grpc-port"):
-        assert not check_health(f"127.0.0.1:{ports[name]}", timeout=0.5), f"{name} still serving"
+        assert not check_health(f"127.0.0.1:{up.ports[name]}", timeout=0.5), f"{name} still serving"
 
 
-def _generate(port: int, timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"http://127.0.0.1:{port}/generate", timeout=timeout,
-                      json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
-
-
-def _child_pid(parent: int, service: str) -> int | None:
-    """The pid of `parent`'s child running `python -m services <service>`, from /proc (no psutil here)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or f"PPid:\t{parent}\n" not in (entry / "status").read_text():
-                continue
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # the process went away while we looked
-            continue
-        if argv[2:4] == [b"services", service.encode()]:
-            return int(entry.name)
-    return None
-
-
-def _child_argv(parent: int, service: str) -> list[str] | None:
-    """The command line of `parent`'s child running `python -m services <service>`."""
-    pid = _child_pid(parent, service)
-    return None if pid is None else (Path("/proc") / str(pid) / "cmdline").read_text().split("\0")
+def _hello(up: Launcher, timeout: float = 60) -> httpx.Response:
+    return post(up.http_url, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}},
+                timeout=timeout)
 
 
 def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
-    up, ports = _start_up(model_dir, tmp_path / "up.log")
+    up = _start_up(model_dir, tmp_path / "up.log")
     try:
-        reply = _generate(ports["port"])
+        reply = _hello(up)
         assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
-        assert check_health(f"127.0.0.1:{ports['grpc-port']}")
+        assert check_health(up.grpc_address)
     finally:
-        _stop_up(up, ports, tmp_path / "up.log")
+        _stop_up(up)
 
 
 def test_up_restarts_a_crashed_service(model_dir, tmp_path):
-    log_path = tmp_path / "up.log"
-    up, ports = _start_up(model_dir, log_path)
+    up = _start_up(model_dir, tmp_path / "up.log")
     try:
-        detokenizer = _child_pid(up.pid, "detokenizer")
+        detokenizer = up.child_pid("detokenizer")
         assert detokenizer is not None, "no detokenizer child found"
         os.kill(detokenizer, signal.SIGKILL)
 
         deadline = time.monotonic() + 10
-        while "detokenizer exited with code -9; restarting it in" not in log_path.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, f"no restart logged:\n{log_path.read_text()}"
+        while "detokenizer exited with code -9; restarting it in" not in up.log():
+            assert up.proc.poll() is None and time.monotonic() < deadline, f"no restart logged:\n{up.log()}"
             time.sleep(0.2)
 
         # The gateway may answer 503 (or not answer in time) until the new detokenizer is up.
         deadline = time.monotonic() + 60
         while True:
             try:
-                reply = _generate(ports["port"], timeout=10)
+                reply = _hello(up, timeout=10)
                 if reply.status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, f"no /generate success after restart:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"no /generate success after restart:\n{up.log()}"
             time.sleep(1)
         assert reply.json()["meta_info"]["completion_tokens"] == 4
-        assert up.poll() is None, log_path.read_text()
-        assert _child_pid(up.pid, "detokenizer") not in (None, detokenizer)
+        assert up.proc.poll() is None, up.log()
+        assert up.child_pid("detokenizer") not in (None, detokenizer)
     finally:
-        _stop_up(up, ports, log_path)
+        _stop_up(up)
 
 
 def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
@@ -166,26 +121,24 @@ def test_two_launchers_side_by_side(model_dir, tmp_path):
     id from the Hugging Face cache (offline), resolved alike by all three of its services."""
     hub_cache = tmp_path / "hub"
     populate_hub_cache(hub_cache, HUB_MODEL_ID, model_dir)
-    launched = [(*_launch(str(model_dir), tmp_path / "local.log"), tmp_path / "local.log"),
-                (*_launch(HUB_MODEL_ID, tmp_path / "hub.log", offline_env(HF_HUB_CACHE=str(hub_cache))),
-                 tmp_path / "hub.log")]
+    local = Launcher(tmp_path / "local.log", model_dir)
+    hub = Launcher(tmp_path / "hub.log", HUB_MODEL_ID, env=offline_env(HF_HUB_CACHE=str(hub_cache)))
+    launched = [local, hub]
     try:
-        for up, ports, log_path in launched:
-            _wait_up(up, ports, log_path)
-        (_, local_ports, _), (_, hub_ports, _) = launched
-        assert not set(local_ports.values()) & set(hub_ports.values())
-        for _, ports, _ in launched:
-            reply = _generate(ports["port"])
+        for up in launched:
+            up.wait_up()
+        assert not set(local.ports.values()) & set(hub.ports.values())
+        for up in launched:
+            reply = _hello(up)
             assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
-        models = httpx.get(f"http://127.0.0.1:{hub_ports['port']}/v1/models", timeout=10).json()
+        models = httpx.get(f"{hub.http_url}/v1/models", timeout=10).json()
         assert [model["id"] for model in models["data"]] == [HUB_MODEL_ID]
     finally:
-        for up, ports, log_path in launched:
-            if "scheduler-port" in ports:
-                _stop_up(up, ports, log_path)
-            elif up.poll() is None:  # the other one did not come up
-                up.send_signal(signal.SIGINT)
-                up.wait(timeout=30)
+        for up in launched:
+            if "scheduler-port" in up.ports:
+                _stop_up(up)
+            else:  # the other one did not come up
+                up.stop()
 
 
 def test_up_help_lists_every_service_option_by_service():
@@ -225,23 +178,22 @@ def test_given_options_go_to_the_services_that_have_them():
 def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, tmp_path):
     """A flag given to `flatwire up` reaches its service; a FLATWIRE_* variable still reaches it unchanged; a
     secret is on no command line."""
-    log_path = tmp_path / "up.log"
     env = {**os.environ, env_name("max_top_logprobs"): "7"}
-    up, ports = _launch(str(model_dir), log_path, env, ("--engine", "synthetic", "--max-running-requests", "3",
-                                                         "--stream-interval", "2", "--api-key", "up-test-key"))
+    up = Launcher(tmp_path / "up.log", model_dir, ("--engine", "synthetic", "--max-running-requests", "3",
+                                                    "--stream-interval", "2", "--api-key", "up-test-key"), env)
     try:
-        _wait_up(up, ports, log_path)
-        info = httpx.get(f"http://127.0.0.1:{ports['port']}/server_info", timeout=10,
+        up.wait_up()
+        info = httpx.get(f"{up.http_url}/server_info", timeout=10,
                          headers={"Authorization": "Bearer up-test-key"}).json()
         assert (info["max_running_requests"], info["max_top_logprobs"]) == (3, 7)
-        argv = {service: _child_argv(up.pid, service) for service in SERVICES}
+        argv = {service: up.child_argv(service) for service in SERVICES}
         assert "--max-running-requests=3" in argv["scheduler"] and "--stream-interval=2" in argv["gateway"]
         assert not any("--stream-interval=2" in arg for arg in argv["scheduler"] + argv["detokenizer"])
         assert not any("up-test-key" in arg for args in argv.values() for arg in args)
-        stream = httpx.post(f"http://127.0.0.1:{ports['port']}/generate", timeout=60,
-                            headers={"Authorization": "Bearer up-test-key"},
-                            json={"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 6}})
+        stream = post(up.http_url, "/generate", {"text": "hello", "stream": True,
+                                                 "sampling_params": {"max_new_tokens": 6}},
+                      headers={"Authorization": "Bearer up-test-key"}, timeout=60)
         events = [line for line in stream.text.splitlines() if line.startswith("data: {")]
         assert len(events) == 3  # 6 tokens, 2 per event (--stream-interval 2)
     finally:
-        _stop_up(up, ports, log_path)
+        _stop_up(up)
