@@ -26,32 +26,17 @@ from pathlib import Path
 
 import httpx
 import orjson
-import torch
 from flatwire_client import FlatwireClient
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from bench.common import OUT_DIR, Progress, Table, fmt_time, write_results
+from harness.checkpoints import perturbed_checkpoint
 from harness.stack import Stack, running
 from services.common.model_store import resolve_model
 
 SEED = 20260202
 SCHEDULER_ARGS = ("--max-running-requests", "64")  # what the notes of its table say
 ONE_LAYER = ".layers.1."
-
-
-def perturbed_checkpoint(model_dir: Path, target: Path) -> Path:
-    """The model with noise on every layer, saved beside the same tokenizer files."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".layers." in name:
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (target / name).write_bytes((model_dir / name).read_bytes())
-    return target
 
 
 class Stream(threading.Thread):
@@ -116,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             running(model_dir, log_dir, scheduler_args=SCHEDULER_ARGS) as stack, \
             FlatwireClient(stack.grpc_address) as client, httpx.Client(timeout=600) as http:
         stack.wait_ready()
-        other = perturbed_checkpoint(model_dir, Path(scratch))
+        other = perturbed_checkpoint(model_dir, Path(scratch), SEED)  # noise on every layer
         checkpoints = [other, model_dir]
         tensors = [load_file(path / "model.safetensors") for path in checkpoints]
         model_bytes = sum(t.numel() * t.element_size() for t in tensors[0].values())
