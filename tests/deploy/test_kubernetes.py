@@ -33,6 +33,7 @@ from flatwire_client import FlatwireClient
 from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER
 
+from harness.http import post
 from harness.procs import ROOT, ServiceProcess, free_port
 from services.common.auth import SECRET_METADATA
 from services.common.config import env_name, parse_config
@@ -451,8 +452,8 @@ class Gateway:
         return httpx.get(f"{self.url}/health", timeout=10)
 
     def generate(self, text: str, sampling: dict) -> dict:
-        reply = httpx.post(f"{self.url}/generate", headers=self.headers, timeout=REQUEST_TIMEOUT_S,
-                           json={"text": text, "sampling_params": sampling})
+        reply = post(self.url, "/generate", {"text": text, "sampling_params": sampling}, headers=self.headers,
+                     timeout=REQUEST_TIMEOUT_S)
         assert reply.status_code == 200, f"{self.pod}: {reply.status_code} {reply.text}"
         return reply.json()
 

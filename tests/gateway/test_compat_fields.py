@@ -7,6 +7,8 @@ import openai
 import pytest
 from flatwire_client import FlatwireClient
 
+from harness.http import generate
+
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, "temperature": 0}
 COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
@@ -94,11 +96,10 @@ def test_seed_wraps_into_uint64(openai_client, served_model):
 # Logit adjustments: what each field does, through every API (tests/scheduler/test_logit_adjust.py holds the exact
 # comparison with transformers' logits processors).
 
-def generate_ids(http, input_ids: list[int], max_new_tokens: int, **params) -> list[int]:
-    response = http.post("/generate", json={"input_ids": input_ids, "sampling_params": {
-        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **params}})
-    assert response.status_code == 200, response.text
-    return response.json()["output_ids"]
+def greedy_ids(http, input_ids: list[int], max_new_tokens: int, **params) -> list[int]:
+    """The output ids of a greedy /generate that ignores eos, with these sampling params."""
+    return generate(http, input_ids=input_ids, sampling_params={
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **params})["output_ids"]
 
 
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
@@ -118,8 +119,8 @@ def test_logit_bias_forces_and_bans_tokens(http, openai_client, served_model, en
 
     assert text(temperature=1, seed=3, logit_bias={str(forced): 100}) == forced_text
     # OpenAI's documented use: -100 bans a token; here every token greedy would pick is banned.
-    greedy = generate_ids(http, PROMPT_IDS, 8)
-    banned = generate_ids(http, PROMPT_IDS, 8, logit_bias={str(token): -100 for token in greedy})
+    greedy = greedy_ids(http, PROMPT_IDS, 8)
+    banned = greedy_ids(http, PROMPT_IDS, 8, logit_bias={str(token): -100 for token in greedy})
     assert not set(banned) & set(greedy)
 
 
@@ -136,8 +137,8 @@ def test_bad_logit_bias_is_refused_naming_it(http, served_model, bias, message):
 
 @pytest.mark.parametrize("field", ["frequency_penalty", "presence_penalty", "repetition_penalty"])
 def test_penalties_reduce_repetition(http, field):
-    plain = generate_ids(http, PROMPT_IDS, 48)
-    penalised = generate_ids(http, PROMPT_IDS, 48, **{field: 2.0})
+    plain = greedy_ids(http, PROMPT_IDS, 48)
+    penalised = greedy_ids(http, PROMPT_IDS, 48, **{field: 2.0})
     assert len(set(penalised)) > len(set(plain)), (plain, penalised)
 
 
@@ -162,10 +163,10 @@ def test_out_of_range_adjustments_are_refused(http, served_model, field, value):
 
 
 def test_min_new_tokens_holds_off_stop_tokens_and_strings(http):
-    greedy = generate_ids(http, PROMPT_IDS, 12)
+    greedy = greedy_ids(http, PROMPT_IDS, 12)
     stop = next(i for i, token in enumerate(greedy) if i and token not in greedy[:i])  # first new token past 0
-    assert generate_ids(http, PROMPT_IDS, 12, stop_token_ids=[greedy[stop]]) == greedy[:stop + 1]
-    held = generate_ids(http, PROMPT_IDS, stop + 8, stop_token_ids=[greedy[stop]], min_new_tokens=stop + 4)
+    assert greedy_ids(http, PROMPT_IDS, 12, stop_token_ids=[greedy[stop]]) == greedy[:stop + 1]
+    held = greedy_ids(http, PROMPT_IDS, stop + 8, stop_token_ids=[greedy[stop]], min_new_tokens=stop + 4)
     assert len(held) >= stop + 4 and greedy[stop] not in held[:stop + 3]
     # A stop string matches only once the output has min_new_tokens tokens.
     text = http.post("/detokenize", json={"tokens": greedy[stop:stop + 1]}).json()["text"]
@@ -185,7 +186,7 @@ def test_grpc_api_takes_the_adjustments(stack, http):
         assert forced.token_ids.tolist() == [1000] * 3
         penalised = grpc_client.generate(input_ids=PROMPT_IDS, max_new_tokens=48, temperature=0, ignore_eos=True,
                                          repetition_penalty=2.0)
-        assert penalised.token_ids.tolist() == generate_ids(http, PROMPT_IDS, 48, repetition_penalty=2.0)
+        assert penalised.token_ids.tolist() == greedy_ids(http, PROMPT_IDS, 48, repetition_penalty=2.0)
 
 
 def test_generate_n_samples_each_prompt_distinctly_and_reproducibly(http):

@@ -4,9 +4,10 @@ import base64
 import concurrent.futures
 
 import numpy as np
-import orjson
 import pytest
 from transformers import AutoTokenizer
+
+from harness.http import generate, stream_events
 
 K = 5
 PROMPT = "The quick brown fox jumps over the lazy dog. Flat arrays beat nested rows"
@@ -16,24 +17,6 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0}
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def generate(http, **body) -> dict:
-    response = http.post("/generate", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def stream_events(http, **body) -> list[dict]:
-    events = []
-    with http.stream("POST", "/generate", json={**body, "stream": True}) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[len("data: "):])
-    assert events[-1] == "[DONE]"
-    return [orjson.loads(e) for e in events[:-1]]
 
 
 def nested_topk(rows: list) -> tuple[np.ndarray, np.ndarray, int]:

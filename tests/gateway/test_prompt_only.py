@@ -4,25 +4,25 @@ clients ask for them; and the output-length defaults each API documents."""
 import grpc
 from flatwire_wire.public import GENERATION, GenerateRequest, GenerateResponse, SamplingParams
 
+from harness.http import generate
+
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
 
 
-def generate(http, max_new_tokens: int) -> dict:
-    response = http.post("/generate", json={
-        "input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3})
-    assert response.status_code == 200, response.text
-    return response.json()
+def score(http, max_new_tokens: int) -> dict:
+    """The prompt's logprobs (top 3) from position 0, and max_new_tokens greedy tokens."""
+    return generate(http, input_ids=PROMPT_IDS, sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0},
+                    return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
 
 
 def test_generate_with_no_new_tokens_returns_the_prompt_logprobs(http):
-    scored = generate(http, 0)
+    scored = score(http, 0)
     assert scored["output_ids"] == [] and scored["text"] == ""
     meta = scored["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 0}
     assert meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
     # The same prompt rows as a request that also generates.
-    generated = generate(http, 2)["meta_info"]
+    generated = score(http, 2)["meta_info"]
     assert meta["input_token_logprobs"] == generated["input_token_logprobs"]
     assert meta["input_top_logprobs"] == generated["input_top_logprobs"]
     assert len(meta["input_token_logprobs"]) == len(PROMPT_IDS)

@@ -19,6 +19,7 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequ
 from flatwire_wire.steps import FinishReason
 from transformers import AutoTokenizer
 
+from harness.http import generate, post
 from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.sampling.grammar import Grammars, TokenMask
@@ -135,11 +136,10 @@ def test_logprobs_stay_raw(model_dir, grammars):
 
 # -- through the stack --------------------------------------------------------------------------------------
 
-def generate(http, **sampling) -> dict:
-    response = http.post("/generate", json={"text": "Reply:", "sampling_params": {
-        "max_new_tokens": 256, "temperature": 1, "seed": 1, **sampling}})
-    assert response.status_code == 200, response.text
-    return response.json()
+def sample(http, **sampling) -> dict:
+    """/generate of "Reply:" with these sampling params (up to 256 tokens, temperature 1, seed 1 unless given)."""
+    return generate(http, text="Reply:",
+                    sampling_params={"max_new_tokens": 256, "temperature": 1, "seed": 1, **sampling})
 
 
 def assert_refused(response, field: str, says: str) -> None:
@@ -151,32 +151,32 @@ def assert_refused(response, field: str, says: str) -> None:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("as_text", [True, False], ids=["text", "object"])
 def test_generate_json_schema_validates(http, seed, as_text):
-    body = generate(http, seed=seed, json_schema=json.dumps(SCHEMA) if as_text else SCHEMA)
+    body = sample(http, seed=seed, json_schema=json.dumps(SCHEMA) if as_text else SCHEMA)
     assert body["meta_info"]["finish_reason"]["type"] == "stop"
     jsonschema.validate(json.loads(body["text"]), SCHEMA)
 
 
 def test_generate_regex_and_ebnf(http):
     for seed in (1, 2):
-        assert re.fullmatch(REGEX, generate(http, seed=seed, regex=REGEX)["text"])
-    assert generate(http, temperature=0, ebnf=EBNF)["text"] in EBNF_LANGUAGE
+        assert re.fullmatch(REGEX, sample(http, seed=seed, regex=REGEX)["text"])
+    assert sample(http, temperature=0, ebnf=EBNF)["text"] in EBNF_LANGUAGE
 
 
 def test_cut_by_max_new_tokens_is_a_prefix(http):
-    body = generate(http, regex=REGEX, max_new_tokens=2)
+    body = sample(http, regex=REGEX, max_new_tokens=2)
     assert body["meta_info"]["finish_reason"]["type"] == "length"
     assert REGEX_PREFIX.fullmatch(body["text"])
 
 
 def test_generate_refusals(http):
-    def post(**sampling):
-        return http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, **sampling}})
+    def ask(**sampling):
+        return post(http, "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4, **sampling}})
 
-    assert_refused(post(json_schema='{"type": "objec"}'), "sampling_params.json_schema", "objec")
-    assert_refused(post(regex="[a-"), "sampling_params.regex", "Unclosed")
-    assert_refused(post(ebnf="root ::= "), "sampling_params.ebnf", "EBNF")
-    assert_refused(post(regex="a", ebnf='root ::= "a"'), "sampling_params.ebnf", "at most one")
-    assert_refused(post(regex="a", ignore_eos=True), "sampling_params.ignore_eos", "eos")
+    assert_refused(ask(json_schema='{"type": "objec"}'), "sampling_params.json_schema", "objec")
+    assert_refused(ask(regex="[a-"), "sampling_params.regex", "Unclosed")
+    assert_refused(ask(ebnf="root ::= "), "sampling_params.ebnf", "EBNF")
+    assert_refused(ask(regex="a", ebnf='root ::= "a"'), "sampling_params.ebnf", "at most one")
+    assert_refused(ask(regex="a", ignore_eos=True), "sampling_params.ignore_eos", "eos")
 
 
 def test_chat_response_format_json_schema(openai_client, served_model):
