@@ -1,5 +1,6 @@
 """GET /health, /v1/models and /metrics."""
 
+from harness.http import stream_events
 
 
 def test_health(http):
@@ -18,6 +19,8 @@ def metric(text: str, name: str) -> float:
 
 
 def test_metrics_count_requests_tokens_and_bytes_by_format(http):
+    # A streamed request first (a token per event): inter-token gaps exist however many tests ran before.
+    stream_events(http, text="count me", sampling_params={"max_new_tokens": 3})
     before = http.get("/metrics").text
     body = {"text": "count me", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
             "top_logprobs_num": 4, "return_flat_raw_output_top_logprobs": True,
