@@ -155,7 +155,7 @@ class Part:
 async def run(url: str, pids: dict[str, int], single_tokens: list[int], single_rounds: list[int], concurrency: int,
               concurrent_tokens: int, progress: Progress) -> list[Part]:
     parts = []
-    limits = httpx.SubmitLimits(max_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         await generate(client, "k=128 nested", 8)  # warm: token table, per-id pieces, first step
         for tokens, rounds in zip(single_tokens, single_rounds):
