@@ -3,7 +3,7 @@
 The scheduler runs `--engine synthetic --step-ms S` (no weights: one token per running
 request every S ms, the default model's real vocabulary), so it offers C x 1000 / S
 tokens/s with C requests running; the real detokenizer and gateway run beside it,
-each its own process (bench.faults.Pipeline). C closed-loop HTTP clients each send
+each its own process (harness.stack.Stack). C closed-loop HTTP clients each send
 POST /generate (a 16-token prompt, max_new_tokens N, ignore_eos) again as soon as the
 last one ends, for a warm-up and then a measured window. Per configuration (C x k x
 format x mode):
@@ -43,7 +43,7 @@ import orjson
 
 from bench.common import OUT_DIR, Progress, Table, write_results
 from bench.e2e import cpu_seconds
-from bench.faults import Pipeline, running
+from harness.stack import Stack, running
 from services.common.model_store import resolve_model
 
 PROMPT_IDS = list(range(1000, 1016))  # a fixed 16-token prompt
@@ -170,9 +170,9 @@ async def client_loop(address: tuple[str, int], body: bytes, stream: bool, delay
         connection.close()
 
 
-def snapshot(pipeline: Pipeline, pids: dict[str, int]) -> tuple[float, dict[str, float], int]:
+def snapshot(stack: Stack, pids: dict[str, int]) -> tuple[float, dict[str, float], int]:
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    return time.perf_counter(), cpu, pipeline.stats().steps
+    return time.perf_counter(), cpu, stack.stats().steps
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -180,18 +180,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-async def measure(pipeline: Pipeline, pids: dict[str, int], config: Config, args) -> dict:
+async def measure(stack: Stack, pids: dict[str, int], config: Config, args) -> dict:
     body, stream = config.body(args.tokens), config.mode == "stream"
     replies: list[Reply] = []
     first: list[bytes] = []
     spread = min(args.warmup, args.tokens * args.step_ms / 1e3)
-    host, port = pipeline.http_url.removeprefix("http://").rsplit(":", 1)
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
     tasks = [asyncio.create_task(client_loop((host, int(port)), body, stream, i * spread / config.concurrency,
                                              replies, first)) for i in range(config.concurrency)]
     await asyncio.sleep(args.warmup)
-    t0, cpu0, steps0 = snapshot(pipeline, pids)
+    t0, cpu0, steps0 = snapshot(stack, pids)
     await asyncio.sleep(args.duration)
-    t1, cpu1, steps1 = snapshot(pipeline, pids)
+    t1, cpu1, steps1 = snapshot(stack, pids)
     for task in tasks:  # requests still in flight are cut (the gateway aborts them)
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -213,10 +213,10 @@ async def measure(pipeline: Pipeline, pids: dict[str, int], config: Config, args
     }
 
 
-def wait_idle(pipeline: Pipeline, timeout: float = 120.0) -> None:
+def wait_idle(stack: Stack, timeout: float = 120.0) -> None:
     """Until the scheduler holds no request (cut requests are aborted or run out)."""
     deadline = time.monotonic() + timeout
-    while (stats := pipeline.stats()).running or stats.waiting:
+    while (stats := stack.stats()).running or stats.waiting:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the scheduler did not drain: {stats}")
         time.sleep(0.2)
@@ -313,12 +313,12 @@ def main(argv: list[str] | None = None) -> None:
     for interval, concurrency in dict.fromkeys((c.interval, c.concurrency) for c in todo):
         scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms),
                           "--max-running-requests", str(concurrency), "--output-interval", str(interval))
-        with running(model_dir, log_dir, scheduler_args=scheduler_args) as pipeline:
-            pipeline.wait_ready()
-            pids = {name: pipeline.procs[name].proc.pid for name in SERVICES} | {"client": os.getpid()}
+        with running(model_dir, log_dir, scheduler_args=scheduler_args) as stack:
+            stack.wait_ready()
+            pids = {name: stack.procs[name].proc.pid for name in SERVICES} | {"client": os.getpid()}
             for config in (c for c in todo if (c.interval, c.concurrency) == (interval, concurrency)):
-                rows.append(asyncio.run(measure(pipeline, pids, config, args)))
-                wait_idle(pipeline)
+                rows.append(asyncio.run(measure(stack, pids, config, args)))
+                wait_idle(stack)
                 r = rows[-1]
                 progress.step(f"{config}: {r['delivered_tok_s']:,.0f} of {r['offered_tok_s']:,.0f} tok/s, "
                               f"gateway {r['us_per_token']['gateway']:.1f} us/tok, errors {r['errors']}"

@@ -20,9 +20,6 @@ cores); one body per mode is checked for the right number of top-k rows.
 import argparse
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +28,8 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.common import Progress, Table, fmt_bytes, fmt_ratio, write_results
+from bench.common import OUT_DIR, Progress, Table, fmt_bytes, fmt_ratio, write_results
+from harness.launcher import Launcher
 from services.common.model_store import resolve_model
 
 PROMPT_IDS = list(range(1000, 1016))  # a fixed 16-token prompt
@@ -50,35 +48,10 @@ CONCURRENT_NOTE = (
 SAMPLE_S = 0.25
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc/<pid>/stat (fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def service_pids(launcher: int) -> dict[str, int]:
-    """The launcher's children, by the service each runs."""
-    pids = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and b"services" in cmdline:
-            name = cmdline[cmdline.index(b"services") + 1].decode()
-            pids[name] = int(stat.parent.name)
-    return pids
 
 
 @dataclass
@@ -133,41 +106,15 @@ class CpuMeter:
         return CpuUse({name: last[name] - first[name] for name in self.pids}, t1 - t0, peak)
 
 
-@dataclass
-class Pipeline:
-    proc: subprocess.Popen
-    url: str
-    pids: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def start(cls, timeout_s: float = 300.0) -> "Pipeline":
-        http, grpc_port, scheduler, detokenizer = free_ports(4)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services", "up", "--port", str(http), "--grpc-port", str(grpc_port),
-             "--scheduler-port", str(scheduler), "--detokenizer-port", str(detokenizer)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        pipeline = cls(proc, f"http://127.0.0.1:{http}")
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError("flatwire up exited during startup")
-            try:
-                if httpx.get(f"{pipeline.url}/health", timeout=2).status_code == 200:
-                    pipeline.pids = service_pids(proc.pid)
-                    assert set(pipeline.pids) == set(SERVICES), pipeline.pids
-                    return pipeline
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        pipeline.stop()
-        raise TimeoutError("flatwire up not healthy in time")
-
-    def stop(self) -> None:
-        self.proc.terminate()  # the launcher stops the three services
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def start_up(timeout_s: float = 300.0) -> tuple[Launcher, dict[str, int]]:
+    """`flatwire up` on the default model, once it is up; and the pid of each of its services."""
+    log_dir = OUT_DIR / "e2e-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    up = Launcher(log_dir / f"up-{time.monotonic_ns()}.log")
+    up.wait_up(timeout_s)
+    pids = {name: up.child_pid(name) for name in SERVICES}
+    assert all(pids.values()), pids
+    return up, pids
 
 
 def request_body(mode: str, tokens: int) -> bytes:
@@ -205,17 +152,17 @@ class Part:
     cpu: dict[str, CpuUse] = field(default_factory=dict)
 
 
-async def run(pipeline: Pipeline, single_tokens: list[int], single_rounds: list[int], concurrency: int,
+async def run(url: str, pids: dict[str, int], single_tokens: list[int], single_rounds: list[int], concurrency: int,
               concurrent_tokens: int, progress: Progress) -> list[Part]:
     parts = []
-    limits = httpx.SubmitLimits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=pipeline.url, timeout=None, limits=limits) as client:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         await generate(client, "k=128 nested", 8)  # warm: token table, per-id pieces, first step
         for tokens, rounds in zip(single_tokens, single_rounds):
             part = Part(f"one request, {tokens} tokens", tokens, 1)
             for r in range(rounds):
                 for mode in MODES:
-                    with CpuMeter(pipeline.pids) as meter:
+                    with CpuMeter(pids) as meter:
                         seconds, body = await generate(client, mode, tokens)
                     check(body, mode, tokens)
                     part.seconds.setdefault(mode, []).append(seconds)
@@ -226,7 +173,7 @@ async def run(pipeline: Pipeline, single_tokens: list[int], single_rounds: list[
         part = Part(f"{concurrency} concurrent requests, {concurrent_tokens} tokens each", concurrent_tokens,
                     concurrency)
         for mode in MODES:
-            with CpuMeter(pipeline.pids) as meter:
+            with CpuMeter(pids) as meter:
                 start = time.perf_counter()
                 replies = await asyncio.gather(*(generate(client, mode, concurrent_tokens)
                                                  for _ in range(concurrency)))
@@ -298,13 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     resolve_model(None)  # built before the clock starts
     progress = Progress(2 + sum(args.single_rounds) * len(MODES) + len(MODES), "e2e")
-    pipeline = Pipeline.start()
-    progress.step(f"flatwire up at {pipeline.url}, pids {pipeline.pids}")
+    up, pids = start_up()
+    progress.step(f"flatwire up at {up.http_url}, pids {pids}")
     try:
-        parts = asyncio.run(run(pipeline, [160, 1000], args.single_rounds, args.concurrency,
+        parts = asyncio.run(run(up.http_url, pids, [160, 1000], args.single_rounds, args.concurrency,
                                 args.concurrent_tokens, progress))
     finally:
-        pipeline.stop()
+        up.stop()
     progress.step("flatwire stopped")
     out, data = tables(parts)
     out.append(targets(data["rows"], args.concurrency))

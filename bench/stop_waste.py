@@ -19,7 +19,8 @@ import statistics
 import httpx
 
 from bench.common import OUT_DIR, Table, write_results
-from bench.faults import Tap, running
+from harness.scheduler_client import Tap
+from harness.stack import running
 from services.common.model_store import resolve_model
 
 STOP = " the"  # early and frequent in the synthetic engine's paragraph
@@ -38,13 +39,13 @@ def measure(step_ms: float, concurrency: int, rounds: int, max_new_tokens: int) 
     log_dir = OUT_DIR / "stop_waste-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     scheduler_args = ("--engine", "synthetic", "--step-ms", str(step_ms), "--max-running-requests", str(concurrency))
-    with running(resolve_model(None), log_dir, scheduler_args=scheduler_args) as pipeline:
-        pipeline.wait_ready()
-        tap = Tap(pipeline.scheduler)
+    with running(resolve_model(None), log_dir, scheduler_args=scheduler_args) as stack:
+        stack.wait_ready()
+        tap = Tap(stack.scheduler_address)
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-            metas = list(pool.map(lambda seed: one(pipeline.http_url, seed, max_new_tokens),
+            metas = list(pool.map(lambda seed: one(stack.http_url, seed, max_new_tokens),
                                   range(concurrency * rounds)))
-        tap.catch_up(pipeline)
+        tap.catch_up()
         tap.close()
     wasted, stopped = [], 0
     for meta in metas:

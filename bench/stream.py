@@ -22,7 +22,7 @@ import orjson
 
 from bench.common import OUT_DIR, Table, fmt_bytes, fmt_ratio, fmt_time, write_results
 from bench.e2e import cpu_seconds
-from bench.faults import running
+from harness.stack import running
 from services.common.model_store import resolve_model
 
 FORMATS = {
@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = OUT_DIR / "stream-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms))
+    scheduler_args = ("--max-running-requests", "64", "--engine", "synthetic", "--step-ms", str(args.step_ms))
     for modes, gateway_args in ((("whole", "stream"), ()), (("incremental",), ("--incremental-streaming-output",))):
         with running(resolve_model(None), log_dir, scheduler_args=scheduler_args,
-                     gateway_args=gateway_args) as pipeline:
-            pipeline.wait_ready()
-            pid = pipeline.procs["gateway"].proc.pid
-            with httpx.Client(base_url=pipeline.http_url, timeout=600) as http:
+                     gateway_args=gateway_args) as stack:
+            stack.wait_ready()
+            pid = stack.procs["gateway"].proc.pid
+            with httpx.Client(base_url=stack.http_url, timeout=600) as http:
                 for fmt in FORMATS:  # untimed: the gateway warms its renderers in the background at start
                     http.post("/generate", json=body(fmt, 50, args.k, False)).raise_for_status()
                 time.sleep(2)

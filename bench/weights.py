@@ -26,31 +26,17 @@ from pathlib import Path
 
 import httpx
 import orjson
-import torch
 from flatwire_client import FlatwireClient
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from bench.common import OUT_DIR, Progress, Table, fmt_time, write_results
-from bench.faults import Pipeline, running
+from harness.checkpoints import perturbed_checkpoint
+from harness.stack import Stack, running
 from services.common.model_store import resolve_model
 
 SEED = 20260202
+SCHEDULER_ARGS = ("--max-running-requests", "64")  # what the notes of its table say
 ONE_LAYER = ".layers.1."
-
-
-def perturbed_checkpoint(model_dir: Path, target: Path) -> Path:
-    """The model with noise on every layer, saved beside the same tokenizer files."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".layers." in name:
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    model.save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (target / name).write_bytes((model_dir / name).read_bytes())
-    return target
 
 
 class Stream(threading.Thread):
@@ -78,9 +64,9 @@ class Stream(threading.Thread):
         return [b - a for a, b in zip(times, times[1:])]
 
 
-def under_load(pipeline: Pipeline, concurrency: int, tokens: int, action) -> dict:
+def under_load(stack: Stack, concurrency: int, tokens: int, action) -> dict:
     """`action()` while `concurrency` requests stream; their gaps around it, and its wall time."""
-    streams = [Stream(pipeline.http_url, i, tokens) for i in range(concurrency)]
+    streams = [Stream(stack.http_url, i, tokens) for i in range(concurrency)]
     for stream in streams:
         stream.start()
     deadline = time.monotonic() + 120
@@ -93,7 +79,7 @@ def under_load(pipeline: Pipeline, concurrency: int, tokens: int, action) -> dic
     action()
     after = time.perf_counter()
     time.sleep(0.5)
-    httpx.post(f"{pipeline.http_url}/abort_request", json={"abort_all": True}, timeout=60)  # end the long ones
+    httpx.post(f"{stack.http_url}/abort_request", json={"abort_all": True}, timeout=60)  # end the long ones
     for stream in streams:
         stream.join(600)
     window = [gap for s in streams for gap in s.gaps(before - 0.5, after + 0.5)]
@@ -111,10 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = OUT_DIR / "weights-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(8, "weights")
-    with tempfile.TemporaryDirectory() as scratch, running(model_dir, log_dir) as pipeline, \
-            FlatwireClient(pipeline.grpc_address) as client, httpx.Client(timeout=600) as http:
-        pipeline.wait_ready()
-        other = perturbed_checkpoint(model_dir, Path(scratch))
+    with tempfile.TemporaryDirectory() as scratch, \
+            running(model_dir, log_dir, scheduler_args=SCHEDULER_ARGS) as stack, \
+            FlatwireClient(stack.grpc_address) as client, httpx.Client(timeout=600) as http:
+        stack.wait_ready()
+        other = perturbed_checkpoint(model_dir, Path(scratch), SEED)  # noise on every layer
         checkpoints = [other, model_dir]
         tensors = [load_file(path / "model.safetensors") for path in checkpoints]
         model_bytes = sum(t.numel() * t.element_size() for t in tensors[0].values())
@@ -123,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         count = iter(range(10**6))
 
         def from_disk() -> None:
-            reply = http.post(f"{pipeline.http_url}/update_weights_from_disk",
+            reply = http.post(f"{stack.http_url}/update_weights_from_disk",
                               json={"model_path": str(checkpoints[next(count) % 2])})
             assert reply.status_code == 200 and reply.json()["success"], reply.text
 
@@ -157,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                   "pause(in_place) + PushWeights one layer + continue": (paused(pushed(layer)), 4000),
                   "update_weights_from_disk, no pause (running requests finish first)": (from_disk, 300)}
         for name, (action, tokens) in loaded.items():
-            runs = [under_load(pipeline, args.concurrency, tokens, action) for _ in range(3)]
+            runs = [under_load(stack, args.concurrency, tokens, action) for _ in range(3)]
             rows.append({"operation": name, "in_flight": args.concurrency,
                          **{key: statistics.median(run[key] for run in runs) for key in runs[0]}})
             progress.step(f"{name}: {fmt_time(rows[-1]['seconds'])}, max gap {fmt_time(rows[-1]['max_gap'])}")

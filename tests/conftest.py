@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -7,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness.procs import start_service as harness_start_service
+from harness.scheduler_client import SchedulerClient
+from harness.stack import Stack
 from services.common.model_store import DEFAULT_CACHE_DIR, resolve_model
-from tests.procs import ServiceProcess, free_port
-from tests.scheduler_client import SchedulerClient
 
 CACHE_DIR = Path(os.environ.get("FLATWIRE_CACHE_DIR", DEFAULT_CACHE_DIR))
 
@@ -27,19 +29,13 @@ def log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def start_service(model_dir, log_dir):
-    """start_service(command, *args) -> (process, address); stopped at session end.
-
-    Waits until gRPC health answers SERVING on the service's port (or on
-    `health_port`, for the gateway whose --port is HTTP).
-    """
+    """start_service(command, *args, env=None) -> (process, address): a scheduler or detokenizer of its own on a free
+    port (harness.procs.start_service), once its gRPC health answers SERVING; stopped at session end."""
     started = []
 
-    def start(command: str, *args: str, env: dict | None = None, health_port: int | None = None):
-        port = free_port()
-        proc = ServiceProcess(command, ["--port", str(port), "--model", str(model_dir), *args], log_dir, env)
+    def start(command: str, *args: str, env: dict | None = None):
+        proc, address = harness_start_service(command, ["--model", str(model_dir), *args], log_dir, env)
         started.append(proc)
-        address = f"127.0.0.1:{port}"
-        proc.wait_healthy(f"127.0.0.1:{health_port or port}")
         return proc, address
 
     yield start
@@ -48,33 +44,24 @@ def start_service(model_dir, log_dir):
 
 
 @pytest.fixture(scope="session")
-def scheduler_address(start_service) -> str:
-    _, address = start_service("scheduler", "--max-running-requests", "16")
-    return address
-
-
-class Stack:
-    """A running scheduler + detokenizer + gateway."""
-
-    def __init__(self, http_url: str, grpc_address: str, scheduler_address: str, detokenizer_address: str,
-                 gateway: ServiceProcess):
-        self.http_url = http_url
-        self.grpc_address = grpc_address
-        self.scheduler_address = scheduler_address
-        self.detokenizer_address = detokenizer_address
-        self.gateway = gateway
+def session_stack(model_dir, log_dir) -> Iterator[Stack]:
+    """The session's scheduler, detokenizer and gateway (harness.stack.Stack), each started when a test first
+    needs it: scheduler_address starts the scheduler alone, stack the other two."""
+    with Stack(model_dir, log_dir, scheduler_args=("--max-running-requests", "16")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="session")
-def stack(start_service, scheduler_address) -> Stack:
+def scheduler_address(session_stack) -> str:
+    session_stack.start("scheduler")
+    return session_stack.scheduler_address
+
+
+@pytest.fixture(scope="session")
+def stack(session_stack, scheduler_address) -> Stack:
     """The whole pipeline on loopback; the gateway's HTTP at stack.http_url."""
-    _, detokenizer_address = start_service("detokenizer", "--schedulers", scheduler_address)
-    grpc_port = free_port()
-    gateway, http_address = start_service(
-        "gateway", "--schedulers", scheduler_address, "--detokenizers", detokenizer_address,
-        "--grpc-port", str(grpc_port), health_port=grpc_port)
-    return Stack(f"http://{http_address}", f"127.0.0.1:{grpc_port}", scheduler_address, detokenizer_address,
-                 gateway)
+    session_stack.start("detokenizer", "gateway")
+    return session_stack
 
 
 @pytest.fixture(scope="session")
@@ -85,10 +72,11 @@ def http(stack) -> httpx.Client:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Mark `slow` every test that runs services as processes through start_service (modules that start
-    processes otherwise mark themselves): `python -m pytest -m "not slow"` is the fast inner loop."""
+    """Mark `slow` every test that runs services as processes through start_service or the session's stack
+    (modules that start processes otherwise mark themselves): `python -m pytest -m "not slow"` is the fast inner
+    loop."""
     for item in items:
-        if "start_service" in item.fixturenames:
+        if "start_service" in item.fixturenames or "session_stack" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
 
 

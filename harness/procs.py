@@ -1,0 +1,70 @@
+"""Start real flatwire services as processes on loopback (for the tests and the benchmarks)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.common.rpc import check_health
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServiceProcess:
+    """`flatwire <command> ...` in a child process, its output in a log file."""
+
+    def __init__(self, command: str, args: list[str], log_dir: Path, env: dict | None = None):
+        self.command = command
+        self.log_path = log_dir / f"{command}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services", command, *args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, address: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.command} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if check_health(address, timeout=1.0):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.command} not healthy after {timeout}s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_service(command: str, args: list[str], log_dir: Path, env: dict | None = None) -> tuple[ServiceProcess, str]:
+    """`flatwire <command> --port P *args` on a free loopback port P (a scheduler or a detokenizer: the gateway
+    serves HTTP there, harness.stack.Stack runs gateways), once its gRPC health answers SERVING: (process,
+    "127.0.0.1:P"). A service that does not come up is stopped."""
+    port = free_port()
+    proc = ServiceProcess(command, ["--port", str(port), *args], log_dir, env)
+    address = f"127.0.0.1:{port}"
+    try:
+        proc.wait_healthy(address)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, address

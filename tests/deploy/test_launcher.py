@@ -1,0 +1,199 @@
+"""`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C; two run
+side by side on their own internal ports; it takes every option of the services and passes those given on."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness.http import post
+from harness.launcher import Launcher
+from harness.procs import ROOT
+from services.common.config import env_name
+from services.common.rpc import check_health
+from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
+from tests.deploy.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
+
+pytestmark = pytest.mark.slow  # runs services as processes of its own
+
+
+def _start_up(model_dir: Path, log_path: Path) -> Launcher:
+    """`flatwire up` on free ports, once it has printed that it is up."""
+    up = Launcher(log_path, model_dir)
+    up.wait_up()
+    return up
+
+
+def _stop_up(up: Launcher) -> None:
+    """Ctrl-C stops the launcher cleanly and all three services with it."""
+    assert up.stop() == 0, up.log()
+    for name in ("scheduler-port", "detokenizer-port", "grpc-port"):
+        assert not check_health(f"127.0.0.1:{up.ports[name]}", timeout=0.5), f"{name} still serving"
+
+
+def _hello(up: Launcher, timeout: float = 60) -> httpx.Response:
+    return post(up.http_url, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}},
+                timeout=timeout)
+
+
+def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
+    up = _start_up(model_dir, tmp_path / "up.log")
+    try:
+        reply = _hello(up)
+        assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
+        assert check_health(up.grpc_address)
+    finally:
+        _stop_up(up)
+
+
+def test_up_restarts_a_crashed_service(model_dir, tmp_path):
+    up = _start_up(model_dir, tmp_path / "up.log")
+    try:
+        detokenizer = up.child_pid("detokenizer")
+        assert detokenizer is not None, "no detokenizer child found"
+        os.kill(detokenizer, signal.SIGKILL)
+
+        deadline = time.monotonic() + 10
+        while "detokenizer exited with code -9; restarting it in" not in up.log():
+            assert up.proc.poll() is None and time.monotonic() < deadline, f"no restart logged:\n{up.log()}"
+            time.sleep(0.2)
+
+        # The gateway may answer 503 (or not answer in time) until the new detokenizer is up.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                reply = _hello(up, timeout=10)
+                if reply.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"no /generate success after restart:\n{up.log()}"
+            time.sleep(1)
+        assert reply.json()["meta_info"]["completion_tokens"] == 4
+        assert up.proc.poll() is None, up.log()
+        assert up.child_pid("detokenizer") not in (None, detokenizer)
+    finally:
+        _stop_up(up)
+
+
+def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
+    config = UpConfig(restart_delay_s=1, restart_max_delay_s=4, restart_reset_s=60)
+    service = Supervised("detokenizer", [sys.executable, "-c", "raise SystemExit(3)"], config.restart_delay_s)
+
+    def crash(up_for: float = 0) -> float:
+        """Start the service and let it exit, as if after `up_for` seconds up; the restart delay it gets."""
+        service.start()
+        service.proc.wait(timeout=30)
+        service.started_at -= up_for
+        service.supervise(config)
+        return round(service.restart_at - time.monotonic())
+
+    assert [crash() for _ in range(4)] == [1, 2, 4, 4]
+    assert crash(up_for=60) == 1
+    assert "detokenizer exited with code 3; restarting it in 1 s" in capsys.readouterr().err
+    service.restart_at = time.monotonic()
+    crashed = service.proc
+    service.supervise(config)
+    assert service.proc is not crashed and service.restart_at is None
+    service.proc.wait(timeout=30)
+
+
+def test_internal_ports_are_free_and_distinct_unless_given():
+    picked = [internal_ports(UpConfig()) for _ in range(2)]
+    ports = [port for pair in picked for port in pair]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free
+    assert internal_ports(UpConfig(scheduler_port=30010, detokenizer_port=30020)) == (30010, 30020)
+    scheduler, detokenizer = internal_ports(UpConfig(scheduler_port=30010))
+    assert scheduler == 30010 and detokenizer != 30010
+
+
+def test_two_launchers_side_by_side(model_dir, tmp_path):
+    """Two `flatwire up` on their own public ports, without internal ones, at once; the second serves a Hub model
+    id from the Hugging Face cache (offline), resolved alike by all three of its services."""
+    hub_cache = tmp_path / "hub"
+    populate_hub_cache(hub_cache, HUB_MODEL_ID, model_dir)
+    local = Launcher(tmp_path / "local.log", model_dir)
+    hub = Launcher(tmp_path / "hub.log", HUB_MODEL_ID, env=offline_env(HF_HUB_CACHE=str(hub_cache)))
+    launched = [local, hub]
+    try:
+        for up in launched:
+            up.wait_up()
+        assert not set(local.ports.values()) & set(hub.ports.values())
+        for up in launched:
+            reply = _hello(up)
+            assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
+        models = httpx.get(f"{hub.http_url}/v1/models", timeout=10).json()
+        assert [model["id"] for model in models["data"]] == [HUB_MODEL_ID]
+    finally:
+        for up in launched:
+            if "scheduler-port" in up.ports:
+                _stop_up(up)
+            else:  # the other one did not come up
+                up.stop()
+
+
+def test_up_help_lists_every_service_option_by_service():
+    result = subprocess.run([sys.executable, "-m", "services", "up", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())  # argparse wraps lines
+    for flag in ("--max-running-requests", "--stream-interval", "--stall-timeout-s", "--resolve-interval-s",
+                 "--restart-delay-s", "[env FLATWIRE_MAX_RUNNING_REQUESTS]"):
+        assert flag in help_text
+    for group in ("all three services", "scheduler (options", "detokenizer (options", "gateway (options",
+                  "scheduler and detokenizer (options"):
+        assert group in help_text
+    # Every field of every service's config but the addresses the launcher sets itself.
+    for cls in SERVICES.values():
+        for field in cls.__dataclass_fields__:
+            if field not in ("host", "port", "grpc_port", "schedulers", "detokenizers"):
+                assert f"--{field.replace('_', '-')} " in help_text, field
+
+
+def test_given_options_go_to_the_services_that_have_them():
+    assert set(service_options()["stall_timeout_s"]) == {"scheduler", "detokenizer"}
+    assert set(service_options()["log_level"]) == set(SERVICES)
+    config, flags, env = parse_up(["--max-running-requests", "3", "--stall-timeout-s=2", "--stream-interval", "4",
+                                   "--incremental-streaming-output", "--api-key", "k", "--log-level", "debug",
+                                   "--restart-delay-s", "5", "--port", "8000"], "flatwire up")
+    assert (config.restart_delay_s, config.port) == (5, 8000)
+    assert {service: set(given) for service, given in flags.items()} == {
+        "scheduler": {"--max-running-requests=3", "--stall-timeout-s=2", "--log-level=debug"},
+        "detokenizer": {"--stall-timeout-s=2", "--log-level=debug"},
+        "gateway": {"--stream-interval=4", "--incremental-streaming-output=true", "--log-level=debug"},
+    }
+    assert env == {"FLATWIRE_API_KEY": "k"}  # secrets travel in the environment, not on command lines
+    assert parse_up([], "flatwire up") == (UpConfig(), {service: [] for service in SERVICES}, {})
+
+
+def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, tmp_path):
+    """A flag given to `flatwire up` reaches its service; a FLATWIRE_* variable still reaches it unchanged; a
+    secret is on no command line."""
+    env = {**os.environ, env_name("max_top_logprobs"): "7"}
+    up = Launcher(tmp_path / "up.log", model_dir, ("--engine", "synthetic", "--max-running-requests", "3",
+                                                    "--stream-interval", "2", "--api-key", "up-test-key"), env)
+    try:
+        up.wait_up()
+        info = httpx.get(f"{up.http_url}/server_info", timeout=10,
+                         headers={"Authorization": "Bearer up-test-key"}).json()
+        assert (info["max_running_requests"], info["max_top_logprobs"]) == (3, 7)
+        argv = {service: up.child_argv(service) for service in SERVICES}
+        assert "--max-running-requests=3" in argv["scheduler"] and "--stream-interval=2" in argv["gateway"]
+        assert not any("--stream-interval=2" in arg for arg in argv["scheduler"] + argv["detokenizer"])
+        assert not any("up-test-key" in arg for args in argv.values() for arg in args)
+        stream = post(up.http_url, "/generate", {"text": "hello", "stream": True,
+                                                 "sampling_params": {"max_new_tokens": 6}},
+                      headers={"Authorization": "Bearer up-test-key"}, timeout=60)
+        events = [line for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert len(events) == 3  # 6 tokens, 2 per event (--stream-interval 2)
+    finally:
+        _stop_up(up)

@@ -1,0 +1,229 @@
+"""Issue 11's rule for request fields: what the server accepts it honours; what it cannot honour yet is refused
+with a 400 naming the field, unless its value asks for nothing (the neutral value real clients send)."""
+
+import json
+
+import openai
+import pytest
+from flatwire_client import FlatwireClient
+
+from harness.http import generate
+
+CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, "temperature": 0}
+COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+
+# OpenAI's fields flatwire cannot honour yet: (field, a value it refuses, the neutral values it accepts).
+# (Structured output, response_format and SGLang's json_schema / regex / ebnf:
+# tests/scheduler/test_structured_output.py.)
+OPENAI_FIELDS = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], [None, []]),
+    ("tool_choice", "auto", [None, "none"]),
+    ("best_of", 2, [None, 1]),
+]
+
+
+def assert_refused(response, field: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == field
+    assert error["message"].startswith(field + ":") and "not supported" in error["message"]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("field", "value", "neutral"), OPENAI_FIELDS, ids=[f[0] for f in OPENAI_FIELDS])
+def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field, value, neutral):
+    base = {**(CHAT if "chat" in endpoint else COMPLETION), "model": served_model}
+    assert_refused(http.post(endpoint, json={**base, field: value}), field)
+    for ok in neutral:
+        response = http.post(endpoint, json={**base, field: ok})
+        assert response.status_code == 200, (ok, response.text)
+
+
+def test_generate_top_level_n(http):
+    assert_refused(http.post("/generate", json={**GENERATE, "n": 5}), "n")
+    for ok in (None, 1):
+        assert http.post("/generate", json={**GENERATE, "n": ok}).status_code == 200
+
+
+def test_openai_client_sees_a_typed_error(openai_client, served_model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=2,
+                                              tool_choice="auto")
+    assert refused.value.body["param"] == "tool_choice"
+    # Neutral values, as lm-eval and bench_serving send them, are fine.
+    response = openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=2,
+                                              presence_penalty=0, frequency_penalty=0, logit_bias={},
+                                              response_format={"type": "text"}, tool_choice="none")
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_seeded_chat_choices_are_distinct_and_reproducible(openai_client, served_model):
+    def choices() -> list[str]:
+        response = openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=16,
+                                                  n=3, seed=5, temperature=1)
+        assert [c.index for c in response.choices] == [0, 1, 2]
+        return [c.message.content for c in response.choices]
+
+    first = choices()
+    assert len(set(first)) == 3, first
+    assert choices() == first
+
+
+def test_seeded_completion_choices_are_distinct_and_reproducible(openai_client, served_model):
+    def choices() -> list[str]:
+        response = openai_client.completions.create(model=served_model, prompt=["Once upon a time", "The weather"],
+                                             max_tokens=16, n=3, seed=5, temperature=1)
+        return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+    first = choices()
+    assert len(set(first[:3])) == 3 and len(set(first[3:])) == 3, first
+    assert choices() == first
+    # Choice j of a request seeded s is what one choice seeded s + j draws.
+    single = openai_client.completions.create(model=served_model, prompt="Once upon a time", max_tokens=16, seed=6,
+                                       temperature=1)
+    assert single.choices[0].text == first[1]
+
+
+def test_seed_wraps_into_uint64(openai_client, served_model):
+    response = openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=4, n=2, seed=2**64 - 1,
+                                         temperature=1)
+    wrapped = openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=4, seed=0, temperature=1)
+    assert response.choices[1].text == wrapped.choices[0].text
+
+
+# Logit adjustments: what each field does, through every API (tests/scheduler/test_logit_adjust.py holds the exact
+# comparison with transformers' logits processors).
+
+def greedy_ids(http, input_ids: list[int], max_new_tokens: int, **params) -> list[int]:
+    """The output ids of a greedy /generate that ignores eos, with these sampling params."""
+    return generate(http, input_ids=input_ids, sampling_params={
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **params})["output_ids"]
+
+
+PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_logit_bias_forces_and_bans_tokens(http, openai_client, served_model, endpoint):
+    forced = 1000
+    forced_text = http.post("/detokenize", json={"tokens": [forced] * 3}).json()["text"]
+
+    def text(**fields) -> str:
+        if endpoint == "chat":
+            return openai_client.chat.completions.create(model=served_model, messages=CHAT["messages"], max_tokens=3,
+                                                  **fields).choices[0].message.content
+        return openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=3,
+                                                **fields).choices[0].text
+
+    assert text(temperature=1, seed=3, logit_bias={str(forced): 100}) == forced_text
+    # OpenAI's documented use: -100 bans a token; here every token greedy would pick is banned.
+    greedy = greedy_ids(http, PROMPT_IDS, 8)
+    banned = greedy_ids(http, PROMPT_IDS, 8, logit_bias={str(token): -100 for token in greedy})
+    assert not set(banned) & set(greedy)
+
+
+@pytest.mark.parametrize(("bias", "message"), [({"abc": 5}, "keys must be token ids"),
+                                               ({"-1": 5}, "keys must be token ids"),
+                                               ({"99999999": 1}, "token ids must be in")])
+def test_bad_logit_bias_is_refused_naming_it(http, served_model, bias, message):
+    response = http.post("/v1/completions", json={**COMPLETION, "model": served_model, "logit_bias": bias})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
+    assert message in response.json()["error"]["message"]
+    response = http.post("/generate", json={**GENERATE, "sampling_params": {"logit_bias": bias}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.logit_bias"
+
+
+@pytest.mark.parametrize("field", ["frequency_penalty", "presence_penalty", "repetition_penalty"])
+def test_penalties_reduce_repetition(http, field):
+    plain = greedy_ids(http, PROMPT_IDS, 48)
+    penalised = greedy_ids(http, PROMPT_IDS, 48, **{field: 2.0})
+    assert len(set(penalised)) > len(set(plain)), (plain, penalised)
+
+
+def test_openai_penalties_change_the_choice_reproducibly(openai_client, served_model):
+    def text(**fields) -> str:
+        return openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=24, temperature=0,
+                                         **fields).choices[0].text
+
+    penalised = text(frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalised != text() and penalised == text(frequency_penalty=2.0, presence_penalty=1.0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("frequency_penalty", 2.5), ("presence_penalty", -3),
+                                              ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+                                              ("min_new_tokens", -1)])
+def test_out_of_range_adjustments_are_refused(http, served_model, field, value):
+    response = http.post("/generate", json={**GENERATE, "sampling_params": {field: value}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == f"sampling_params.{field}"
+    if field in ("frequency_penalty", "presence_penalty"):
+        response = http.post("/v1/completions", json={**COMPLETION, "model": served_model, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_min_new_tokens_holds_off_stop_tokens_and_strings(http):
+    greedy = greedy_ids(http, PROMPT_IDS, 12)
+    stop = next(i for i, token in enumerate(greedy) if i and token not in greedy[:i])  # first new token past 0
+    assert greedy_ids(http, PROMPT_IDS, 12, stop_token_ids=[greedy[stop]]) == greedy[:stop + 1]
+    held = greedy_ids(http, PROMPT_IDS, stop + 8, stop_token_ids=[greedy[stop]], min_new_tokens=stop + 4)
+    assert len(held) >= stop + 4 and greedy[stop] not in held[:stop + 3]
+    # A stop string matches only once the output has min_new_tokens tokens.
+    text = http.post("/detokenize", json={"tokens": greedy[stop:stop + 1]}).json()["text"]
+    response = http.post("/generate", json={"input_ids": PROMPT_IDS, "sampling_params": {
+        "max_new_tokens": stop + 8, "temperature": 0, "ignore_eos": True, "stop": [text],
+        "min_new_tokens": stop + 2}})
+    assert len(response.json()["output_ids"]) >= stop + 2, response.text
+    response = http.post("/generate", json={**GENERATE, "sampling_params": {"max_new_tokens": 2,
+                                                                              "min_new_tokens": 3}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.min_new_tokens"
+
+
+def test_grpc_api_takes_the_adjustments(stack, http):
+    with FlatwireClient(stack.grpc_address) as grpc_client:
+        forced = grpc_client.generate(input_ids=PROMPT_IDS, max_new_tokens=3, temperature=1.0,
+                                      logit_bias={1000: 100.0})
+        assert forced.token_ids.tolist() == [1000] * 3
+        penalised = grpc_client.generate(input_ids=PROMPT_IDS, max_new_tokens=48, temperature=0, ignore_eos=True,
+                                         repetition_penalty=2.0)
+        assert penalised.token_ids.tolist() == greedy_ids(http, PROMPT_IDS, 48, repetition_penalty=2.0)
+
+
+def test_generate_n_samples_each_prompt_distinctly_and_reproducibly(http):
+    def texts(prompt, **params) -> list[str]:
+        response = http.post("/generate", json={"text": prompt, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 1, "seed": 5, **params}})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return [r["text"] for r in body] if isinstance(body, list) else [body["text"]]
+
+    samples = texts("Hello", n=3)
+    assert len(samples) == 3 and len(set(samples)) == 3
+    assert texts("Hello", n=3) == samples
+    assert texts("Hello", seed=6) == samples[1:2]  # sample j is seeded seed + j
+    batch = texts(["Hello", "The weather"], n=2)  # prompt-major, as SGLang orders them
+    assert batch[:2] == samples[:2] and batch[2:] == texts("The weather", n=2)
+
+
+def test_generate_n_streams_each_sample_with_its_index(http):
+    body = {"text": "Hello", "stream": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1, "seed": 5, "n": 2}}
+    final = {}
+    with http.stream("POST", "/generate", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[len("data: "):])
+                final[event["index"]] = event["text"]
+    whole = http.post("/generate", json={**body, "stream": False}).json()
+    assert [final[0], final[1]] == [r["text"] for r in whole]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"text": "Hello", "rid": "mine", "sampling_params": {"n": 2}}, "rid"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params"),
+    ({"text": "Hello", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"text": "Hello", "sampling_params": {"n": 100000}}, "sampling_params.n"),
+])
+def test_generate_n_refusals(http, body, param):
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -1,0 +1,97 @@
+"""Fault semantics: each hop killed, stopped or restarted under load (see docs/reliability.md).
+
+The services run as separate processes, as compose runs them. Every scenario puts
+16 requests in flight (k=128 flat base64 over HTTP, streaming HTTP, streaming gRPC),
+injects the fault, and classifies what each client got (harness/faults.py): equal to
+what the scheduler produced bit for bit, or an explicit failure within the hop
+timeout. A short "complete" response or a hang fails the test, in every scenario.
+"""
+
+import pytest
+from transformers import AutoTokenizer
+
+from harness.faults import LONG_HOP_TIMEOUT_S, SCHEDULER_ARGS, run_scenario
+from harness.stack import running
+
+pytestmark = pytest.mark.slow  # runs services as processes of its own
+
+REQUESTS = 16
+TOKENS = 200
+HOP_TIMEOUT_S = 5.0  # the gateway's default
+HEALTH_ROUND_S = 3.5  # a failure may come up to one health round (check timeout 2 s, interval 1 s) late
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, log_dir):
+    with running(model_dir, log_dir, scheduler_args=SCHEDULER_ARGS) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def run(stack, tokenizer, name, hop_timeout_s=HOP_TIMEOUT_S):
+    result = run_scenario(stack, name, REQUESTS, TOKENS, tokenizer)
+    print(f"\n{name}: {dict(result.counts)}; max time to fail "
+          f"{max(result.fail_times, default=0):.1f}s; {result.notes}; {result.details}")
+    assert result.counts["truncated silently"] == 0, result
+    assert result.counts["hung"] == 0, result
+    assert result.counts["other"] == 0, result
+    assert all(seconds < hop_timeout_s + HEALTH_ROUND_S for seconds in result.fail_times), result
+    return result
+
+
+def test_no_fault_every_request_is_identical(stack, tokenizer):
+    assert run(stack, tokenizer, "no fault").counts["identical"] == REQUESTS
+
+
+def test_detokenizer_restart_loses_nothing(stack, tokenizer):
+    """The restarted detokenizer resumes every request from the scheduler's replay.
+
+    It takes 3-6 s to come back on this 2-core machine under load; with the default hop
+    timeout (5 s) the gateway may fail the requests explicitly first, so this test gives
+    it longer. test_detokenizer_restart_within_the_default_timeout covers the default.
+    """
+    stack.restart("gateway", "--hop-timeout-s", str(LONG_HOP_TIMEOUT_S))
+    try:
+        result = run(stack, tokenizer, "detokenizer killed and restarted", LONG_HOP_TIMEOUT_S)
+    finally:
+        stack.restart("gateway")
+    assert result.counts["identical"] == REQUESTS
+
+
+def test_detokenizer_restart_within_the_default_timeout(stack, tokenizer):
+    """Identical or failed explicitly, request by request; nothing in between."""
+    run(stack, tokenizer, "detokenizer killed and restarted")
+
+
+def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
+    result = run(stack, tokenizer, "detokenizer killed for good")
+    assert result.counts["failed explicitly"] == REQUESTS
+    _refused_at_once(result.admission, "detokenizer")
+
+
+def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
+    result = run(stack, tokenizer, "scheduler killed")
+    assert result.counts["failed explicitly"] == REQUESTS
+    _refused_at_once(result.admission, "not answering")
+
+
+def _refused_at_once(admission, missing: str):
+    """While the hop is down, a new request gets 503 at once, and /health says what is missing."""
+    assert admission.status == 503 and admission.seconds < 2, admission
+    assert admission.health_status == 503 and not admission.health["healthy"], admission
+    assert any(missing in (s["problem"] or "") for s in admission.health["schedulers"].values()), admission
+
+
+def test_scheduler_stopped_fails_requests_and_leaves_no_orphans(stack, tokenizer):
+    result = run(stack, tokenizer, "scheduler stopped 20s")
+    assert result.counts["failed explicitly"] == REQUESTS
+    assert not any(note.startswith("ORPHANS") for note in result.notes), result.notes
+
+
+def test_gateway_killed_its_requests_are_aborted_in_the_scheduler(stack, tokenizer):
+    result = run(stack, tokenizer, "gateway killed")
+    assert not any(note.startswith("ORPHANS") for note in result.notes), result.notes

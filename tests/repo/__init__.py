@@ -1,0 +1,1 @@
+"""The repository itself: type checks over services/, every benchmark module imports."""
