@@ -10,10 +10,11 @@ from flatwire_client import FlatwireClient
 from flatwire_wire.detokenizer import DETOKENIZER
 from flatwire_wire.public import GENERATION
 from flatwire_wire.rpc import ServiceSpec
-from flatwire_wire.scheduler import SCHEDULER, TokenizedRequest
+from flatwire_wire.scheduler import SCHEDULER, LogprobParams, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import DetokenizeParams
 
 from services.common.rpc import FIELD_METADATA
-from services.gateway.engine_client import EngineClient, RequestError
+from services.gateway.engine_client import EngineClient, GenerateInput, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field
 from services.gateway.protocol.sglang import GenerateRequest
@@ -158,14 +159,16 @@ def test_grpc_refuses_values_json_cannot_carry(client):
 ])
 def test_scheduler_refusals_are_renamed(detail, fields, expected):
     class Refusing:
-        async def submit(self, request):
+        async def submit(self, request, routing_key):
             field = grpc.aio.Metadata((FIELD_METADATA, detail.split(":", 1)[0]))  # as the scheduler sends it
             raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), field, details=detail)
 
-    pipeline = EngineClient.__new__(EngineClient)
-    pipeline.schedulers = Refusing()
+    engine = EngineClient.__new__(EngineClient)
+    engine.schedulers = Refusing()
+    inp = GenerateInput(input_ids=[], sampling=SamplingParams(), logprob=LogprobParams(), detokenize=DetokenizeParams(),
+                        fields=fields)
     with pytest.raises(RequestError) as caught:
-        asyncio.run(pipeline._submit(TokenizedRequest(rid="", owner=""), fields))
+        asyncio.run(engine._submit(TokenizedRequest(rid="", owner=""), inp))
     assert caught.value.status == "invalid_argument"
     assert caught.value.field == expected
     assert caught.value.message == expected + detail[detail.index(":"):]
