@@ -106,7 +106,20 @@ def main() -> None:
             progress.step(f"{name}: stall, chunk {chunk}")
             stalls.add(name, chunk or "off", fmt_time(got["longest_step"]), got["steps"],
                        fmt_time(got["until_first_token"]))
-    print(write_results("decode_context", "python -m bench.decode_context", [curve, mixed, limit, stalls], data))
+    checks = Table("Targets", ["target", "measured", "verdict"])
+    for name in models:
+        short, long = data[name]["by_context_length"]
+        checks.add(f"{name}: a B=32 step follows the tokens attended, not --context-length",
+                   f"{long / short:.2f}x at 8192 vs 1024", "met" if long / short <= 1.1 else "missed")
+        mix = data[name]["mixed"]
+        checks.add(f"{name}: one long context among short rows costs its own attention, not every row's",
+                   f"{mix['together'] / mix['apart']:.2f}x the rows apart", "met" if mix["together"] <= 1.2 * mix[
+                       "apart"] else "missed")
+        on, off = data[name][f"stall_{CHUNK}"]["longest_step"], data[name]["stall_off"]["longest_step"]
+        checks.add(f"{name}: chunked prefill shortens the decoders' longest step", f"{on * 1e3:.0f} ms vs "
+                   f"{off * 1e3:.0f} ms unchunked", "met" if on < off else "missed")
+    print(write_results("decode_context", "python -m bench.decode_context", [curve, mixed, limit, stalls, checks],
+                        data))
 
 
 if __name__ == "__main__":

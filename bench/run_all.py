@@ -21,7 +21,8 @@ from bench import plots
 from bench.common import OUT_DIR, Progress, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream", "weights", "sampling_costs"]
+BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream", "weights", "sampling_costs",
+              "prefix", "kv_capacity", "decode_context"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
 

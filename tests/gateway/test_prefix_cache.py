@@ -99,18 +99,21 @@ def test_flush_cache_is_refused_while_a_request_runs(http):
 def test_metrics_show_each_replica_kv_memory(http, stack):
     """/metrics: per replica, KV pages (total, in use, cached) and the prefill tokens computed and found
     cached, as of the gateway's last health round."""
+    label = f'{{replica="{stack.scheduler_address}"}}'
+
+    def replica_metrics() -> dict[str, float]:
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
+                if label in line and not line.startswith("#")}
+
+    counted = f"flatwire_cached_prompt_tokens_total{label}"
+    before = replica_metrics().get(counted, 0)
     prompt = fresh_prompt()
     generate(http, prompt)
     cached = cacheable(generate(http, prompt)["meta_info"]["prompt_tokens"])
-    label = f'{{replica="{stack.scheduler_address}"}}'
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
-                  if line.endswith(tuple("0123456789")) and label in line}
-        if values.get(f"flatwire_cached_prompt_tokens_total{label}", 0) >= cached:
-            break
-        time.sleep(0.2)
-    assert values[f"flatwire_cached_prompt_tokens_total{label}"] >= cached, values
+    while (values := replica_metrics()).get(counted, 0) < before + cached and time.monotonic() < deadline:
+        time.sleep(0.2)  # until a health round has fetched the replica's stats since
+    assert values[counted] >= before + cached, values
     assert values[f"flatwire_prefill_tokens_total{label}"] > 0
     assert values[f"flatwire_kv_pages{label}"] == 8192  # the default 131072 tokens on CPU, in pages of 16
     assert values[f"flatwire_kv_pages_cached{label}"] > 0
