@@ -53,7 +53,7 @@ def codec(batch: int, k: int) -> dict:
     def encode() -> bytes:
         for row, request in enumerate(requests):
             request.pending.add(int(result.next_ids[row]), result.output, row)
-        return step_message(7, [], requests, result, [], [], "default").encoded
+        return step_message(7, [], requests, [], [], "default").encoded
 
     wire = encode()
 
