@@ -2,6 +2,7 @@
 
 import asyncio
 import uuid
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -16,9 +17,12 @@ TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def detokenizer_address(start_service, scheduler_address) -> str:
-    _, address = start_service("detokenizer", "--schedulers", scheduler_address)
-    return address
+def detokenizer_address(start_service, scheduler_address) -> Iterator[str]:
+    """A second detokenizer of the session scheduler, for this module only: left running, it would see the
+    session gateway's requests, which never subscribes to it, and abort them past its --owner-grace-s."""
+    proc, address = start_service("detokenizer", "--schedulers", scheduler_address)
+    yield address
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +226,7 @@ def test_subscribing_without_an_owner_is_rejected(scheduler_address, detokenizer
 
 def test_requests_of_a_gateway_that_went_away_are_aborted(start_service, scheduler_address):
     """An owner that unsubscribes and stays away past the grace period gets its requests stopped."""
-    _, detokenizer = start_service("detokenizer", "--schedulers", scheduler_address, "--owner-grace-s", "0.5")
+    proc, detokenizer = start_service("detokenizer", "--schedulers", scheduler_address, "--owner-grace-s", "0.5")
 
     async def scenario(peers: Peers):
         direct = await peers.scheduler_stream()
@@ -235,6 +239,9 @@ def test_requests_of_a_gateway_that_went_away_are_aborted(start_service, schedul
         finished = await until_finished(direct, {rid})
         return rid, per_request(finished)[rid]
 
-    rid, seen = run(scenario, scheduler_address, detokenizer)
+    try:
+        rid, seen = run(scenario, scheduler_address, detokenizer)
+    finally:
+        proc.stop()  # with a 0.5 s grace it would abort every other owner's requests of the session scheduler
     assert seen["finish"].reason == FinishReason.ABORT
     assert len(seen["ids"]) < 100_000
