@@ -1,5 +1,6 @@
 """What per-request logit work adds to a model step: logit adjustments (penalties, logit_bias,
-min_new_tokens) and grammar constraints (structured output).
+min_new_tokens), grammar constraints (structured output) and logprobs of the sampling distribution
+(logprobs_mode processed_logprobs against raw_logprobs).
 
 One decode step of the default model over B running requests (scheduler's batch_step.run_step, the real
 ModelRunner on this machine's device): plain, with every row adjusted (repetition, frequency and
@@ -9,6 +10,9 @@ work alone on [B, vocab] logits: services.scheduler.logit_adjust.adjust_logits w
 services.scheduler.grammar.TokenMask.apply (each row's bitmask filled by its xgrammar matcher, then
 applied), with its fill part.
 
+The logprob modes: B=32 requests with top-20 logprobs, sampled (temperature 0.8, top-k 50) or greedy, each
+mode its own requests, their decode steps interleaved.
+
     python -m bench.sampling_costs           # writes bench/out/sampling_costs.{md,json}
 """
 
@@ -16,9 +20,10 @@ import argparse
 
 import numpy as np
 import torch
-from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
+from flatwire_wire.logprobs import LogprobsMode
+from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
 
-from bench.common import Interleaved, Table, write_results
+from bench.common import Interleaved, Table, fmt_ratio, write_results
 from bench.in_process import InProcessSteps
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
@@ -37,20 +42,23 @@ CASES = {
                      logit_bias={token: -5.0 for token in range(100, 116)}),
     "constrained": dict(ebnf=GRAMMAR),
 }
+LOGPROB_BATCH = 32
+LOGPROB_CASES = {"sampled": dict(temperature=0.8, top_k=50), "greedy": dict(temperature=0.0)}
 
 
 def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields: dict, slots: SlotPool,
-                     pages: PagePool) -> InProcessSteps:
-    """`batch` requests with these SamplingParams fields, past their prefill (each case its own slots and pages of
-    the runner's)."""
-    limits = SubmitLimits(runner.vocab_size, runner.max_context, 0, tuple(runner.eos_token_ids), 1)
+                     pages: PagePool, logprob: LogprobParams | None = None) -> InProcessSteps:
+    """`batch` requests with these SamplingParams fields (and logprobs), past their prefill (each case its own
+    slots and pages of the runner's)."""
+    limits = SubmitLimits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 1)
     rng = np.random.default_rng(0)
     requests = []
     for i in range(batch):
-        sampling = SamplingParams(max_new_tokens=100_000, temperature=0.0, **fields)
+        sampling = SamplingParams(max_new_tokens=100_000, **{"temperature": 0.0, **fields})
         prompt = rng.integers(0, 100_000, PROMPT_TOKENS).tolist()
         requests.append(parse_request(TokenizedRequest(rid=f"r{i}", owner="bench", input_ids=prompt,
-                                                       sampling=sampling), limits, grammars))
+                                                       sampling=sampling, logprob=logprob or LogprobParams(
+                                                           logprob_start_len=-1)), limits, grammars))
     engine = InProcessSteps(runner, slots, pages)
     engine.add(requests)
     engine.step()  # the prefills
@@ -84,13 +92,23 @@ def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch
     bench.add(("fill", batch), fill)
 
 
+def add_logprob_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, slots: SlotPool,
+                      pages: PagePool) -> None:
+    for name, fields in LOGPROB_CASES.items():
+        for mode in (LogprobsMode.RAW, LogprobsMode.PROCESSED):
+            logprob = LogprobParams(return_logprob=True, top_logprobs_num=20, logprob_start_len=-1,
+                                    logprobs_mode=mode)
+            engine = running_requests(runner, grammars, LOGPROB_BATCH, fields, slots, pages, logprob)
+            bench.add(("logprobs", name, mode), engine.step)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.sampling_costs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     model_dir = resolve_model(None)
-    slot_count = len(CASES) * sum(args.batch)
+    slot_count = len(CASES) * sum(args.batch) + 2 * len(LOGPROB_CASES) * LOGPROB_BATCH
     runner = ModelRunner(model_dir, "auto", "auto", 0, slot_count)
     slots, pages = SlotPool(slot_count), PagePool(runner.num_pages, runner.page_size)
     if runner.device.type == "cpu":
@@ -99,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = Interleaved(min_time=0.1)
     for batch in args.batch:
         add_cases(bench, runner, grammars, batch, slots, pages)
+    add_logprob_cases(bench, runner, grammars, slots, pages)
     for _ in range(args.rounds):
         bench.round()
 
@@ -118,7 +137,19 @@ def main(argv: list[str] | None = None) -> None:
                   f"{per_row['adjust']:.0f}", f"{per_row['mask']:.0f}", f"{per_row['fill']:.1f}")
         rows_json.append({"batch": batch, **{f"{name}_step_ms": timing.ms for name, timing in steps.items()},
                           **{f"{name}_us_per_row": us for name, us in per_row.items()}})
-    print(write_results("sampling_costs", "python -m bench.sampling_costs", [table], {"rows": rows_json},
+    modes = Table(f"Decode step at B={LOGPROB_BATCH} with top-20 logprobs: processed_logprobs against raw_logprobs",
+                  ["requests", "raw step ms", "processed step ms", "processed / raw"])
+    checks = Table("Targets", ["target", "measured", "verdict"])
+    logprob_json = []
+    for name in LOGPROB_CASES:
+        raw, processed = (bench.timing(("logprobs", name, mode)) for mode in (LogprobsMode.RAW, LogprobsMode.PROCESSED))
+        ratio = processed.median / raw.median
+        modes.add(name, f"{raw.ms:.2f}", f"{processed.ms:.2f}", fmt_ratio(ratio))
+        checks.add(f"processed logprobs cost <= 5% of the B={LOGPROB_BATCH} decode step ({name})",
+                   f"{(ratio - 1) * 100:+.1f}%", "met" if ratio <= 1.05 else "missed")
+        logprob_json.append({"requests": name, "raw_step_ms": raw.ms, "processed_step_ms": processed.ms})
+    print(write_results("sampling_costs", "python -m bench.sampling_costs", [table, modes, checks],
+                        {"rows": rows_json, "logprob_modes": logprob_json},
                         f"Prompts of {PROMPT_TOKENS} tokens, one decode step per call."))
 
 

@@ -19,11 +19,17 @@ from typing import Any
 import grpc
 from flatwire_wire import public
 from flatwire_wire.control import (
+    RL_CONTROL,
     AbortAllRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
     Empty,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
+    ReleaseMemoryOccupationRequest,
+    ResumeMemoryOccupationRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
 )
 
@@ -35,13 +41,13 @@ from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.packed import packed_response
-from services.gateway.rollout import control_response
+from services.gateway.rollout import control_response, init_weights_update_group
 from services.gateway.routing import routing_key
 
 SERVICE_NAME = public.GENERATION.name
 ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in (
     "UpdateWeightsFromDisk", "PushWeights", "PauseGeneration", "ContinueGeneration", "AbortAll",
-    "UpdateWeightVersion", "FlushCache"))
+    "UpdateWeightVersion", "FlushCache", *RL_CONTROL))
 ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -87,6 +93,7 @@ REQUEST_FIELDS: dict[str, Convert] = {
     "text": _if_nonzero, "input_ids": _if_nonzero, "return_logprob": _as_is, "top_logprobs_num": _as_is,
     "logprob_start_len": _if_set, "token_ids_logprob": _as_is, "stream": _as_is,
     "stop": _as_is, "skip_special_tokens": _if_set, "no_stop_trim": _as_is,
+    "logprobs_mode": lambda name, mode: {name: mode.api_name} if mode else {},  # UNSPECIFIED: the server's
 }
 SAMPLING_OPTIONS = ("stop", "skip_special_tokens", "no_stop_trim")
 
@@ -216,6 +223,26 @@ class GenerationService:
 
     async def flush_cache(self, request: Empty, context) -> public.ControlResponse:
         return await self._everywhere(lambda client: client.flush_cache())
+
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context
+                                        ) -> public.ControlResponse:
+        return await init_weights_update_group(self.engine.schedulers, request)
+
+    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, context
+                                              ) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.update_weights_from_distributed(request))
+
+    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest, context
+                                           ) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.destroy_weights_update_group(request))
+
+    async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context
+                                        ) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.release_memory_occupation(request))
+
+    async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context
+                                       ) -> public.ControlResponse:
+        return await self._everywhere(lambda client: client.resume_memory_occupation(request))
 
 
 def add_generation_service(server: grpc.aio.Server, engine: EngineClient) -> None:

@@ -5,8 +5,12 @@ forward to every replica (SchedulerPool.control, push_weights) and answer with t
 success only when every replica succeeded, each replica's reply kept.
 """
 
-from flatwire_wire.control import ControlReply
+import dataclasses
+
+from flatwire_wire.control import ControlReply, InitWeightsUpdateGroupRequest
 from flatwire_wire.public import ControlResponse
+
+from services.gateway.schedulers import SchedulerPool
 
 
 def control_response(replies: dict[str, ControlReply]) -> ControlResponse:
@@ -17,3 +21,10 @@ def control_response(replies: dict[str, ControlReply]) -> ControlResponse:
     else:
         message = "; ".join(f"{address}: {reply.message}" for address, reply in sorted(replies.items()))
     return ControlResponse(success=all(reply.success for reply in replies.values()), message=message, replicas=replies)
+
+
+async def init_weights_update_group(schedulers: SchedulerPool, request: InitWeightsUpdateGroupRequest
+                                    ) -> ControlResponse:
+    """Every replica joins the trainer's group, replica i (in address order) as rank rank_offset + i."""
+    return control_response(await schedulers.control_ranked(lambda i, client: client.init_weights_update_group(
+        dataclasses.replace(request, rank_offset=request.rank_offset + i))))

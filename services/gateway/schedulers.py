@@ -21,6 +21,7 @@ Rollout control (weight updates, pause, abort_all) goes to every replica, in rot
 """
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -192,8 +193,15 @@ class SchedulerPool:
 
     async def control(self, call: Callable[[SchedulerClient], Awaitable[ControlReply]]) -> dict[str, ControlReply]:
         """`call` on every replica at once; per address, its reply (a failed one when it did not answer)."""
-        replicas = list(self.replicas.values())
-        replies = await asyncio.gather(*(self._control(replica, call) for replica in replicas))
+        return await self.control_ranked(lambda _, client: call(client))
+
+    async def control_ranked(self, call: Callable[[int, SchedulerClient], Awaitable[ControlReply]]
+                             ) -> dict[str, ControlReply]:
+        """control(), `call` also given each replica's index in address order (a trainer's group gives each its
+        own rank)."""
+        replicas = sorted(self.replicas.values(), key=lambda replica: replica.address)
+        replies = await asyncio.gather(*(self._control(replica, functools.partial(call, i))
+                                         for i, replica in enumerate(replicas)))
         return {replica.address: reply for replica, reply in zip(replicas, replies)}
 
     async def push_weights(self, chunks: AsyncIterator[WeightsChunk]) -> dict[str, ControlReply]:

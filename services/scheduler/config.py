@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from flatwire_wire.logprobs import LogprobsMode
+
 from services.common.config import ServiceConfig, option, require_positive
 
 
@@ -26,6 +28,9 @@ class SchedulerConfig(ServiceConfig):
     max_prefill_tokens: int = option(16384, "with --chunked-prefill-size -1, the prompt tokens one step prefills; "
                                      "a longer prompt is still admitted, alone")
     disable_radix_cache: bool = option(False, "no prefix cache: every request prefills its whole prompt")
+    logprobs_mode: str = option("raw_logprobs", "the distribution output logprobs are of when a request names none "
+                                "(vLLM's names): raw_logprobs, the model's; processed_logprobs, the one each token "
+                                "was drawn from (after logit_bias, penalties, grammar, temperature, top-k/p, min-p)")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "
@@ -37,6 +42,8 @@ class SchedulerConfig(ServiceConfig):
     engine: str = option("model", "model: run the checkpoint; synthetic: no weights, deterministic tokens at "
                          "--step-ms per step (capacity planning)")
     step_ms: float = option(10.0, "milliseconds each step takes, only with --engine synthetic")
+    weights_sync_timeout_s: float = option(300.0, "most seconds joining a trainer's weight update group, or one "
+                                           "broadcast of it, may take before the call fails (a trainer gone)")
     max_subscriber_backlog: int = option(128, "step messages queued for one detokenizer before the engine waits for "
                                          "it to catch up (back-pressure)")
     stall_timeout_s: float = option(10.0, "a detokenizer that stays past --max-subscriber-backlog this long has its "
@@ -59,12 +66,18 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError("--max-total-tokens: must be 0 (automatic) or positive")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError("--mem-fraction-static: must be in (0, 1)")
+        if not self.weights_sync_timeout_s > 0:
+            raise ValueError("--weights-sync-timeout-s: must be positive")
         if self.replay_window_s < 0 or self.replay_window_mb < 0:
             raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
         if self.context_length < 0:
             raise ValueError("--context-length: must be 0 (the model's maximum) or positive")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests: must be 0 (automatic) or positive")
+        try:
+            LogprobsMode.named(self.logprobs_mode)
+        except ValueError as exc:
+            raise ValueError(f"--logprobs-mode: {exc}") from None
         if self.engine not in ("model", "synthetic"):
             raise ValueError(f"--engine: expected model or synthetic, not {self.engine!r}")
         if not self.step_ms >= 0:  # also refuses nan

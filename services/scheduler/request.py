@@ -90,6 +90,7 @@ class Request:
     top_logprobs_num: int  # 0 unless return_logprob
     logprob_start_len: int  # -1 unless return_logprob
     token_ids_logprob: list[int]  # empty unless return_logprob
+    processed_logprobs: bool  # output logprobs of the distribution sampled from (LogprobsMode.PROCESSED), not raw
     seed: int | None
     adjustment: LogitAdjustment | None  # penalties, logit_bias, min_new_tokens; None: sample the raw logits
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained

@@ -27,11 +27,17 @@ from flatwire_wire.control import (
     AbortAllRequest,
     ContinueGenerationRequest,
     ControlReply,
+    DestroyWeightsUpdateGroupRequest,
     Empty,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
+    ReleaseMemoryOccupationRequest,
+    ResumeMemoryOccupationRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
 )
+from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.scheduler import SCHEDULER, AbortRequest, ModelInfo, SchedulerStats, TokenizedRequest
 from flatwire_wire.steps import FinishReason, StepMessage
 
@@ -49,12 +55,16 @@ from services.scheduler.engine.control import (
     Control,
     FlushCache,
     Pause,
+    ReleaseMemory,
+    ResumeMemory,
     SetWeightVersion,
     UpdateWeights,
 )
-from services.scheduler.engine.engine import Engine, QueueFull
+from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
+from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.synthetic import SyntheticRunner
+from services.scheduler.model.weight_sync import WeightGroups
 from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
 from services.scheduler.output.journal import StepJournal
 from services.scheduler.sampling.grammar import Grammars
@@ -78,21 +88,27 @@ class SchedulerService:
         kv_tokens = (runner.num_pages - 1) * runner.page_size
         self.limits = SubmitLimits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                                    max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
-                                   output_interval=config.output_interval, max_total_tokens=kv_tokens)
+                                   output_interval=config.output_interval, max_total_tokens=kv_tokens,
+                                   logprobs_mode=LogprobsMode.named(config.logprobs_mode))
         self.model_info = ModelInfo(
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex,
-            max_total_tokens=kv_tokens, page_size=runner.page_size, prefix_cache=not config.disable_radix_cache)
+            max_total_tokens=kv_tokens, page_size=runner.page_size, prefix_cache=not config.disable_radix_cache,
+            logprobs_mode=self.limits.logprobs_mode)
         self.config = config
         self.grammars = grammars
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
         self._loop = asyncio.get_running_loop()
         self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream, or CUT
         self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
-        self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room)
+        occupation = (MemoryOccupation(runner.kv, weights, runner.device, weights.model_dir)
+                      if weights is not None and isinstance(runner, ModelRunner) else None)
+        self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
+                             occupation=occupation)
         self.weights = weights
+        self.weight_groups = WeightGroups(runner.device, config.weights_sync_timeout_s) if weights else None
         self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
 
     def _wait_for_room(self) -> None:
@@ -150,6 +166,8 @@ class SchedulerService:
             accepted = self.engine.submit(parsed)
         except QueueFull as exc:  # the gateway answers 429 (or tries another replica)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except MemoryReleased as exc:  # the gateway tries another replica, else answers 503
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if not accepted:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running",
                                 trailing_metadata=((FIELD_METADATA, "rid"),))
@@ -212,6 +230,45 @@ class SchedulerService:
         return await self._update_weights(lambda weights: weights.read_safetensors(data), first.abort_all_requests,
                                           first.weight_version)
 
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context) -> ControlReply:
+        return await self._in_group(lambda groups: groups.init(request))
+
+    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, context
+                                              ) -> ControlReply:
+        if self.weight_groups is None:
+            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
+        groups = self.weight_groups
+        return await self._update_weights(lambda weights: groups.receive(request, weights),
+                                          request.abort_all_requests, request.weight_version)
+
+    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest, context) -> ControlReply:
+        return await self._in_group(lambda groups: groups.destroy(request.group_name))
+
+    async def _in_group(self, call: Callable[[WeightGroups], str]) -> ControlReply:
+        """A group call (blocking: a worker thread) answered with its message, or refused with why."""
+        if self.weight_groups is None:
+            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
+        try:
+            message = await asyncio.to_thread(call, self.weight_groups)
+        except WeightsRefused as exc:
+            log.warning("weight update group call refused: %s", exc)
+            return self._refused(str(exc))
+        return ControlReply(success=True, message=message, weight_version=self.engine.weight_version)
+
+    async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context) -> ControlReply:
+        try:
+            tags = MemoryOccupation.tags_of(request.tags)
+        except WeightsRefused as exc:
+            return self._refused(str(exc))
+        return await self._control(ReleaseMemory(tags=tags))
+
+    async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context) -> ControlReply:
+        try:
+            tags = MemoryOccupation.tags_of(request.tags)
+        except WeightsRefused as exc:
+            return self._refused(str(exc))
+        return await self._control(ResumeMemory(tags=tags))
+
     async def pause_generation(self, request: PauseGenerationRequest, context) -> ControlReply:
         return await self._control(Pause(mode=request.mode))
 
@@ -242,8 +299,8 @@ class SchedulerService:
             except WeightsRefused as exc:
                 log.warning("weight update refused: %s", exc)
                 return self._refused(str(exc))
-            return await self._control(UpdateWeights(install=staged.install, description=staged.description,
-                                                     abort_all_requests=abort_all_requests, weight_version=version))
+            return await self._control(UpdateWeights(staged=staged, abort_all_requests=abort_all_requests,
+                                                     weight_version=version))
 
     async def _control(self, command: Control) -> ControlReply:
         return await asyncio.wrap_future(self.engine.control(command))

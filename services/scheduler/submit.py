@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xgrammar as xgr
-from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.logprobs import LogprobRows, LogprobsMode
 from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
 from services.scheduler.request import PendingOutput, Request
@@ -41,6 +41,7 @@ class SubmitLimits:
     eos_token_ids: tuple[int, ...]
     output_interval: int  # tokens per entry of a request that does not stream (--output-interval)
     max_total_tokens: int = 1 << 62  # the KV memory: a sequence longer than it can never run
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW  # a request's that names none (--logprobs-mode)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -119,6 +120,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         top_logprobs_num=top_k,
         logprob_start_len=logprob.logprob_start_len if wants else -1,
         token_ids_logprob=ids,
+        processed_logprobs=wants and (logprob.logprobs_mode or limits.logprobs_mode) is LogprobsMode.PROCESSED,
         seed=sampling.seed,
         adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
                                       sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),

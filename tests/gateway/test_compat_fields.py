@@ -41,10 +41,12 @@ def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field
         assert response.status_code == 200, (ok, response.text)
 
 
-def test_generate_top_level_n(http):
-    assert_refused(http.post("/generate", json={**GENERATE, "n": 5}), "n")
-    for ok in (None, 1):
-        assert http.post("/generate", json={**GENERATE, "n": ok}).status_code == 200
+@pytest.mark.parametrize(("field", "value", "neutral"), [("n", 5, [None, 1]),
+                                                       ("return_routed_experts", True, [None, False])])
+def test_generate_field_refused_unless_neutral(http, field, value, neutral):
+    assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
+    for ok in neutral:
+        assert http.post("/generate", json={**GENERATE, field: ok}).status_code == 200
 
 
 def test_openai_client_sees_a_typed_error(openai_client, served_model):

@@ -9,7 +9,7 @@ import pybase64
 import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire import public
-from flatwire_wire.logprobs import LogprobBlock, RequestLogprobs
+from flatwire_wire.logprobs import LogprobBlock, LogprobsMode, RequestLogprobs
 from flatwire_wire.pb import generate_pb2  # the published messages, as a client in another language reads them
 from flatwire_wire.steps import FinishReason
 
@@ -109,7 +109,8 @@ def test_every_public_request_field_reaches_generate():
                                      regex="a", ebnf="root ::= \"a\"")
     request = public.GenerateRequest(text="t", input_ids=[1], sampling=sampling, return_logprob=True,
                                      top_logprobs_num=2, logprob_start_len=0, token_ids_logprob=[3], stop=["x"],
-                                     skip_special_tokens=False, no_stop_trim=True, stream=True)
+                                     skip_special_tokens=False, no_stop_trim=True, stream=True,
+                                     logprobs_mode=LogprobsMode.PROCESSED)
     fields = generate_fields(request)
     assert set(fields["sampling_params"]) == {f.name for f in dataclasses.fields(public.SamplingParams)} | {
         "stop", "skip_special_tokens", "no_stop_trim"}

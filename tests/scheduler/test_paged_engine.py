@@ -20,6 +20,7 @@ from services.scheduler.engine.control import UpdateWeights
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.attention import MAX_PADDING, _similar
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.model.weights import StagedWeights
 from services.scheduler.submit import SubmitLimits, parse_request
 
 K = 5
@@ -191,14 +192,9 @@ def test_a_weight_update_never_serves_kv_of_the_old_weights(model):
     with torch.no_grad():
         for parameter in new_model.parameters():
             parameter.mul_(1.25)
-    staged = dict(new_model.state_dict())
-
-    def install():
-        with torch.no_grad():
-            for name, tensor in run.runner.model.state_dict().items():
-                tensor.copy_(staged[name])
-
-    update = UpdateWeights(install=install, description="scaled", abort_all_requests=False, weight_version="v2")
+    new, served = new_model.state_dict(), run.runner.model.state_dict(keep_vars=True)
+    staged = StagedWeights([(tensor, new[name]) for name, tensor in served.items()], "scaled")
+    update = UpdateWeights(staged=staged, abort_all_requests=False, weight_version="v2")
     run.engine.control(update)
     run.submit("after", ids, 6)
     run.run()

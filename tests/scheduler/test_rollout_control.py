@@ -33,6 +33,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.synthetic import SyntheticRunner
+from services.scheduler.model.weights import StagedWeights
 from services.scheduler.submit import SubmitLimits, parse_request
 
 ADMIN_KEY = f"admin-{secrets.token_hex(8)}"
@@ -90,20 +91,21 @@ class Harness:
 
 
 def test_engine_holds_an_update_until_running_requests_finish(synthetic):
-    harness, installed = Harness(synthetic), []
+    harness = Harness(synthetic)
     harness.submit("old", max_new_tokens=3)
     harness.iterate()  # admitted: its first token
-    update = UpdateWeights(install=lambda: installed.append(True), description="test", abort_all_requests=False,
+    served, new = torch.zeros(2), torch.ones(2)
+    update = UpdateWeights(staged=StagedWeights([(served, new)], "test"), abort_all_requests=False,
                            weight_version="v1")
     harness.engine.control(update)
     harness.submit("late", max_new_tokens=2)
     harness.iterate()
-    assert not installed and not update.done.done()
+    assert not served.any() and not update.done.done()
     assert harness.running() == ["old"]  # "late" is not admitted while the update waits
     harness.iterate()  # "old" ends on the old weights
-    assert not installed and harness.running() == []
+    assert not served.any() and harness.running() == []
     harness.iterate()  # nothing runs: the update applies, then "late" is admitted
-    assert installed and update.done.result().success and update.done.result().weight_version == "v1"
+    assert served.all() and update.done.result().success and update.done.result().weight_version == "v1"
     harness.run_out()
     assert harness.shipped("old") == [(0, 3, "default")]
     assert harness.shipped("late") == [(0, 2, "v1")]
@@ -115,7 +117,7 @@ def test_engine_control_futures_are_settled_by_the_engine_alone(synthetic):
     harness = Harness(synthetic)
     harness.submit("running", 10)
     harness.iterate()
-    update = UpdateWeights(install=lambda: None, description="held", abort_all_requests=False, weight_version="v1")
+    update = UpdateWeights(staged=StagedWeights([], "held"), abort_all_requests=False, weight_version="v1")
     future = harness.engine.control(update)
     assert not future.cancel()
     harness.iterate()  # held while "running" runs
@@ -137,7 +139,7 @@ def test_engine_paused_in_place_steps_nothing_and_ships_pending_output_before_a_
     steps = harness.engine.stats.steps
     harness.iterate()
     assert harness.engine.stats.steps == steps and harness.running() == ["kept"]  # no step, the request kept
-    update = UpdateWeights(install=lambda: None, description="test", abort_all_requests=False, weight_version="v2")
+    update = UpdateWeights(staged=StagedWeights([], "test"), abort_all_requests=False, weight_version="v2")
     harness.engine.control(update)
     harness.iterate()  # paused: applies at once, after shipping what "kept" made so far
     assert update.done.result().num_paused_requests == 1

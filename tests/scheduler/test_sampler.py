@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.scheduler.sampling.sampler import SamplingBatch, sample
+from services.scheduler.sampling.sampler import SamplingBatch, logprob_rows, processed_rows, sample
 
 PROBS = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
 DRAWS = 40_000
@@ -16,7 +16,7 @@ def frequencies(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seeds=None) -> n
     generators = [torch.Generator().manual_seed(s) for s in seeds] if seeds else [None] * DRAWS
     params = SamplingBatch(rows=list(range(DRAWS)), temperature=[temperature] * DRAWS, top_p=[top_p] * DRAWS,
                            top_k=[top_k] * DRAWS, min_p=[min_p] * DRAWS, generators=generators)
-    return np.bincount(sample(logits, params).numpy(), minlength=len(PROBS)) / DRAWS
+    return np.bincount(sample(logits, params).tokens.numpy(), minlength=len(PROBS)) / DRAWS
 
 
 def expected(kept: int, temperature: float = 1.0) -> np.ndarray:
@@ -44,5 +44,59 @@ def test_greedy_rows_and_seeded_rows():
     logits = PROBS.log().repeat(3, 1)
     params = SamplingBatch(rows=[1, 2], temperature=[1.0, 1.0], top_p=[1.0, 1.0], top_k=[0, 0], min_p=[0.0, 0.0],
                            generators=[torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)])
-    tokens = sample(logits, params)
+    tokens = sample(logits, params).tokens
     assert tokens[0] == 0 and tokens[1] == tokens[2]  # row 0 is greedy; same seed, same draw
+
+
+# (temperature, top_p, top_k, min_p) per row; temperature 0: greedy.
+PROCESSED_ROWS = [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 50, 0.0), (1.0, 1.0, 0, 0.05),
+                  (0.8, 0.95, 200, 0.01), (0.0, 1.0, 0, 0.0), (0.0, 0.5, 5, 0.2)]
+
+
+def reference_processed(logits: np.ndarray, temperature: float, top_p: float, top_k: int, min_p: float) -> np.ndarray:
+    """float64 log-probabilities of what the sampler draws from: temperature, then top-k, top-p, min-p."""
+    if temperature == 0:
+        out = np.full(len(logits), -np.inf)
+        out[logits.argmax()] = 0.0
+        return out
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    if top_k:
+        p[p < np.sort(p)[-top_k]] = 0
+    if top_p < 1:
+        ordered = np.sort(p)[::-1]
+        kept = max(int(((np.cumsum(ordered) - ordered) < top_p * p.sum()).sum()), 1)
+        p[p < ordered[kept - 1]] = 0
+    if min_p:
+        p[p < min_p * p.max()] = 0
+    with np.errstate(divide="ignore"):
+        return np.log(p / p.sum())
+
+
+def test_processed_logprobs_match_a_numpy_reference():
+    """Rows in processed mode get the logprobs of the distribution their token was drawn from; the others,
+    in the same batch, stay raw."""
+    vocab, k = 2000, 30
+    logits = torch.from_numpy(np.random.default_rng(0).normal(0, 3, (len(PROCESSED_ROWS) + 1, vocab))).float()
+    sampled = [i for i, row in enumerate(PROCESSED_ROWS) if row[0] > 0]
+    params = SamplingBatch(rows=sampled, temperature=[PROCESSED_ROWS[i][0] for i in sampled],
+                           top_p=[PROCESSED_ROWS[i][1] for i in sampled], top_k=[PROCESSED_ROWS[i][2] for i in sampled],
+                           min_p=[PROCESSED_ROWS[i][3] for i in sampled], generators=[None] * len(sampled))
+    draw = sample(logits, params)
+    processed = list(range(len(PROCESSED_ROWS)))  # the last row stays raw
+    ids = torch.tensor([[3, 7, 11]] * len(logits))
+    rows = logprob_rows(logits, draw.tokens, k, ids, processed_rows(draw, params, logits, processed))
+    for i, row_params in enumerate(PROCESSED_ROWS):
+        want = reference_processed(logits[i].double().numpy(), *row_params)
+        token = int(draw.tokens[i])
+        assert np.isfinite(want[token]) and rows.token_logprobs[i] == pytest.approx(want[token], abs=1e-4)
+        best = np.sort(want)[::-1][:k]
+        np.testing.assert_allclose(rows.topk_values[i].numpy(), best, atol=1e-4)
+        np.testing.assert_allclose(rows.ids_logprobs[i].numpy(), want[[3, 7, 11]], atol=1e-4)
+        finite = np.isfinite(best)
+        np.testing.assert_array_equal(np.isfinite(want[rows.topk_ids[i].numpy()]), finite)
+        # The undrawable candidates still come in the model's order, after the drawable ones.
+        assert (np.diff(logits[i][rows.topk_ids[i]].numpy()) <= 0).all()
+    raw = torch.log_softmax(logits[-1], dim=-1)
+    assert rows.token_logprobs[-1] == pytest.approx(float(raw[draw.tokens[-1]]))
+    np.testing.assert_allclose(rows.topk_values[-1].numpy(), raw.topk(k).values.numpy(), atol=1e-6)

@@ -14,12 +14,19 @@ from typing import Any
 import grpc
 import numpy as np
 from flatwire_wire.control import (
+    DEFAULT_GROUP,
     EMPTY,
     AbortAllRequest,
     ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     PauseMode,
+    ReleaseMemoryOccupationRequest,
+    ResumeMemoryOccupationRequest,
+    TensorShape,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     WeightsChunk,
 )
@@ -55,6 +62,11 @@ class _Methods:
     continue_generation: Any
     abort_all: Any
     update_weight_version: Any
+    init_weights_update_group: Any
+    update_weights_from_distributed: Any
+    destroy_weights_update_group: Any
+    release_memory_occupation: Any
+    resume_memory_occupation: Any
 
 
 def _methods(channel) -> _Methods:
@@ -62,7 +74,12 @@ def _methods(channel) -> _Methods:
     return _Methods(generate=calls["Generate"], model_info=calls["GetModelInfo"], abort=calls["Abort"],
                     update_weights_from_disk=calls["UpdateWeightsFromDisk"], push_weights=calls["PushWeights"],
                     pause_generation=calls["PauseGeneration"], continue_generation=calls["ContinueGeneration"],
-                    abort_all=calls["AbortAll"], update_weight_version=calls["UpdateWeightVersion"])
+                    abort_all=calls["AbortAll"], update_weight_version=calls["UpdateWeightVersion"],
+                    init_weights_update_group=calls["InitWeightsUpdateGroup"],
+                    update_weights_from_distributed=calls["UpdateWeightsFromDistributed"],
+                    destroy_weights_update_group=calls["DestroyWeightsUpdateGroup"],
+                    release_memory_occupation=calls["ReleaseMemoryOccupation"],
+                    resume_memory_occupation=calls["ResumeMemoryOccupation"])
 
 
 def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
@@ -101,6 +118,22 @@ def _from_disk(model_path: str, load_format: str | None, abort_all_requests: boo
                weight_version: str | None) -> UpdateWeightsFromDiskRequest:
     return UpdateWeightsFromDiskRequest(model_path=str(model_path), load_format=load_format or "",
                                         abort_all_requests=abort_all_requests, weight_version=weight_version)
+
+
+def _join_group(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                backend: str | None) -> InitWeightsUpdateGroupRequest:
+    return InitWeightsUpdateGroupRequest(master_address=master_address, master_port=master_port,
+                                         rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                         backend=backend or "")
+
+
+def _from_distributed(names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                      load_format: str | None, abort_all_requests: bool,
+                      weight_version: str | None) -> UpdateWeightsFromDistributedRequest:
+    return UpdateWeightsFromDistributedRequest(
+        names=list(names), dtypes=[str(dtype).removeprefix("torch.") for dtype in dtypes],
+        shapes=[TensorShape(dims=list(shape)) for shape in shapes], group_name=group_name,
+        load_format=load_format or "", abort_all_requests=abort_all_requests, weight_version=weight_version)
 
 
 class GenerationStream(ChunkStream):
@@ -188,6 +221,40 @@ class FlatwireClient:
             UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
             timeout=timeout, metadata=self._admin_metadata)
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = DEFAULT_GROUP, backend: str | None = None,
+                                  timeout: float | None = None) -> ControlResponse:
+        """Every replica joins the trainer's torch.distributed group (replica i as rank rank_offset + i); returns
+        once the trainer (rank 0) and every replica have joined."""
+        return self._calls.init_weights_update_group(
+            _join_group(master_address, master_port, rank_offset, world_size, group_name, backend), timeout=timeout,
+            metadata=self._admin_metadata)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = DEFAULT_GROUP, load_format: str | None = None,
+                                        abort_all_requests: bool = False, weight_version: str | None = None,
+                                        timeout: float | None = None) -> ControlResponse:
+        """Receive the tensors the trainer broadcasts next over the group (in `names` order) and swap them in."""
+        return self._calls.update_weights_from_distributed(
+            _from_distributed(names, dtypes, shapes, group_name, load_format, abort_all_requests, weight_version),
+            timeout=timeout, metadata=self._admin_metadata)
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP,
+                                     timeout: float | None = None) -> ControlResponse:
+        return self._calls.destroy_weights_update_group(DestroyWeightsUpdateGroupRequest(group_name=group_name),
+                                                        timeout=timeout, metadata=self._admin_metadata)
+
+    def release_memory_occupation(self, tags: list[str] | None = None,
+                                  timeout: float | None = None) -> ControlResponse:
+        """Free the memory of `tags` ("weights", "kv_cache"; None: both) on every replica."""
+        return self._calls.release_memory_occupation(ReleaseMemoryOccupationRequest(tags=list(tags or [])),
+                                                     timeout=timeout, metadata=self._admin_metadata)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None,
+                                 timeout: float | None = None) -> ControlResponse:
+        return self._calls.resume_memory_occupation(ResumeMemoryOccupationRequest(tags=list(tags or [])),
+                                                    timeout=timeout, metadata=self._admin_metadata)
+
 
 class AsyncGenerationStream(ChunkStream):
     """GenerationStream's asyncio twin: `async for chunk in stream`, then `stream.result`."""
@@ -273,3 +340,37 @@ class AsyncFlatwireClient:
         return await self._calls.update_weight_version(
             UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests),
             timeout=timeout, metadata=self._admin_metadata)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = DEFAULT_GROUP, backend: str | None = None,
+                                  timeout: float | None = None) -> ControlResponse:
+        """Every replica joins the trainer's torch.distributed group (replica i as rank rank_offset + i); returns
+        once the trainer (rank 0) and every replica have joined."""
+        return await self._calls.init_weights_update_group(
+            _join_group(master_address, master_port, rank_offset, world_size, group_name, backend), timeout=timeout,
+            metadata=self._admin_metadata)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = DEFAULT_GROUP, load_format: str | None = None,
+                                        abort_all_requests: bool = False, weight_version: str | None = None,
+                                        timeout: float | None = None) -> ControlResponse:
+        """Receive the tensors the trainer broadcasts next over the group (in `names` order) and swap them in."""
+        return await self._calls.update_weights_from_distributed(
+            _from_distributed(names, dtypes, shapes, group_name, load_format, abort_all_requests, weight_version),
+            timeout=timeout, metadata=self._admin_metadata)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP,
+                                     timeout: float | None = None) -> ControlResponse:
+        return await self._calls.destroy_weights_update_group(DestroyWeightsUpdateGroupRequest(group_name=group_name),
+                                                        timeout=timeout, metadata=self._admin_metadata)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None,
+                                  timeout: float | None = None) -> ControlResponse:
+        """Free the memory of `tags` ("weights", "kv_cache"; None: both) on every replica."""
+        return await self._calls.release_memory_occupation(ReleaseMemoryOccupationRequest(tags=list(tags or [])),
+                                                     timeout=timeout, metadata=self._admin_metadata)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None,
+                                 timeout: float | None = None) -> ControlResponse:
+        return await self._calls.resume_memory_occupation(ResumeMemoryOccupationRequest(tags=list(tags or [])),
+                                                    timeout=timeout, metadata=self._admin_metadata)

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.public import GenerateRequest, SamplingParams
 
 
@@ -17,7 +18,7 @@ class Options:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # Change what is sampled, not the logprobs returned (the model's raw distribution).
+    # Change what is sampled, not the logprobs returned unless logprobs_mode is processed_logprobs.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float | None = None  # None: 1.0 (off)
@@ -31,6 +32,7 @@ class Options:
     top_logprobs_num: int = 0
     logprob_start_len: int | None = None  # None: no prompt logprobs
     token_ids_logprob: tuple[int, ...] = ()
+    logprobs_mode: str | None = None  # raw_logprobs, processed_logprobs; None: the server's --logprobs-mode
     stop: tuple[str, ...] = field(default=())
     skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
@@ -50,7 +52,8 @@ class Options:
             text=text or "", input_ids=list(input_ids or []), sampling=sampling, return_logprob=self.wants_logprobs,
             top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
             token_ids_logprob=list(self.token_ids_logprob), stop=list(self.stop),
-            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, stream=stream)
+            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, stream=stream,
+            logprobs_mode=LogprobsMode.named(self.logprobs_mode) if self.logprobs_mode else LogprobsMode.UNSPECIFIED)
 
     def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
         """/generate's JSON (SGLang's field names)."""
@@ -68,4 +71,6 @@ class Options:
                 "stream": stream, "text" if text is not None else "input_ids": text if text is not None else input_ids}
         if self.logprob_start_len is not None:
             body["logprob_start_len"] = self.logprob_start_len
+        if self.logprobs_mode is not None:
+            body["logprobs_mode"] = self.logprobs_mode
         return body

@@ -16,7 +16,10 @@ from services.gateway.http.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/pause_generation",
-                         "/continue_generation", "/update_weight_version", "/flush_cache"})
+                         "/continue_generation", "/update_weight_version", "/flush_cache",
+                         "/init_weights_update_group", "/update_weights_from_distributed",
+                         "/destroy_weights_update_group", "/release_memory_occupation",
+                         "/resume_memory_occupation"})
 MIXED_PATHS = frozenset({"/abort_request"})  # one request by rid (ordinary), or abort_all (admin)
 
 

@@ -119,6 +119,7 @@ async def server_info(request: Request) -> Response:
         "max_batch_size": config.max_batch_size,
         "max_outstanding_requests": engine.admission_limit,
         "disable_radix_cache": not info.prefix_cache,
+        "logprobs_mode": info.logprobs_mode.api_name,
         "routing_policy": config.routing_policy.value,
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],

@@ -1,4 +1,5 @@
-"""SGLang's rollout-control routes, for RL trainers: weight updates, pause and continue, abort, weight_version.
+"""SGLang's rollout-control routes, for RL trainers: weight updates (from disk, or broadcast over a trainer's
+torch.distributed group), pause and continue, abort, weight_version, releasing and resuming memory.
 
 Each call goes to every scheduler replica (SchedulerPool.control) and is answered in SGLang's shape
 (sglang/srt/entrypoints/http_server.py) plus `replicas`: each replica's own reply, by address.
@@ -12,7 +13,7 @@ checkpoint on disk (/update_weights_from_disk).
 """
 
 from collections.abc import Awaitable, Callable
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Response
@@ -20,14 +21,14 @@ from flatwire_wire import control
 from flatwire_wire.control import PauseMode
 from flatwire_wire.public import ControlResponse
 from flatwire_wire.scheduler import SchedulerClient
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.http.auth import require_admin
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
-from services.gateway.rollout import control_response
+from services.gateway.rollout import control_response, init_weights_update_group
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -46,6 +47,46 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's InitWeightsUpdateGroupReqInput. Replica i (in address order) joins as rank rank_offset + i: a
+    trainer sizes world_size as 1 + the replicas. backend: none, nccl on CUDA and gloo on CPU."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = control.DEFAULT_GROUP
+    backend: Literal["nccl", "gloo"] | None = None
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """SGLang's UpdateWeightsFromDistributedReqInput. The prefix cache is flushed on every weight change (KV of
+    older weights never serves a request), so flush_cache false flushes too."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: str = control.DEFAULT_GROUP
+    load_format: Literal["flattened_bucket"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = control.DEFAULT_GROUP
+
+
+class MemoryOccupationRequest(BaseModel):
+    """SGLang's Release/ResumeMemoryOccupationReqInput: tags of weights, kv_cache; none: both."""
+
+    model_config = ConfigDict(extra="forbid")
+    tags: list[Literal["weights", "kv_cache"]] | None = None
 
 
 class PauseGenerationRequest(BaseModel):
@@ -120,6 +161,58 @@ async def update_weights_from_disk(request: Request) -> Response:
                   "num_paused_requests": sum(reply.num_paused_requests for reply in response.replicas.values()),
                   "weight_version": gateway.engine.schedulers.weight_version(), "replicas": _replicas(response)},
                  200 if response.success else 400)
+
+
+def _success_body(response: ControlResponse, **fields) -> Response:
+    """SGLang's {success, message} (400 unless every replica succeeded), replicas."""
+    return _json({"success": response.success, "message": response.message, **fields,
+                  "replicas": _replicas(response)}, 200 if response.success else 400)
+
+
+@router.post("/init_weights_update_group", openapi_extra=request_body(InitWeightsUpdateGroupRequest))
+async def init_weights_update_group_route(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(InitWeightsUpdateGroupRequest, request, gateway)
+    message = control.InitWeightsUpdateGroupRequest(
+        master_address=req.master_address, master_port=req.master_port, rank_offset=req.rank_offset,
+        world_size=req.world_size, group_name=req.group_name, backend=req.backend or "")
+    return _success_body(await init_weights_update_group(gateway.engine.schedulers, message))
+
+
+@router.post("/update_weights_from_distributed", openapi_extra=request_body(UpdateWeightsFromDistributedRequest))
+async def update_weights_from_distributed(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(UpdateWeightsFromDistributedRequest, request, gateway)
+    message = control.UpdateWeightsFromDistributedRequest(
+        names=req.names, dtypes=req.dtypes, shapes=[control.TensorShape(dims=shape) for shape in req.shapes],
+        group_name=req.group_name, load_format=req.load_format or "", abort_all_requests=req.abort_all_requests,
+        weight_version=req.weight_version)
+    response = await _everywhere(gateway, lambda client: client.update_weights_from_distributed(message))
+    return _success_body(response, weight_version=gateway.engine.schedulers.weight_version())
+
+
+@router.post("/destroy_weights_update_group", openapi_extra=request_body(DestroyWeightsUpdateGroupRequest))
+async def destroy_weights_update_group(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(DestroyWeightsUpdateGroupRequest, request, gateway)
+    message = control.DestroyWeightsUpdateGroupRequest(group_name=req.group_name)
+    return _success_body(await _everywhere(gateway, lambda client: client.destroy_weights_update_group(message)))
+
+
+@router.post("/release_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
+async def release_memory_occupation(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(MemoryOccupationRequest, request, gateway)
+    message = control.ReleaseMemoryOccupationRequest(tags=list(req.tags or []))
+    return _success_body(await _everywhere(gateway, lambda client: client.release_memory_occupation(message)))
+
+
+@router.post("/resume_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
+async def resume_memory_occupation(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(MemoryOccupationRequest, request, gateway)
+    message = control.ResumeMemoryOccupationRequest(tags=list(req.tags or []))
+    return _success_body(await _everywhere(gateway, lambda client: client.resume_memory_occupation(message)))
 
 
 @router.post("/update_weights_from_tensor")

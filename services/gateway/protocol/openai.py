@@ -16,11 +16,13 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_val
 
 from services.gateway.protocol.parse import (
     InvalidRequest,
+    LogprobsModeName,
     check_batch_size,
     check_token_ids,
     check_top_k,
     is_token_ids,
     limits_of,
+    logprobs_mode,
 )
 from services.gateway.protocol.sampling import CONSTRAINTS, SamplingFields, unsupported
 
@@ -83,6 +85,7 @@ class OpenAIRequest(SamplingFields):
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
+    logprobs_mode: LogprobsModeName | None = None  # flatwire's (vLLM's names): of the logprobs returned
 
     @model_validator(mode="after")
     def _flat_flags(self) -> "OpenAIRequest":
@@ -170,7 +173,8 @@ class ChatCompletionRequest(OpenAIRequest):
     def logprob(self) -> LogprobParams:
         if not self.logprobs:
             return LogprobParams(logprob_start_len=-1)
-        return LogprobParams(return_logprob=True, top_logprobs_num=self.top_logprobs or 0, logprob_start_len=-1)
+        return LogprobParams(return_logprob=True, top_logprobs_num=self.top_logprobs or 0, logprob_start_len=-1,
+                             logprobs_mode=logprobs_mode(self.logprobs_mode))
 
 
 class CompletionRequest(OpenAIRequest):
@@ -223,4 +227,4 @@ class CompletionRequest(OpenAIRequest):
             return LogprobParams(logprob_start_len=-1)
         # echo returns the prompt's logprobs too, from its first position.
         return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
-                             logprob_start_len=0 if self.echo else -1)
+                             logprob_start_len=0 if self.echo else -1, logprobs_mode=logprobs_mode(self.logprobs_mode))

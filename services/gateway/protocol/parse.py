@@ -7,15 +7,18 @@ pydantic validation context.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import orjson
+from flatwire_wire.logprobs import LogprobsMode
 from pydantic import BaseModel, ValidationError, ValidationInfo
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 M = TypeVar("M", bound=BaseModel)
+# A request's `logprobs_mode` (vLLM's names; absent: the scheduler's --logprobs-mode).
+LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]
 
 # What the scheduler's messages can carry (protobuf int32 / float32): a larger value makes building the
 # message fail, so each client field bound to one is checked against these first.
@@ -154,3 +157,7 @@ def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
         param = _location(first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
         raise InvalidRequest(param, f"{param}: {message}" if param else message) from None
+
+
+def logprobs_mode(name: LogprobsModeName | None) -> LogprobsMode:
+    return LogprobsMode.UNSPECIFIED if name is None else LogprobsMode.named(name)

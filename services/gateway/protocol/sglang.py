@@ -5,7 +5,15 @@ from typing import Annotated
 from flatwire_wire.scheduler import LogprobParams
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, check_top_k, is_id_lists
+from services.gateway.protocol.parse import (
+    InvalidRequest,
+    LogprobsModeName,
+    check_batch_size,
+    check_token_ids,
+    check_top_k,
+    is_id_lists,
+    logprobs_mode,
+)
 from services.gateway.protocol.sampling import SamplingOptions, unsupported
 
 MAX_RID_LENGTH = 256
@@ -21,6 +29,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0)
     token_ids_logprob: list[int] | None = None
+    logprobs_mode: LogprobsModeName | None = None  # of the output logprobs (flatwire's; vLLM's names)
     return_text_in_logprobs: bool = False
     return_flat_raw_top_logprobs: bool = False  # prompt side as flat arrays instead of nested rows
     return_flat_raw_output_top_logprobs: bool = False  # output side likewise
@@ -29,6 +38,8 @@ class GenerateRequest(BaseModel):
     # The request's id (meta_info.id, /abort_request's rid): one per prompt of a batch; default: a fresh uuid.
     rid: str | list[str] | None = None
     n: Annotated[int | None, unsupported(None, 1)] = None  # SGLang's top-level n: one sample per prompt here
+    # MoE routing replay: the experts each token was routed to are not captured yet.
+    return_routed_experts: Annotated[bool | None, unsupported(None, False)] = None
 
     @field_validator("top_logprobs_num")
     @classmethod
@@ -146,4 +157,4 @@ class GenerateRequest(BaseModel):
             return LogprobParams(logprob_start_len=-1)
         return LogprobParams(
             return_logprob=True, top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
-            token_ids_logprob=self.token_ids_logprob or [])
+            token_ids_logprob=self.token_ids_logprob or [], logprobs_mode=logprobs_mode(self.logprobs_mode))

@@ -1,13 +1,14 @@
 """Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates,
-weight_version relabelling and flushing the prefix cache. They join the engine's inbox with new requests and
-aborts, so that the engine thread alone decides when each applies: always between two steps (engine.py says
-how)."""
+weight_version relabelling, flushing the prefix cache, releasing and resuming the model's memory. They join the
+engine's inbox with new requests and aborts, so that the engine thread alone decides when each applies: always
+between two steps (engine.py says how)."""
 
 import concurrent.futures
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flatwire_wire.control import ControlReply, PauseMode
+
+from services.scheduler.model.weights import StagedWeights
 
 ABORTING_PAUSES = (PauseMode.UNSPECIFIED, PauseMode.ABORT)
 
@@ -36,8 +37,7 @@ class AbortAll(Control):
 
 @dataclass(kw_only=True)
 class UpdateWeights(Control):
-    install: Callable[[], None]  # swaps the staged weights in (model/weights.py StagedWeights.install)
-    description: str
+    staged: StagedWeights  # checked and staged off the engine thread; the engine swaps them in
     abort_all_requests: bool
     weight_version: str | None  # None: the version stays
     aborted_requests: int = 0
@@ -46,6 +46,16 @@ class UpdateWeights(Control):
 @dataclass(kw_only=True)
 class FlushCache(Control):
     pass
+
+
+@dataclass(kw_only=True)
+class ReleaseMemory(Control):
+    tags: list[str]  # checked (MemoryOccupation.tags_of)
+
+
+@dataclass(kw_only=True)
+class ResumeMemory(Control):
+    tags: list[str]
 
 
 @dataclass(kw_only=True)

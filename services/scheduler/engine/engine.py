@@ -50,11 +50,15 @@ from services.scheduler.engine.control import (
     Control,
     FlushCache,
     Pause,
+    ReleaseMemory,
+    ResumeMemory,
     SetWeightVersion,
     UpdateWeights,
     stopped_reply,
 )
 from services.scheduler.engine.scheduler import Scheduler, SlotPool
+from services.scheduler.model.occupation import MemoryOccupation
+from services.scheduler.model.weights import WeightsRefused
 from services.scheduler.output.step_output import step_message
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import Batch, StepResult, StepRunner
@@ -66,6 +70,10 @@ DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for the weights the server start
 
 class QueueFull(Exception):
     """Submit past the waiting list's bound (--max-waiting-requests): RESOURCE_EXHAUSTED."""
+
+
+class MemoryReleased(Exception):
+    """Submit while the model's memory is released (or its weights await an update): FAILED_PRECONDITION."""
 
 
 @dataclass
@@ -83,8 +91,10 @@ class _Outgoing:
 
 class Engine:
     def __init__(self, runner: StepRunner, config: SchedulerConfig, publish: Callable[[StepMessage], None],
-                 wait_for_room: Callable[[], None] = lambda: None):
+                 wait_for_room: Callable[[], None] = lambda: None, occupation: MemoryOccupation | None = None):
+        """`occupation`: the model's memory, to release and resume (None: --engine synthetic has none)."""
         self.runner = runner
+        self.occupation = occupation
         self.config = config
         self.publish = publish
         self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
@@ -119,7 +129,10 @@ class Engine:
         self._thread.join()
 
     def submit(self, request: Request) -> bool:
-        """Queue a validated request; False when its rid is already live; QueueFull past the bound."""
+        """Queue a validated request; False when its rid is already live; QueueFull past the bound; MemoryReleased
+        while the model cannot run (one that slips in as its memory goes waits for its return)."""
+        if self.occupation is not None and (refusal := self.occupation.refusal) is not None:
+            raise MemoryReleased(refusal)
         with self._live_lock:
             if request.rid in self._live:
                 return False
@@ -181,8 +194,13 @@ class Engine:
             new, aborts, controls = self._drain_inbox(block=not self._has_work)
             if not self._stopping:
                 self._iterate(new, aborts, controls)
-                if self.scheduler.running and not self._paused:
+                if self.scheduler.running and self._stepping:
                     self.wait_for_room()
+
+    @property
+    def _stepping(self) -> bool:
+        """Steps run: generation is not paused, and the model's memory is in place (requests wait otherwise)."""
+        return not self._paused and (self.occupation is None or self.occupation.refusal is None)
 
     @property
     def _has_work(self) -> bool:
@@ -190,7 +208,7 @@ class Engine:
         running, waiting = self.scheduler.running, self.scheduler.waiting
         if self._held_updates and (self._paused or not running):
             return True
-        return not self._paused and bool(running or (waiting and not self._held_updates))
+        return self._stepping and bool(running or (waiting and not self._held_updates))
 
     def _iterate(self, new: list[Request], aborts: list[AbortRequest], controls: list[Control]) -> None:
         """Aborts, control commands, admission, one model step, finishes; then one StepMessage if anything
@@ -206,7 +224,7 @@ class Engine:
                 control.done.set_result(reply)
         self._apply_held_updates(out)
         # A held update waits for the running requests: none is admitted meanwhile.
-        batch = self.scheduler.schedule(admit=not self._held_updates) if not self._paused else Batch([])
+        batch = self.scheduler.schedule(admit=not self._held_updates) if self._stepping else Batch([])
         result, shipped_prompts = None, []
         if batch:
             try:
@@ -285,6 +303,8 @@ class Engine:
             case AbortAll():
                 return self._reply("Aborted every request.", aborted_requests=self._abort_all(out, "aborted: all"))
             case UpdateWeights():
+                if self.occupation is not None and "weights" in self.occupation.released:
+                    return self._refused("Weights not updated: they are released; resume_memory_occupation first.")
                 if control.abort_all_requests:
                     control.aborted_requests = self._abort_all(out, "aborted: weight update")
                 self._held_updates.append(control)
@@ -295,14 +315,33 @@ class Engine:
                 return self._reply(f"Weight version updated to {control.version}.", aborted_requests=aborted)
             case FlushCache():
                 if self.scheduler.requests:  # as SGLang: their KV may be cached yet
-                    return ControlReply(success=False, weight_version=self.weight_version, message=(
-                        f"Cache not flushed: {len(self.scheduler.requests)} requests are running or waiting."))
+                    return self._refused(
+                        f"Cache not flushed: {len(self.scheduler.requests)} requests are running or waiting.")
                 self.prefix_cache.flush()
                 return self._reply("Cache flushed.")
+            case ReleaseMemory(tags=tags):
+                if self.occupation is None:
+                    return self._refused("Memory not released: --engine synthetic holds no model memory.")
+                if self.scheduler.requests:  # their KV lives in the memory: pause (abort) or abort them first
+                    return self._refused(f"Memory not released: {len(self.scheduler.requests)} requests are "
+                                         "running or waiting; pause_generation or abort them first.")
+                if "kv_cache" in tags:
+                    self.prefix_cache.flush()  # its pages are about to hold nothing
+                return self._reply(self.occupation.release(tags))
+            case ResumeMemory(tags=tags):
+                if self.occupation is None:
+                    return self._refused("Nothing to resume: --engine synthetic holds no model memory.")
+                try:
+                    return self._reply(self.occupation.resume(tags))
+                except WeightsRefused as exc:  # the checkpoint the weights came from no longer reads
+                    return self._refused(f"Weights not resumed: {exc}")
         raise TypeError(f"unknown control command {control!r}")
 
     def _reply(self, message: str, **fields) -> ControlReply:
         return ControlReply(success=True, message=message, weight_version=self.weight_version, **fields)
+
+    def _refused(self, message: str) -> ControlReply:
+        return ControlReply(success=False, message=message, weight_version=self.weight_version)
 
     def _abort_all(self, out: _Outgoing, message: str) -> int:
         """End every running and waiting request with ABORT (and the output it has); how many."""
@@ -318,10 +357,12 @@ class Engine:
         self._ship(out)
         self.prefix_cache.flush()  # KV of the old weights serves no new request
         for update in self._held_updates:
-            update.install()
+            update.staged.install()
+            if self.occupation is not None:
+                self.occupation.updated(update.staged)
             if update.weight_version is not None:
                 self.weight_version = update.weight_version
-            log.info("weights updated: %s; weight_version %s", update.description, self.weight_version)
+            log.info("weights updated: %s; weight_version %s", update.staged.description, self.weight_version)
             update.done.set_result(self._reply(
                 "Succeeded to update model weights.", num_paused_requests=len(self.scheduler.running),
                 aborted_requests=update.aborted_requests))

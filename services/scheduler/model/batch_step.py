@@ -12,7 +12,14 @@ from services.scheduler.model.host_copy import copy_to_host
 from services.scheduler.request import Request
 from services.scheduler.sampling.grammar import ConstrainedRow, TokenMask, accept_tokens
 from services.scheduler.sampling.logit_adjust import AdjustedRow, SlotPenalties, adjust_logits
-from services.scheduler.sampling.sampler import SamplingBatch, chunked_logprob_rows, logprob_rows, sample
+from services.scheduler.sampling.sampler import (
+    Draw,
+    SamplingBatch,
+    chunked_logprob_rows,
+    logprob_rows,
+    processed_rows,
+    sample,
+)
 from services.scheduler.step import Batch, BatchRow, StepResult
 
 
@@ -67,11 +74,14 @@ def run_step(runner: Model, batch: Batch, chunk_rows: int) -> StepResult:
             top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
             min_p=[r.min_p for _, r in sampled], generators=[r.generator(runner.device) for _, r in sampled])
         constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
-        next_ids = _sample_adjusted(logits, requests, params, runner.penalties, runner.token_mask, constrained)
+        draw, adjusted = _sample_adjusted(logits, requests, params, runner.penalties, runner.token_mask, constrained)
+        next_ids = draw.tokens
         output = None
         if any(r.return_logprob for r in requests):
+            processed = [i for i, r in enumerate(requests) if r.processed_logprobs]
             output = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in requests),
-                                  _padded_ids(requests, runner.device))
+                                  _padded_ids(requests, runner.device),
+                                  processed_rows(draw, params, adjusted, processed) if processed else None)
         prompt = _prompt_logprobs(runner, hidden, rows, first, chunk_rows)
         host_ids, host_output, host_prompt = copy_to_host(next_ids, output, prompt)
         accept_tokens(constrained, host_ids)
@@ -79,9 +89,10 @@ def run_step(runner: Model, batch: Batch, chunk_rows: int) -> StepResult:
 
 
 def _sample_adjusted(logits: torch.Tensor, requests: list[Request], params: SamplingBatch, penalties: SlotPenalties,
-                     mask: TokenMask, constrained: list[ConstrainedRow]) -> torch.Tensor:
+                     mask: TokenMask, constrained: list[ConstrainedRow]) -> tuple[Draw, torch.Tensor]:
     """Next tokens sampled from the logits as each request adjusts them (logit_adjust.py), then as the
-    `constrained` rows' grammars allow (grammar.py); logprobs are taken from the unadjusted `logits`."""
+    `constrained` rows' grammars allow (grammar.py), and the logits so adjusted; raw logprobs are taken from
+    the unadjusted `logits`."""
     for request in requests:
         if not request.sampling_ready:  # it took its slot since it last sampled: the slot's penalties are not its
             if request.adjustment is not None and request.adjustment.counts_tokens:
@@ -92,13 +103,13 @@ def _sample_adjusted(logits: torch.Tensor, requests: list[Request], params: Samp
     to_sample = adjust_logits(logits, adjusted, penalties)
     if constrained:  # masked in place: on a copy of `logits` unless the adjustments made one
         to_sample = mask.apply(to_sample if adjusted else logits.clone(), constrained)
-    next_ids = sample(to_sample, params)
+    draw = sample(to_sample, params)
     counted = [a for a in adjusted if a.adjustment.counts_tokens]
     if counted:
         device = logits.device
         penalties.add(torch.tensor([a.slot for a in counted], device=device),
-                      next_ids[torch.tensor([a.row for a in counted], device=device)])
-    return next_ids
+                      draw.tokens[torch.tensor([a.row for a in counted], device=device)])
+    return draw, to_sample
 
 
 def _prompt_logprobs(runner: Model, hidden: torch.Tensor, rows: list[BatchRow], first: np.ndarray,

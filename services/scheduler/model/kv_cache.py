@@ -20,11 +20,22 @@ DEFAULT_CPU_TOKENS = 131072  # the KV memory of the former 32 slots x 4096 token
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.num_pages = num_pages
         self.page_size = page_size
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._layout = (num_layers, (num_pages, page_size, num_kv_heads, head_dim), dtype, device)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.resume()
+
+    def resume(self) -> None:
+        """(Re)allocate every layer's tensors, zero-filled."""
+        layers, shape, dtype, device = self._layout
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+    def release(self) -> None:
+        """Free every layer's tensors (memory release: no request holds a page)."""
+        self.keys, self.values = [], []
 
     @property
     def bytes(self) -> int:

@@ -1,7 +1,8 @@
 """Weight updates in place: read a checkpoint, check it against the served model, stage it, swap it in.
 
-A checkpoint is a local Hugging Face directory (UpdateWeightsFromDisk) or the bytes of one
-safetensors file (PushWeights, any subset of the model's tensors). Everything that can fail
+A checkpoint is a local Hugging Face directory (UpdateWeightsFromDisk), the bytes of one
+safetensors file (PushWeights, any subset of the model's tensors) or tensors a trainer broadcasts
+(UpdateWeightsFromDistributed, weight_sync.py). Everything that can fail
 happens before the swap, off the engine thread: the config (architecture and sizes), the
 vocabulary files and every tensor's name, shape and kind are checked against the served model,
 and each tensor is copied into a new one of its parameter's dtype, device and layout. The engine
@@ -44,6 +45,8 @@ class StagedWeights:
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (served parameter or buffer, its replacement)
     description: str  # what was read, for the reply
+    complete: bool = False  # it replaces every tensor of the model
+    source: Path | None = None  # the checkpoint directory it was read from (None: pushed or broadcast)
 
     def install(self) -> None:
         """Engine thread, between steps: point every parameter at its new tensor (no copy)."""
@@ -99,7 +102,7 @@ class ServedWeights:
 
     def __init__(self, model: torch.nn.Module, model_dir: Path, eos_token_ids: list[int]):
         self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-        self._model_dir = model_dir
+        self.model_dir = model_dir
         self._config = _config_of(model_dir)
         self._eos_token_ids = eos_token_ids
         # A tensor under several names (tied embeddings: lm_head.weight is model.embed_tokens.weight) is
@@ -137,7 +140,7 @@ class ServedWeights:
                     tensors.update((name, reader.get_tensor(name)) for name in reader.keys())
         except (OSError, SafetensorError) as exc:
             raise WeightsRefused(f"{path}: its safetensors do not read: {exc}") from None
-        return self._stage(tensors, f"{len(tensors)} tensors from {path}")
+        return self._stage(tensors, f"{len(tensors)} tensors from {path}", source=path)
 
     def read_safetensors(self, data: bytes) -> StagedWeights:
         """One safetensors file's bytes: any subset of the model's tensors, checked and staged."""
@@ -150,6 +153,20 @@ class ServedWeights:
         self._check_tensors({name: (list(t.shape), t.is_floating_point()) for name, t in tensors.items()},
                             complete=False)
         return self._stage(tensors, f"{len(tensors)} pushed tensors ({len(data)} bytes)")
+
+    def receive_buffer(self, name: str, dtype: torch.dtype, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Room for a broadcast tensor: its served parameter's twin when the dtype and shape are the served ones
+        (staged as it is, without a copy), else a tensor of what was declared (checked and cast when staged)."""
+        served = self._tensors.get(name)
+        if served is not None and served.dtype == dtype and served.shape == shape and served.device == device:
+            return torch.empty_like(served, requires_grad=False, memory_format=torch.contiguous_format)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def stage_received(self, tensors: dict[str, torch.Tensor], description: str) -> StagedWeights:
+        """Received tensors (any subset of the model's), checked and staged."""
+        self._check_tensors({name: (list(t.shape), t.is_floating_point()) for name, t in tensors.items()},
+                            complete=False)
+        return self._stage(tensors, description, received=True)
 
     # -- checks ------------------------------------------------------------------------------------------
 
@@ -168,7 +185,7 @@ class ServedWeights:
 
     def _check_vocabulary(self, path: Path) -> None:
         for name in VOCABULARY_FILES:
-            new, served = path / name, self._model_dir / name
+            new, served = path / name, self.model_dir / name
             if not new.is_file():
                 continue
             if not served.is_file() or not _same_vocabulary_file(served, new):
@@ -194,10 +211,25 @@ class ServedWeights:
         if complete and missing:
             raise WeightsRefused(f"the checkpoint lacks tensors of the served model: {_listed(missing)}")
 
-    def _stage(self, tensors: dict[str, torch.Tensor], description: str) -> StagedWeights:
+    def unique_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the model once (a tied one has several names)."""
+        return [self._tensors[names[0]] for names in self._names_per_tensor]
+
+    def _stage(self, tensors: dict[str, torch.Tensor], description: str, received: bool = False,
+               source: Path | None = None) -> StagedWeights:
+        """Each tensor as a new one of its parameter's dtype, device and layout; a `received` one (receive_buffer's,
+        owned by nobody else) that already is one is taken as it is."""
         pairs = []
         with torch.no_grad():
             for name, tensor in tensors.items():
                 served = self._tensors[name]
-                pairs.append((served, torch.empty_like(served, requires_grad=False).copy_(tensor)))
-        return StagedWeights(pairs, description)
+                if not (received and _same_layout(tensor, served)):
+                    tensor = torch.empty_like(served, requires_grad=False).copy_(tensor)
+                pairs.append((served, tensor))
+        complete = all(any(name in tensors for name in names) for names in self._names_per_tensor)
+        return StagedWeights(pairs, description, complete, source)
+
+
+def _same_layout(tensor: torch.Tensor, served: torch.Tensor) -> bool:
+    return (tensor.dtype == served.dtype and tensor.device == served.device and tensor.shape == served.shape
+            and tensor.stride() == served.stride())

@@ -1,7 +1,9 @@
 """Logprobs and sampling for a step's rows, all on the model's device.
 
 Logprobs are float32 log-softmax of the raw logits: the model's distribution before
-temperature, top-p, top-k or min-p (vLLM's default, `raw_logprobs`).
+temperature, top-p, top-k or min-p (vLLM's default, `raw_logprobs`); a request in
+`processed_logprobs` mode gets those of the distribution its token was drawn from
+(ProcessedRows): what RL trainers need for the importance ratio.
 
 Sampling draws argmax(p / E) with E ~ Exp(1) per vocabulary entry (the exponential
 race, equivalent to sampling from p; vLLM's sampler does the same). A seeded request
@@ -37,11 +39,19 @@ def _put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+@dataclass
+class Draw:
+    """A step's sampled tokens, and the distribution the sampled rows drew them from."""
+
+    tokens: torch.Tensor  # [B] next token per row
+    probs: torch.Tensor | None  # [len(params.rows), V] the sampled rows' filtered probabilities, not normalized
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> Draw:
     """Next token per row of float32 logits [B, V]; rows not in params.rows are greedy."""
     tokens = logits.argmax(dim=-1)
     if not params.rows:
-        return tokens
+        return Draw(tokens, None)
     rows = _put(params.rows, torch.long, logits.device)
     temperature = _put(params.temperature, torch.float32, logits.device)
     probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
@@ -51,7 +61,33 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
         floor = _put(params.min_p, torch.float32, probs.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     tokens[rows] = (probs / _exponential_noise(params.generators, probs)).argmax(dim=-1)
-    return tokens
+    return Draw(tokens, probs)
+
+
+@dataclass
+class ProcessedRows:
+    """The rows whose output logprobs are of the distribution they were sampled from (LogprobsMode.PROCESSED)."""
+
+    rows: list[int]  # of the step's sampling rows
+    logprobs: torch.Tensor  # [len(rows), V]
+    ranking: torch.Tensor  # [len(rows), V] their adjusted logits: orders the top-k, the undrawable ones too
+
+
+def processed_rows(draw: Draw, params: SamplingBatch, adjusted: torch.Tensor, rows: list[int]) -> ProcessedRows:
+    """`rows`' ProcessedRows, of the logits [B, V] they were `adjusted` to and drawn from: a sampled row's
+    filtered probabilities renormalized (-inf where the sampler could not draw), a greedy row's all on its
+    token (the temperature-0 limit)."""
+    device = adjusted.device
+    at = _put(rows, torch.long, device)
+    logprobs = torch.full((len(rows), adjusted.shape[1]), -torch.inf, device=device)
+    logprobs.scatter_(1, draw.tokens[at].unsqueeze(1), 0.0)
+    sampled_at = {row: i for i, row in enumerate(params.rows)}
+    pairs = [(j, sampled_at[row]) for j, row in enumerate(rows) if row in sampled_at]
+    if pairs:
+        assert draw.probs is not None  # params.rows were sampled
+        probs = draw.probs[_put([i for _, i in pairs], torch.long, device)]
+        logprobs[_put([j for j, _ in pairs], torch.long, device)] = probs.div_(probs.sum(-1, keepdim=True)).log_()
+    return ProcessedRows(rows, logprobs, adjusted[at])
 
 
 def _exponential_noise(generators: list[torch.Generator | None], like: torch.Tensor) -> torch.Tensor:
@@ -97,11 +133,24 @@ def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return probs.masked_fill(probs < _threshold(rows, ordered.gather(1, kept - 1), probs), 0.0)
 
 
-def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor
-                 ) -> LogprobRows[torch.Tensor]:
-    """Logprob of `tokens` [R], top-k, and logprobs of `ids` [R, n] under float32 logits [R, V]."""
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor,
+                 processed: ProcessedRows | None = None) -> LogprobRows[torch.Tensor]:
+    """Logprob of `tokens` [R], top-k, and logprobs of `ids` [R, n] under float32 logits [R, V], or for the
+    `processed` rows under the distribution they were sampled from."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.new_empty(len(tokens), 0))
+    if processed is None:
+        values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.new_empty(len(tokens), 0))
+    else:
+        at = _put(processed.rows, torch.long, logits.device)
+        logprobs[at] = processed.logprobs
+        top_ids = tokens.new_empty(len(tokens), k)
+        if k:
+            top_ids[at] = processed.ranking.topk(k, dim=-1).indices
+            raw = sorted(set(range(len(tokens))) - set(processed.rows))
+            if raw:
+                raw_at = _put(raw, torch.long, logits.device)
+                top_ids[raw_at] = logprobs[raw_at].topk(k, dim=-1).indices
+        values = logprobs.gather(1, top_ids)
     return LogprobRows(
         token_logprobs=logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1),
         topk_values=values,

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
-from google.protobuf.message_factory import GetMessageClass
 
 T = TypeVar("T")
 _SCALARS = (int, float, str, bool, bytes)
@@ -71,8 +70,9 @@ def _value_codec(kind: Any, where: str,
         return decode_enum, int
     if isinstance(kind, type) and dataclasses.is_dataclass(kind) and hasattr(kind, "_wire_fields"):
         assert message is not None, f"{where}: a twin for a field that is not a message"
-        proto = GetMessageClass(message)  # a twin of several messages is encoded as this field's
-        return (lambda value, kind=kind: from_proto(kind, value)), (lambda value: to_proto(value, proto))
+        # As the fields' values: the parent's constructor builds the message of its own field, so that a twin
+        # of several messages nests in each of its parents' protos.
+        return (lambda value, kind=kind: from_proto(kind, value)), _field_values
     if kind in _SCALARS:
         return (lambda value: value), (lambda value: value)
     raise TypeError(f"{where}: no wire conversion for {kind!r}")
@@ -136,15 +136,19 @@ def from_proto(cls: type[T], message: Message) -> T:
     return cls(**{f.name: f.decode(message) for f in cls._wire_fields})  # type: ignore[attr-defined]
 
 
-def to_proto(value: Any, proto: type[Message] | None = None) -> Any:
-    """The protobuf message of a twin; `proto` chooses among several it twins (default: the first declared)."""
-    proto = proto or type(value)._wire_proto
+def _field_values(value: Any) -> dict[str, Any]:
+    """A twin's set fields, encoded: what its message's constructor takes."""
     kwargs = {}
     for f in type(value)._wire_fields:
         encoded = f.encode(getattr(value, f.name))
         if encoded is not None:
             kwargs[f.name] = encoded
-    return proto(**kwargs)
+    return kwargs
+
+
+def to_proto(value: Any, proto: type[Message] | None = None) -> Any:
+    """The protobuf message of a twin; `proto` chooses among several it twins (default: the first declared)."""
+    return (proto or type(value)._wire_proto)(**_field_values(value))
 
 
 def decoder(cls: type[T], proto: type[Message]) -> Callable[[bytes], T]:

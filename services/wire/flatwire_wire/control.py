@@ -4,7 +4,7 @@ without fields. Public and internal messages have the same fields today, so one 
 fails the day they differ."""
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flatwire_wire.codec import twin
 from flatwire_wire.pb import generate_pb2, scheduler_pb2
@@ -68,6 +68,65 @@ class AbortAllRequest:
 class UpdateWeightVersionRequest:
     new_version: str
     abort_all_requests: bool | None = None  # None: true (SGLang's default)
+
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's tags of the memory a scheduler releases
+
+
+@twin(scheduler_pb2.InitWeightsUpdateGroupRequest, generate_pb2.InitWeightsUpdateGroupRequest)
+@dataclass
+class InitWeightsUpdateGroupRequest:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = ""  # "": DEFAULT_GROUP
+    backend: str = ""  # nccl or gloo; "": nccl on CUDA, gloo on CPU
+
+
+@twin(scheduler_pb2.TensorShape, generate_pb2.TensorShape)
+@dataclass
+class TensorShape:
+    dims: list[int] = field(default_factory=list)
+
+
+@twin(scheduler_pb2.UpdateWeightsFromDistributedRequest, generate_pb2.UpdateWeightsFromDistributedRequest)
+@dataclass
+class UpdateWeightsFromDistributedRequest:
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)  # torch's names: bfloat16, float32, ...
+    shapes: list[TensorShape] = field(default_factory=list)
+    group_name: str = ""
+    load_format: str = ""  # "" (a broadcast per tensor) or "flattened_bucket" (one of them all)
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@twin(scheduler_pb2.DestroyWeightsUpdateGroupRequest, generate_pb2.DestroyWeightsUpdateGroupRequest)
+@dataclass
+class DestroyWeightsUpdateGroupRequest:
+    group_name: str = ""
+
+
+@twin(scheduler_pb2.ReleaseMemoryOccupationRequest, generate_pb2.ReleaseMemoryOccupationRequest)
+@dataclass
+class ReleaseMemoryOccupationRequest:
+    tags: list[str] = field(default_factory=list)  # of MEMORY_TAGS; none: all
+
+
+@twin(scheduler_pb2.ResumeMemoryOccupationRequest, generate_pb2.ResumeMemoryOccupationRequest)
+@dataclass
+class ResumeMemoryOccupationRequest:
+    tags: list[str] = field(default_factory=list)
+
+
+# The control calls RL trainers make beyond SGLang's core set: method -> request twin (replies: ControlReply).
+RL_CONTROL = {"InitWeightsUpdateGroup": InitWeightsUpdateGroupRequest,
+              "UpdateWeightsFromDistributed": UpdateWeightsFromDistributedRequest,
+              "DestroyWeightsUpdateGroup": DestroyWeightsUpdateGroupRequest,
+              "ReleaseMemoryOccupation": ReleaseMemoryOccupationRequest,
+              "ResumeMemoryOccupation": ResumeMemoryOccupationRequest}
 
 
 @twin(scheduler_pb2.ControlReply, generate_pb2.ReplicaReply)

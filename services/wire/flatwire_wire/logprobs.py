@@ -2,7 +2,8 @@
 
 A logprob *row* is what one token position carries: the logprob of the token there, the top-k (values
 best first, and their ids) and the logprobs of the ids the request asked for. Logprobs are float32
-log-softmax of the model's raw distribution; -inf is a valid value. Rows travel as:
+log-probabilities of the distribution LogprobsMode names (the raw model's by default); -inf is a valid value.
+Rows travel as:
 
 - LogprobRows: rows of one width (k, m) as arrays of any array library: on the scheduler's device
   (torch tensors: what the sampler computes for a whole batch) or on the host (numpy: a request's rows,
@@ -14,6 +15,7 @@ log-softmax of the model's raw distribution; -inf is a valid value. Rows travel 
   gateway accumulates and renders, and what the client returns.
 """
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -26,6 +28,30 @@ from flatwire_wire.pb import arrays_pb2
 F32 = np.dtype("<f4")
 I32 = np.dtype("<i4")
 A = TypeVar("A")  # an array type: numpy.ndarray on the host, torch.Tensor on a device
+
+
+class LogprobsMode(enum.IntEnum):
+    """Which distribution output logprobs are of (arrays.proto); JSON names them as vLLM does."""
+
+    UNSPECIFIED = arrays_pb2.LOGPROBS_MODE_UNSPECIFIED  # the scheduler's --logprobs-mode
+    RAW = arrays_pb2.LOGPROBS_MODE_RAW  # the model's logits
+    PROCESSED = arrays_pb2.LOGPROBS_MODE_PROCESSED  # what the sampler drew from (after every transform)
+
+    @property
+    def api_name(self) -> str:
+        return _MODE_NAMES[self]
+
+    @classmethod
+    def named(cls, name: str) -> "LogprobsMode":
+        """The mode JSON calls `name` (raw_logprobs, processed_logprobs); ValueError for any other."""
+        for mode, mode_name in _MODE_NAMES.items():
+            if name == mode_name and mode is not cls.UNSPECIFIED:
+                return mode
+        raise ValueError(f"unknown logprobs mode {name!r}: expected raw_logprobs or processed_logprobs")
+
+
+_MODE_NAMES = {LogprobsMode.UNSPECIFIED: "", LogprobsMode.RAW: "raw_logprobs",
+               LogprobsMode.PROCESSED: "processed_logprobs"}
 
 
 @dataclass

@@ -8,6 +8,7 @@ import numpy as np
 
 from flatwire_wire.codec import twin
 from flatwire_wire.control import (
+    RL_CONTROL,
     AbortAllRequest,
     ContinueGenerationRequest,
     ControlReply,
@@ -17,7 +18,7 @@ from flatwire_wire.control import (
     UpdateWeightVersionRequest,
     WeightsChunk,
 )
-from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs, decode_block, write_block
+from flatwire_wire.logprobs import I32, LogprobBlock, LogprobsMode, RequestLogprobs, decode_block, write_block
 from flatwire_wire.pb import arrays_pb2, generate_pb2
 from flatwire_wire.rpc import ServiceSpec, messages_of
 from flatwire_wire.steps import FinishReason
@@ -60,6 +61,7 @@ class GenerateRequest:
     skip_special_tokens: bool | None = None  # None: true
     no_stop_trim: bool = False
     stream: bool = False
+    logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # of the output logprobs; UNSPECIFIED: the server's
 
 
 @twin(generate_pb2.WeightVersionSpan)
@@ -187,5 +189,6 @@ GENERATION = ServiceSpec(
            "ContinueGeneration": (ContinueGenerationRequest, ControlResponse),
            "AbortAll": (AbortAllRequest, ControlResponse),
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlResponse),
-           "FlushCache": (Empty, ControlResponse)},
+           "FlushCache": (Empty, ControlResponse),
+           **{rpc: (request, ControlResponse) for rpc, request in RL_CONTROL.items()}},
     response_protos={"Generate": generate_pb2.GenerateResponsePacked})

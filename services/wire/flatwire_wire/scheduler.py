@@ -10,15 +10,22 @@ import grpc
 from flatwire_wire.codec import twin
 from flatwire_wire.control import (
     EMPTY,
+    RL_CONTROL,
     AbortAllRequest,
     ContinueGenerationRequest,
     ControlReply,
+    DestroyWeightsUpdateGroupRequest,
     Empty,
+    InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
+    ReleaseMemoryOccupationRequest,
+    ResumeMemoryOccupationRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
     WeightsChunk,
 )
+from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.pb import arrays_pb2, scheduler_pb2
 from flatwire_wire.rpc import ServiceSpec, messages_of
 from flatwire_wire.steps import DetokenizeParams, FinishReason, StepMessage
@@ -59,6 +66,7 @@ class LogprobParams:
     top_logprobs_num: int = 0
     logprob_start_len: int = 0  # first prompt position with logprobs; -1: none (0, the proto's default: all)
     token_ids_logprob: list[int] = field(default_factory=list)
+    logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # UNSPECIFIED: the scheduler's --logprobs-mode
 
 
 @twin(scheduler_pb2.TokenizedRequest)
@@ -99,6 +107,7 @@ class ModelInfo:
     max_total_tokens: int = 0  # the KV memory, in tokens
     page_size: int = 0
     prefix_cache: bool = False  # whether it keeps one (not --disable-radix-cache)
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW  # a request's that names none (--logprobs-mode)
 
 
 @twin(scheduler_pb2.SchedulerStats)
@@ -128,7 +137,8 @@ SCHEDULER = ServiceSpec(
            "ContinueGeneration": (ContinueGenerationRequest, ControlReply),
            "AbortAll": (AbortAllRequest, ControlReply),
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
-           "FlushCache": (Empty, ControlReply)})
+           "FlushCache": (Empty, ControlReply),
+           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()}})
 
 
 class SchedulerServicer(Protocol):
@@ -146,6 +156,14 @@ class SchedulerServicer(Protocol):
     async def abort_all(self, request: AbortAllRequest, context: Any) -> ControlReply: ...
     async def update_weight_version(self, request: UpdateWeightVersionRequest, context: Any) -> ControlReply: ...
     async def flush_cache(self, request: Empty, context: Any) -> ControlReply: ...
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context: Any) -> ControlReply: ...
+    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, context: Any
+                                             ) -> ControlReply: ...
+    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest, context: Any
+                                          ) -> ControlReply: ...
+    async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context: Any
+                                       ) -> ControlReply: ...
+    async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context: Any) -> ControlReply: ...
 
 
 class SchedulerClient:
@@ -190,3 +208,18 @@ class SchedulerClient:
 
     async def flush_cache(self) -> ControlReply:
         return await self._calls["FlushCache"](EMPTY)
+
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> ControlReply:
+        return await self._calls["InitWeightsUpdateGroup"](request)
+
+    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> ControlReply:
+        return await self._calls["UpdateWeightsFromDistributed"](request)
+
+    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> ControlReply:
+        return await self._calls["DestroyWeightsUpdateGroup"](request)
+
+    async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest) -> ControlReply:
+        return await self._calls["ReleaseMemoryOccupation"](request)
+
+    async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest) -> ControlReply:
+        return await self._calls["ResumeMemoryOccupation"](request)

@@ -98,6 +98,31 @@ class SchedulerStub:
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
                 _registered_method=True)
+        self.InitWeightsUpdateGroup = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/InitWeightsUpdateGroup',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDistributed = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/UpdateWeightsFromDistributed',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.DestroyWeightsUpdateGroup = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/DestroyWeightsUpdateGroup',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.ReleaseMemoryOccupation = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/ReleaseMemoryOccupation',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ReleaseMemoryOccupationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.ResumeMemoryOccupation = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/ResumeMemoryOccupation',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -186,6 +211,38 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsUpdateGroup(self, request, context):
+        """Weights broadcast by the trainer over a torch.distributed group (SGLang's calls).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDistributed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsUpdateGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseMemoryOccupation(self, request, context):
+        """Free and take back the device memory of the weights and the KV cache (colocated trainers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemoryOccupation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +304,31 @@ def add_SchedulerServicer_to_server(servicer, server):
             'FlushCache': grpc.unary_unary_rpc_method_handler(
                     servicer.FlushCache,
                     request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.FlushCacheRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'InitWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsUpdateGroup,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.InitWeightsUpdateGroupRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'UpdateWeightsFromDistributed': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDistributed,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDistributedRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'DestroyWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsUpdateGroup,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.DestroyWeightsUpdateGroupRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'ReleaseMemoryOccupation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemoryOccupation,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ReleaseMemoryOccupationRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'ResumeMemoryOccupation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemoryOccupation,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.FromString,
                     response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
             ),
     }
@@ -577,6 +659,141 @@ class Scheduler:
             target,
             '/flatwire.internal.v1.Scheduler/FlushCache',
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.FlushCacheRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/InitWeightsUpdateGroup',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDistributed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/UpdateWeightsFromDistributed',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/DestroyWeightsUpdateGroup',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemoryOccupation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/ReleaseMemoryOccupation',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ReleaseMemoryOccupationRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemoryOccupation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/ResumeMemoryOccupation',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.SerializeToString,
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,112 @@
+"""Giving the model's memory back to a trainer colocated with the engine, and taking it again: SGLang's
+release_memory_occupation / resume_memory_occupation (vLLM's sleep / wake_up), with its tags `weights` and
+`kv_cache`.
+
+Released KV memory is freed (its pages held nothing: release needs an idle engine) and reallocated on resume.
+Released weights are copied to the host when the model is on CUDA and copied back on resume. On CPU there is
+no lower tier: they are dropped, and resume reads them again from the checkpoint they came from; weights that
+came from a push or a broadcast are not on disk, so resume leaves zeros and the engine refuses requests until
+an update brings every tensor (RL trainers resume, then update, as SGLang expects).
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+from flatwire_wire.control import MEMORY_TAGS
+
+from services.common.memory import trim_now
+from services.scheduler.model.kv_cache import KVPool
+from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
+
+log = logging.getLogger(__name__)
+
+
+class MemoryOccupation:
+    """What of the model's memory is released now; engine thread only."""
+
+    def __init__(self, kv: KVPool, weights: ServedWeights, device: torch.device, model_dir: Path):
+        self.kv = kv
+        self.weights = weights
+        self.device = device
+        self.released: set[str] = set()
+        self.awaiting_update = False  # resumed weights are zeros until an update brings them all
+        self.source: Path | None = model_dir  # the checkpoint on disk that holds the served weights, if one does
+        self._host_copies: list[torch.Tensor] = []
+        self._shapes: list[tuple[torch.Size, torch.dtype]] = []
+
+    @staticmethod
+    def tags_of(tags: list[str]) -> list[str]:
+        """The tags asked for (none: all), checked; WeightsRefused names an unknown one."""
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise WeightsRefused(f"tags: {unknown[0]!r} is not one of {', '.join(MEMORY_TAGS)}")
+        return [tag for tag in MEMORY_TAGS if tag in tags] if tags else list(MEMORY_TAGS)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why a new request cannot run now, or None."""
+        if self.released:
+            return (f"the scheduler's memory is released ({', '.join(sorted(self.released))}): "
+                    "resume_memory_occupation first")
+        if self.awaiting_update:
+            return ("the weights were released and resumed as zeros (they came from a push or a broadcast, not "
+                    "a checkpoint on disk): update every tensor (update_weights_*) before generating")
+        return None
+
+    def release(self, tags: list[str]) -> str:
+        done = []
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            self.kv.release()
+            done.append("kv_cache")
+        if "weights" in tags and "weights" not in self.released:
+            self._release_weights()
+            done.append("weights")
+        self.released.update(done)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            trim_now()  # glibc keeps freed heap pages otherwise
+        return f"released {', '.join(done)}" if done else "nothing to release: already released"
+
+    def resume(self, tags: list[str]) -> str:
+        done = []
+        if "weights" in tags and "weights" in self.released:
+            done.append(f"weights ({self._resume_weights()})")
+            self.released.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            self.kv.resume()
+            done.append("kv_cache")
+            self.released.discard("kv_cache")
+        return f"resumed {', '.join(done)}" if done else "nothing to resume: not released"
+
+    def updated(self, staged: StagedWeights) -> None:
+        """`staged` was swapped in."""
+        self.source = staged.source  # a push or a broadcast (even of every tensor) is on no disk
+        if staged.complete:
+            self.awaiting_update = False
+
+    def _release_weights(self) -> None:
+        tensors = self.weights.unique_tensors()
+        with torch.no_grad():
+            if self.device.type == "cuda":
+                self._host_copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
+            self._shapes = [(tensor.shape, tensor.dtype) for tensor in tensors]
+            for tensor in tensors:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+
+    def _resume_weights(self) -> str:
+        tensors = self.weights.unique_tensors()
+        with torch.no_grad():
+            if self._host_copies:
+                for tensor, host in zip(tensors, self._host_copies):
+                    tensor.data = host.to(self.device)
+                self._host_copies = []
+                return "from their host copy"
+            for tensor, (shape, dtype) in zip(tensors, self._shapes):
+                tensor.data = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.source is not None:
+            self.weights.read_checkpoint(str(self.source), "").install()
+            return f"read again from {self.source}"
+        self.awaiting_update = True
+        return "zeros until the next update: they came from a push or a broadcast"
