@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.scheduler.sampling.sampler import SamplingBatch, logprob_rows, processed_rows, sample
+from services.scheduler.sampling.sampler import ProcessedRows, SamplingBatch, logprob_rows, sample
 
 PROBS = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
 DRAWS = 40_000
@@ -85,7 +85,7 @@ def test_processed_logprobs_match_a_numpy_reference():
     draw = sample(logits, params)
     processed = list(range(len(PROCESSED_ROWS)))  # the last row stays raw
     ids = torch.tensor([[3, 7, 11]] * len(logits))
-    rows = logprob_rows(logits, draw.tokens, k, ids, processed_rows(draw, params, logits, processed))
+    rows = logprob_rows(logits, draw.tokens, k, ids, ProcessedRows(processed, draw, params, logits))
     for i, row_params in enumerate(PROCESSED_ROWS):
         want = reference_processed(logits[i].double().numpy(), *row_params)
         token = int(draw.tokens[i])
@@ -97,6 +97,9 @@ def test_processed_logprobs_match_a_numpy_reference():
         np.testing.assert_array_equal(np.isfinite(want[rows.topk_ids[i].numpy()]), finite)
         # The undrawable candidates still come in the model's order, after the drawable ones.
         assert (np.diff(logits[i][rows.topk_ids[i]].numpy()) <= 0).all()
+    every = logprob_rows(logits, draw.tokens, k, ids, ProcessedRows(list(range(len(logits))), draw, params, logits))
+    for mixed, alone in zip(rows.arrays, every.arrays):  # a batch of processed rows only takes its own path
+        torch.testing.assert_close(mixed[:-1], alone[:-1])
     raw = torch.log_softmax(logits[-1], dim=-1)
     assert rows.token_logprobs[-1] == pytest.approx(float(raw[draw.tokens[-1]]))
     np.testing.assert_allclose(rows.topk_values[-1].numpy(), raw.topk(k).values.numpy(), atol=1e-6)

@@ -14,10 +14,10 @@ from services.scheduler.sampling.grammar import ConstrainedRow, TokenMask, accep
 from services.scheduler.sampling.logit_adjust import AdjustedRow, SlotPenalties, adjust_logits
 from services.scheduler.sampling.sampler import (
     Draw,
+    ProcessedRows,
     SamplingBatch,
     chunked_logprob_rows,
     logprob_rows,
-    processed_rows,
     sample,
 )
 from services.scheduler.step import Batch, BatchRow, StepResult
@@ -81,7 +81,7 @@ def run_step(runner: Model, batch: Batch, chunk_rows: int) -> StepResult:
             processed = [i for i, r in enumerate(requests) if r.processed_logprobs]
             output = logprob_rows(logits, next_ids, max(r.top_logprobs_num for r in requests),
                                   _padded_ids(requests, runner.device),
-                                  processed_rows(draw, params, adjusted, processed) if processed else None)
+                                  ProcessedRows(processed, draw, params, adjusted) if processed else None)
         prompt = _prompt_logprobs(runner, hidden, rows, first, chunk_rows)
         host_ids, host_output, host_prompt = copy_to_host(next_ids, output, prompt)
         accept_tokens(constrained, host_ids)

@@ -66,28 +66,31 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> Draw:
 
 @dataclass
 class ProcessedRows:
-    """The rows whose output logprobs are of the distribution they were sampled from (LogprobsMode.PROCESSED)."""
+    """The rows whose output logprobs are of the distribution they were sampled from (LogprobsMode.PROCESSED):
+    a sampled row's filtered probabilities renormalized (-inf where the sampler could not draw), a greedy row's
+    all on its token (the temperature-0 limit). Only the columns returned are ever computed."""
 
     rows: list[int]  # of the step's sampling rows
-    logprobs: torch.Tensor  # [len(rows), V]
-    ranking: torch.Tensor  # [len(rows), V] their adjusted logits: orders the top-k, the undrawable ones too
+    draw: Draw
+    params: SamplingBatch
+    adjusted: torch.Tensor  # [B, V] the logits drawn from: they order the top-k, the undrawable ones too
 
-
-def processed_rows(draw: Draw, params: SamplingBatch, adjusted: torch.Tensor, rows: list[int]) -> ProcessedRows:
-    """`rows`' ProcessedRows, of the logits [B, V] they were `adjusted` to and drawn from: a sampled row's
-    filtered probabilities renormalized (-inf where the sampler could not draw), a greedy row's all on its
-    token (the temperature-0 limit)."""
-    device = adjusted.device
-    at = _put(rows, torch.long, device)
-    logprobs = torch.full((len(rows), adjusted.shape[1]), -torch.inf, device=device)
-    logprobs.scatter_(1, draw.tokens[at].unsqueeze(1), 0.0)
-    sampled_at = {row: i for i, row in enumerate(params.rows)}
-    pairs = [(j, sampled_at[row]) for j, row in enumerate(rows) if row in sampled_at]
-    if pairs:
-        assert draw.probs is not None  # params.rows were sampled
-        probs = draw.probs[_put([i for _, i in pairs], torch.long, device)]
-        logprobs[_put([j for j, _ in pairs], torch.long, device)] = probs.div_(probs.sum(-1, keepdim=True)).log_()
-    return ProcessedRows(rows, logprobs, adjusted[at])
+    def logprobs_at(self, columns: torch.Tensor) -> torch.Tensor:
+        """[len(rows), c]: the log-probability of each row's distribution at `columns` [len(rows), c]."""
+        device = columns.device
+        tokens = self.draw.tokens[_put(self.rows, torch.long, device)].unsqueeze(1)
+        out = torch.full(columns.shape, -torch.inf, device=device).masked_fill_(columns == tokens, 0.0)
+        sampled_at = {row: i for i, row in enumerate(self.params.rows)}
+        pairs = [(j, sampled_at[row]) for j, row in enumerate(self.rows) if row in sampled_at]
+        if pairs:
+            probs = self.draw.probs
+            assert probs is not None  # params.rows were sampled
+            mine, theirs = (_put(list(side), torch.long, device) for side in zip(*pairs))
+            index = torch.zeros(probs.shape[0], columns.shape[1], dtype=torch.long, device=device)
+            index[theirs] = columns[mine]
+            picked = probs.gather(1, index)[theirs] / probs.sum(dim=-1, keepdim=True)[theirs]
+            out[mine] = picked.log_()
+        return out
 
 
 def _exponential_noise(generators: list[torch.Generator | None], like: torch.Tensor) -> torch.Tensor:
@@ -137,26 +140,42 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.
                  processed: ProcessedRows | None = None) -> LogprobRows[torch.Tensor]:
     """Logprob of `tokens` [R], top-k, and logprobs of `ids` [R, n] under float32 logits [R, V], or for the
     `processed` rows under the distribution they were sampled from."""
-    logprobs = torch.log_softmax(logits, dim=-1)
     if processed is None:
-        values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.new_empty(len(tokens), 0))
-    else:
-        at = _put(processed.rows, torch.long, logits.device)
-        logprobs[at] = processed.logprobs
-        top_ids = tokens.new_empty(len(tokens), k)
-        if k:
-            top_ids[at] = processed.ranking.topk(k, dim=-1).indices
-            raw = sorted(set(range(len(tokens))) - set(processed.rows))
-            if raw:
-                raw_at = _put(raw, torch.long, logits.device)
-                top_ids[raw_at] = logprobs[raw_at].topk(k, dim=-1).indices
-        values = logprobs.gather(1, top_ids)
+        return _raw_rows(logits, tokens, k, ids)
+    rows = len(tokens)
+    raw = sorted(set(range(rows)) - set(processed.rows))
+    if not raw:
+        return _processed_rows(processed, processed.adjusted, tokens, k, ids)
+    at, raw_at = (_put(side, torch.long, logits.device) for side in (processed.rows, raw))
+    parts = [(at, _processed_rows(processed, processed.adjusted[at], tokens[at], k, ids[at])),
+             (raw_at, _raw_rows(logits[raw_at], tokens[raw_at], k, ids[raw_at]))]
+    merged = LogprobRows(tokens.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, k),
+                         tokens.new_empty(rows, k), logits.new_empty(rows, ids.shape[1]))
+    for where, part in parts:
+        for field, values in zip(merged.arrays, part.arrays):
+            field[where] = values
+    return merged
+
+
+def _raw_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor) -> LogprobRows[torch.Tensor]:
+    """log-softmax at the columns returned only: logit - logsumexp, never a [R, V] tensor of logprobs."""
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    values, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], tokens.new_empty(len(tokens), 0))
     return LogprobRows(
-        token_logprobs=logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1),
-        topk_values=values,
+        token_logprobs=(logits.gather(1, tokens.unsqueeze(1)) - normalizer).squeeze(1),
+        topk_values=values - normalizer,
         topk_ids=top_ids,
-        ids_logprobs=logprobs.gather(1, ids),
+        ids_logprobs=logits.gather(1, ids) - normalizer,
     )
+
+
+def _processed_rows(processed: ProcessedRows, ranking: torch.Tensor, tokens: torch.Tensor, k: int,
+                    ids: torch.Tensor) -> LogprobRows[torch.Tensor]:
+    """The processed rows' logprob rows; `ranking`: their adjusted logits (the top-k's order)."""
+    top_ids = ranking.topk(k, dim=-1).indices if k else tokens.new_empty(len(tokens), 0)
+    values = processed.logprobs_at(torch.cat([tokens.unsqueeze(1), top_ids, ids], dim=1))
+    return LogprobRows(token_logprobs=values[:, 0], topk_values=values[:, 1:1 + k], topk_ids=top_ids,
+                       ids_logprobs=values[:, 1 + k:])
 
 
 def chunked_logprob_rows(hidden: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor,
