@@ -9,6 +9,7 @@ are drawn into bench/plots/, and BENCHMARKS.md is assembled from those files.
 """
 
 import argparse
+import itertools
 import json
 import re
 import shutil
@@ -97,8 +98,10 @@ def targets_summary() -> str:
         text = path.read_text()
         if "### Targets" not in text:
             continue
-        table = text.split("### Targets", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0]
-        rows += [f"| {name} " + row for row in table.splitlines()[2:]]
+        lines = text.split("### Targets", 1)[1].splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("|"))  # past the table's note, if any
+        table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+        rows += [f"| {name} " + row for row in table[2:]]
     return "\n".join(["| benchmark | target | measured | verdict |", "|---|---|---|---|", *rows]) + "\n"
 
 
