@@ -68,7 +68,17 @@ def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S,
         ("grpc.http2.min_ping_interval_without_data_ms", max(int(keepalive_s * 500), 1)),
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+        # Off: with it a second server on a taken port binds too, and the kernel splits the calls between them.
+        ("grpc.so_reuseport", 0),
     ])
+
+
+def listen(server: grpc.aio.Server, address: str) -> None:
+    """Bind `address`, or stop the process with why: a port another process holds is a startup error."""
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise SystemExit(f"cannot listen on {address}: {exc} (another server holds the port?)") from None
 
 
 def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:

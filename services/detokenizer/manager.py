@@ -92,9 +92,10 @@ class DetokenizerManager:
             if order is EntryOrder.HELD:
                 continue
             if order is not EntryOrder.NEXT:
-                why = lost_output(order, position, count, state.next_position)
-                owned.finished.append((state.owner, self._fail(rid, f"detokenizer: {why} from scheduler {scheduler}")))
-                aborts.append(AbortRequest(rid=rid))
+                lost = lost_output(order, position, count, state.next_position)
+                why = f"detokenizer: {lost} from scheduler {scheduler}"
+                owned.finished.append((state.owner, self._fail(rid, why)))
+                aborts.append(AbortRequest(rid=rid, reason=FinishReason.ERROR, message=why))
                 continue
             state.next_position += count
             finish = scheduler_finish.get(rid)

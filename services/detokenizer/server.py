@@ -19,7 +19,7 @@ import uuid
 import grpc
 from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
 from flatwire_wire.scheduler import AbortRequest
-from flatwire_wire.steps import StepMessage
+from flatwire_wire.steps import FinishReason, StepMessage
 from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
@@ -28,7 +28,7 @@ from services.common.config import parse_config
 from services.common.discovery import INSTANCE_METADATA, subscription_health_name
 from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
-from services.common.rpc import add_health, create_server
+from services.common.rpc import add_health, create_server, listen
 from services.common.signals import stop_requested
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.manager import DetokenizerManager
@@ -103,7 +103,8 @@ class Relay:
                                                        f"{scheduler}")
         self.router.publish(owned)
         for _, finish in owned.finished:
-            self.streams.abort(scheduler, AbortRequest(rid=finish.rid))
+            self.streams.abort(scheduler, AbortRequest(rid=finish.rid, reason=FinishReason.ERROR,
+                                                       message=finish.message))
 
     def on_lost(self, scheduler: str) -> None:
         """Its stream broke: keep its requests, the resubscription replays what they miss."""
@@ -138,8 +139,11 @@ class Relay:
         if requests:
             log.warning("gateway %s gone for %.0fs: aborting its %d requests", owner, self.config.owner_grace_s,
                         len(requests))
+        # An error, not an abort: were the gateway alive after all (following another detokenizer), it must not
+        # take the cut-short output for its client's own abort.
+        why = f"detokenizer: gateway {owner} was not subscribed for {self.config.owner_grace_s:.0f}s"
         for rid, scheduler in requests:
-            self.streams.abort(scheduler, AbortRequest(rid=rid))
+            self.streams.abort(scheduler, AbortRequest(rid=rid, reason=FinishReason.ERROR, message=why))
         self.router.forget(owner)
 
 
@@ -171,7 +175,7 @@ async def serve(config: DetokenizerConfig) -> None:
     DETOKENIZER.add_to(server, DetokenizerService(router))
     health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    listen(server, address)
     await server.start()
     tasks = [asyncio.create_task(relay.streams.run()), asyncio.create_task(relay.watch()),
              asyncio.create_task(_report_health(relay.streams, health))]

@@ -139,11 +139,11 @@ class SchedulerPool:
 
     async def _submit(self, request: TokenizedRequest, routing_key: str | None) -> str:
         tried: set[str] = set()
-        full: grpc.aio.AioRpcError | None = None  # a replica's refusal: its waiting list is full
+        full: grpc.aio.AioRpcError | None = None  # a replica's refusal: its waiting list is full, or memory released
         while True:
             candidates = [r for r in self.replicas.values() if r.healthy and r.address not in tried]
             if not candidates and full is not None:
-                raise full  # every replica that answered is full: RESOURCE_EXHAUSTED (429), not a failure
+                raise full  # every replica that answered refused: 429 when full, 503 when released; not a failure
             if not candidates:
                 problems = "; ".join(f"{r.address}: {r.problem}" for r in self.replicas.values() if r.problem)
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -155,8 +155,8 @@ class SchedulerPool:
                 return replica.address
             except grpc.aio.AioRpcError as exc:
                 replica.outstanding.discard(request.rid)
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy, not broken: try another replica
-                    full = exc
+                if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
+                    full = exc  # full, or its memory released: not broken, and another replica may take it
                     tried.add(replica.address)
                     continue
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -12,7 +12,7 @@ from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
-from services.common.rpc import add_health_and_reflection, create_server
+from services.common.rpc import add_health_and_reflection, create_server, listen
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import Draining, HttpServer, serve_until_drained
 from services.gateway.engine_client import EngineClient
@@ -52,7 +52,7 @@ async def serve(config: GatewayConfig) -> None:
                                 max_receive_mb=config.max_request_mb)
     add_generation_service(grpc_server, engine)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
-    grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    listen(grpc_server, f"{config.host}:{config.grpc_port}")
     await grpc_server.start()
     health_task = asyncio.create_task(_report_health(engine, health))
 

@@ -46,7 +46,7 @@ from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import keep_big_blocks
 from services.common.model_store import model_name, resolve_model
-from services.common.rpc import FIELD_METADATA, add_health, create_server, mark_serving
+from services.common.rpc import FIELD_METADATA, add_health, create_server, listen, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import (
@@ -174,8 +174,9 @@ class SchedulerService:
         return EMPTY
 
     async def abort(self, request: AbortRequest, context) -> Empty:
-        if request.reason not in (FinishReason.UNSPECIFIED, FinishReason.ABORT, FinishReason.STOP_STRING):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reason: must be ABORT or STOP_STRING")
+        if request.reason not in (FinishReason.UNSPECIFIED, FinishReason.ABORT, FinishReason.STOP_STRING,
+                                  FinishReason.ERROR):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reason: must be ABORT, STOP_STRING or ERROR")
         if not self.engine.abort(request):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"rid: no running request {request.rid!r}")
         return EMPTY
@@ -256,18 +257,17 @@ class SchedulerService:
         return ControlReply(success=True, message=message, weight_version=self.engine.weight_version)
 
     async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context) -> ControlReply:
-        try:
-            tags = MemoryOccupation.tags_of(request.tags)
-        except WeightsRefused as exc:
-            return self._refused(str(exc))
-        return await self._control(ReleaseMemory(tags=tags))
+        return await self._memory(ReleaseMemory, request.tags)
 
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context) -> ControlReply:
+        return await self._memory(ResumeMemory, request.tags)
+
+    async def _memory(self, command: type[ReleaseMemory] | type[ResumeMemory], tags: list[str]) -> ControlReply:
         try:
-            tags = MemoryOccupation.tags_of(request.tags)
+            checked = MemoryOccupation.tags_of(tags)
         except WeightsRefused as exc:
             return self._refused(str(exc))
-        return await self._control(ResumeMemory(tags=tags))
+        return await self._control(command(tags=checked))
 
     async def pause_generation(self, request: PauseGenerationRequest, context) -> ControlReply:
         return await self._control(Pause(mode=request.mode))
@@ -333,7 +333,7 @@ async def serve(config: SchedulerConfig) -> None:
     SCHEDULER.add_to(server, service)
     health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    listen(server, address)
     service.engine.start()
     await server.start()
     await mark_serving(health, [SERVICE_NAME])

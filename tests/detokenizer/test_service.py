@@ -11,6 +11,7 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, SchedulerClie
 from flatwire_wire.steps import DetokenizeParams, FinishReason, StepMessage
 from transformers import AutoTokenizer
 
+from harness.procs import ServiceProcess
 from services.common.rpc import create_channel
 
 TIMEOUT_S = 120
@@ -224,8 +225,9 @@ def test_subscribing_without_an_owner_is_rejected(scheduler_address, detokenizer
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "owner" in error.details()
 
 
-def test_requests_of_a_gateway_that_went_away_are_aborted(start_service, scheduler_address):
-    """An owner that unsubscribes and stays away past the grace period gets its requests stopped."""
+def test_requests_of_a_gateway_that_went_away_are_stopped_as_failed(start_service, scheduler_address):
+    """An owner that unsubscribes and stays away past the grace period gets its requests stopped, as a server-side
+    fault (ERROR), never as a client's abort."""
     proc, detokenizer = start_service("detokenizer", "--schedulers", scheduler_address, "--owner-grace-s", "0.5")
 
     async def scenario(peers: Peers):
@@ -242,6 +244,30 @@ def test_requests_of_a_gateway_that_went_away_are_aborted(start_service, schedul
     try:
         rid, seen = run(scenario, scheduler_address, detokenizer)
     finally:
-        proc.stop()  # with a 0.5 s grace it would abort every other owner's requests of the session scheduler
-    assert seen["finish"].reason == FinishReason.ABORT
+        proc.stop()  # with a 0.5 s grace it would stop every other owner's requests of the session scheduler
+    assert seen["finish"].reason == FinishReason.ERROR and "gw-gone was not subscribed" in seen["finish"].message
     assert len(seen["ids"]) < 100_000
+
+
+def test_a_gateway_that_follows_another_detokenizer_sees_the_cut_as_an_error(start_service, scheduler_address, http):
+    """A detokenizer that gives up on a gateway which is alive after all (it follows another one): the gateway's
+    client gets a 503, not a 200 with an output cut short and finish_reason abort."""
+    proc, _ = start_service("detokenizer", "--schedulers", scheduler_address, "--owner-grace-s", "0.5")
+    try:
+        reply = http.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+            "max_new_tokens": 4000, "ignore_eos": True}})  # minutes: the cut comes after 0.5 s
+    finally:
+        proc.stop()
+    assert reply.status_code == 503, reply.text[:300]
+    assert "was not subscribed" in reply.text
+
+
+def test_a_second_server_on_a_taken_port_does_not_start(detokenizer_address, scheduler_address, model_dir, log_dir):
+    """No SO_REUSEPORT: a second server would bind the live one's port too and share its calls."""
+    proc = ServiceProcess("detokenizer", ["--port", detokenizer_address.rsplit(":", 1)[1], "--model", str(model_dir),
+                                          "--schedulers", scheduler_address], log_dir)
+    try:
+        assert proc.proc.wait(timeout=120) != 0
+    finally:
+        proc.stop()
+    assert f"cannot listen on 127.0.0.1:{detokenizer_address.rsplit(':', 1)[1]}" in proc.log()

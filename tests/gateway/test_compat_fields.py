@@ -229,3 +229,11 @@ def test_generate_n_streams_each_sample_with_its_index(http):
 def test_generate_n_refusals(http, body, param):
     response = http.post("/generate", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_completions_max_tokens_null_is_openais_default(http, served_model):
+    """An explicit null is OpenAI's default, 16, not the rest of the context."""
+    reply = http.post("/v1/completions", json={"model": served_model, "prompt": "Hello", "max_tokens": None,
+                                               "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 16

@@ -172,6 +172,10 @@ def test_released_memory_is_given_back_and_resumed(stack, http, model_dir):
     time.sleep(1.0)
     refused = http.post("/release_memory_occupation", json={})  # the idle replica releases, the busy one refuses
     assert not refused.json()["success"] and "running or waiting" in refused.json()["message"]
+    for key in range(4):  # a request routed to the released replica goes to the other one
+        routed = http.post("/generate", headers={"X-Session-ID": f"r{key}"},
+                           json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+        assert routed.status_code == 200, routed.text
     busy.join()
 
     released = http.post("/release_memory_occupation", json={})  # each replica's call is idempotent

@@ -199,20 +199,23 @@ async def destroy_weights_update_group(request: Request) -> Response:
     return _success_body(await _everywhere(gateway, lambda client: client.destroy_weights_update_group(message)))
 
 
+async def _memory_route(request: Request, call: Callable[[SchedulerClient, list[str]], Awaitable[control.ControlReply]]
+                        ) -> Response:
+    gateway = gateway_of(request)
+    tags: list[str] = list((await _parse(MemoryOccupationRequest, request, gateway)).tags or [])
+    return _success_body(await _everywhere(gateway, lambda client: call(client, tags)))
+
+
 @router.post("/release_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
 async def release_memory_occupation(request: Request) -> Response:
-    gateway = gateway_of(request)
-    req = await _parse(MemoryOccupationRequest, request, gateway)
-    message = control.ReleaseMemoryOccupationRequest(tags=list(req.tags or []))
-    return _success_body(await _everywhere(gateway, lambda client: client.release_memory_occupation(message)))
+    return await _memory_route(request, lambda client, tags: client.release_memory_occupation(
+        control.ReleaseMemoryOccupationRequest(tags=tags)))
 
 
 @router.post("/resume_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
 async def resume_memory_occupation(request: Request) -> Response:
-    gateway = gateway_of(request)
-    req = await _parse(MemoryOccupationRequest, request, gateway)
-    message = control.ResumeMemoryOccupationRequest(tags=list(req.tags or []))
-    return _success_body(await _everywhere(gateway, lambda client: client.resume_memory_occupation(message)))
+    return await _memory_route(request, lambda client, tags: client.resume_memory_occupation(
+        control.ResumeMemoryOccupationRequest(tags=tags)))
 
 
 @router.post("/update_weights_from_tensor")

@@ -26,6 +26,8 @@ from services.gateway.protocol.parse import (
 )
 from services.gateway.protocol.sampling import CONSTRAINTS, SamplingFields, unsupported
 
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens for completions, given or null
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -179,9 +181,14 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_max_tokens(cls, value: int | None) -> int:
+        return DEFAULT_COMPLETION_TOKENS if value is None else value  # an explicit null is OpenAI's default too
     suffix: str | None = None
 
     @field_validator("logprobs")

@@ -217,8 +217,8 @@ class Engine:
         for abort in aborts:
             if (request := self.scheduler.find(abort.rid)) is not None:  # None: it finished before the abort came
                 reason = abort.reason or FinishReason.ABORT
-                out.end(request, self._finish(request, reason, matched_stop=abort.matched_stop,
-                                              message="aborted" if reason is FinishReason.ABORT else ""))
+                message = {FinishReason.ABORT: "aborted", FinishReason.ERROR: abort.message}.get(reason, "")
+                out.end(request, self._finish(request, reason, matched_stop=abort.matched_stop, message=message))
         for control in controls:
             if (reply := self._control(control, out)) is not None:  # None: a weight update, answered once applied
                 control.done.set_result(reply)

@@ -87,8 +87,9 @@ class TokenizedRequest:
 @dataclass
 class AbortRequest:
     rid: str
-    reason: FinishReason = FinishReason.UNSPECIFIED  # UNSPECIFIED: ABORT; or STOP_STRING (the detokenizer's)
+    reason: FinishReason = FinishReason.UNSPECIFIED  # UNSPECIFIED: ABORT; STOP_STRING, ERROR: the detokenizer's
     matched_stop: str = ""
+    message: str = ""  # ERROR: why (a server-side fault, rendered as one)
 
 
 @twin(scheduler_pb2.ModelInfo)

@@ -113,14 +113,16 @@ class SubmitReply(_message.Message):
     def __init__(self) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("rid", "reason", "matched_stop")
+    __slots__ = ("rid", "reason", "matched_stop", "message")
     RID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     rid: str
     reason: _arrays_pb2.FinishReason
     matched_stop: str
-    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
+    message: str
+    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ()
