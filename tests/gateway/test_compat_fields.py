@@ -237,3 +237,33 @@ def test_completions_max_tokens_null_is_openais_default(http, served_model):
                                                "ignore_eos": True})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 16
+
+
+def test_return_token_ids_gives_the_prompt_and_each_choice_ids(http, openai_client, served_model):
+    """vLLM's return_token_ids: what was sent and sampled, as ids, so that a trainer never retokenizes."""
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = openai_client.chat.completions.create(model=served_model, messages=messages, max_tokens=5, n=2,
+                                                 temperature=0, extra_body={"return_token_ids": True})
+    prompt = chat.model_extra["prompt_token_ids"]
+    assert len(prompt) == chat.usage.prompt_tokens
+    # The same ids through /generate, greedy, give the same tokens: they are what the model saw and sampled.
+    greedy = generate(http, input_ids=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0})
+    for choice in chat.choices:
+        assert choice.model_extra["token_ids"] == greedy["output_ids"]
+    streamed = list(openai_client.chat.completions.create(model=served_model, messages=messages, max_tokens=5,
+                                                          temperature=0, stream=True,
+                                                          extra_body={"return_token_ids": True}))
+    assert streamed[0].model_extra["prompt_token_ids"] == prompt
+    assert [t for c in streamed if c.choices for t in c.choices[0].model_extra.get("token_ids", [])] == greedy[
+        "output_ids"]
+    completion = openai_client.completions.create(model=served_model, prompt=["Hello", "Hi there"], max_tokens=3,
+                                                  temperature=0, extra_body={"return_token_ids": True})
+    for choice, text in zip(completion.choices, ["Hello", "Hi there"]):
+        ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+        assert choice.model_extra["prompt_token_ids"] == ids and len(choice.model_extra["token_ids"]) == 3
+    events = list(openai_client.completions.create(model=served_model, prompt="Hello", max_tokens=3, temperature=0,
+                                                   stream=True, extra_body={"return_token_ids": True}))
+    firsts = [e.choices[0].model_extra for e in events if e.choices and "token_ids" in e.choices[0].model_extra]
+    assert firsts[0]["prompt_token_ids"] == completion.choices[0].model_extra["prompt_token_ids"]
+    assert all("prompt_token_ids" not in extra for extra in firsts[1:])
+    assert [t for extra in firsts for t in extra["token_ids"]] == completion.choices[0].model_extra["token_ids"]

@@ -55,7 +55,7 @@ async def chat_completions(request: Request) -> Response:
     if gens is None:
         return Response(status_code=CLIENT_CLOSED)
     if req.stream:
-        return sse_response(_events(gateway, req, gens, len(ids)), gens.close,
+        return sse_response(_events(gateway, req, gens, ids), gens.close,
                             gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc)
     results = await gens.results_unless_disconnected(request)
     if results is None:
@@ -65,6 +65,7 @@ async def chat_completions(request: Request) -> Response:
         "model": gateway.engine.model_name,
         "choices": [_choice(gateway, req, i, result) for i, result in enumerate(results)],
         "usage": usage(len(ids), results, req.n),
+        **({"prompt_token_ids": ids} if req.return_token_ids else {}),
     })
     gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc(len(body))
     return Response(body, media_type="application/json")
@@ -79,34 +80,39 @@ def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogpro
 def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: RequestResult) -> dict:
     choice = {"index": index, "message": {"role": "assistant", "content": result.text},
               "logprobs": _logprobs(gateway, req, result.output), **finish_fields(result)}
+    if req.return_token_ids:
+        choice["token_ids"] = result.output_ids
     if req.return_meta_info:
         choice["meta_info"] = choice_meta_info(gateway, req, result)
     return choice
 
 
-async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generations, prompt_tokens: int):
+async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generations, prompt_ids: list[int]):
     head = {"id": response_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
             "model": gateway.engine.model_name}
 
     metas = StreamedMetaInfo(gateway, req, req.n)
 
     def chunk_event(index: int, delta: dict, logprobs: dict | None = None, finish: dict | None = None,
-                    meta: dict | None = None) -> bytes:
+                    meta: dict | None = None, token_ids=None, extra: dict | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, **(finish or {"finish_reason": None})}
         if meta is not None:
             choice["meta_info"] = meta
-        return event(head | {"choices": [choice]})
+        if req.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return event(head | {"choices": [choice]} | (extra or {}))
 
-    for i in range(req.n):
-        yield chunk_event(i, {"role": "assistant", "content": ""})
+    for i in range(req.n):  # the prompt's ids once, with the first chunk (as vLLM)
+        yield chunk_event(i, {"role": "assistant", "content": ""},
+                          extra={"prompt_token_ids": prompt_ids} if req.return_token_ids and i == 0 else None)
     ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
     async for i, chunk in gens.merged():
         if chunk.token_ids or chunk.text:
             yield chunk_event(i, {"content": chunk.text}, _logprobs(gateway, req, chunk.output),
-                              meta=metas.chunk(i, chunk))
+                              meta=metas.chunk(i, chunk), token_ids=chunk.token_ids)
         if chunk.result is not None:
             ended[i] = chunk.result
             yield chunk_event(i, {}, finish=finish_fields(chunk.result), meta=metas.last(chunk.result))
     if req.include_usage:
-        yield event(head | {"choices": [], "usage": usage(prompt_tokens, [ended[i] for i in range(req.n)], req.n)})
+        yield event(head | {"choices": [], "usage": usage(len(prompt_ids), [ended[i] for i in range(req.n)], req.n)})
     yield DONE

@@ -88,6 +88,8 @@ class OpenAIRequest(SamplingFields):
     return_flat_raw_output_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
     logprobs_mode: LogprobsModeName | None = None  # flatwire's (vLLM's names): of the logprobs returned
+    # vLLM's: the prompt's and each choice's token ids in the response, so that a trainer never retokenizes
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _flat_flags(self) -> "OpenAIRequest":
