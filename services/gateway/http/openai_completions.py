@@ -60,7 +60,7 @@ async def completions(request: Request) -> Response:
                    for j in range(req.n)]
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
-    prompt_ids = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
+    choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
     gens = await unless_disconnected(
         request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
                                    routing_key(request.headers)))
@@ -69,14 +69,14 @@ async def completions(request: Request) -> Response:
     prompt_tokens = sum(map(len, ids))
     count_bytes = gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs is not None)).inc
     if req.stream:
-        return sse_response(_events(gateway, req, gens, echoes, prompt_tokens, prompt_ids), gens.close, count_bytes)
+        return sse_response(_events(gateway, req, gens, echoes, prompt_tokens, choice_prompts), gens.close, count_bytes)
     results = await gens.results_unless_disconnected(request)
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({
         "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
         "model": gateway.engine.model_name,
-        "choices": [_choice(gateway, req, i, result, echoes[i], prompt_ids) for i, result in enumerate(results)],
+        "choices": [_choice(gateway, req, i, result, echoes[i], choice_prompts) for i, result in enumerate(results)],
         "usage": usage(prompt_tokens, results, req.n),
     })
     count_bytes(len(body))
@@ -101,23 +101,23 @@ def _without_candidates(track: RequestLogprobs) -> RequestLogprobs:
                         null_token_ids=track.null_token_ids)
 
 
-def _token_ids(prompt_ids: list[list[int]] | None, index: int, token_ids) -> dict:
+def _token_ids(choice_prompts: list[list[int]] | None, index: int, token_ids) -> dict:
     """vLLM's return_token_ids fields of choice `index`: its prompt's ids (None: not asked) and its own."""
-    return {} if prompt_ids is None else {"prompt_token_ids": prompt_ids[index], "token_ids": token_ids}
+    return {} if choice_prompts is None else {"prompt_token_ids": choice_prompts[index], "token_ids": token_ids}
 
 
 def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: RequestResult, echo: str,
-            prompt_ids: list[list[int]] | None) -> dict:
+            choice_prompts: list[list[int]] | None) -> dict:
     choice = {"index": index, "text": echo + result.text,
               "logprobs": _logprobs(gateway, req, result.prompt, result.output, 0), **finish_fields(result),
-              **_token_ids(prompt_ids, index, result.output_ids)}
+              **_token_ids(choice_prompts, index, result.output_ids)}
     if req.return_meta_info:
         choice["meta_info"] = choice_meta_info(gateway, req, result)
     return choice
 
 
 async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, echoes: list[str],
-                  prompt_tokens: int, prompt_ids: list[list[int]] | None):
+                  prompt_tokens: int, choice_prompts: list[list[int]] | None):
     head = {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": gateway.engine.model_name}
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
@@ -132,8 +132,8 @@ async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, e
             choice = {"index": i, "text": text,
                       "logprobs": _logprobs(gateway, req, chunk.prompt, chunk.output, sent_chars[i]),
                       "finish_reason": None}
-            if prompt_ids is not None:  # the prompt's ids with a choice's first chunk only
-                choice |= _token_ids(prompt_ids, i, chunk.token_ids) if i not in prompt_sent else {
+            if choice_prompts is not None:  # the prompt's ids with a choice's first chunk only
+                choice |= _token_ids(choice_prompts, i, chunk.token_ids) if i not in prompt_sent else {
                     "token_ids": chunk.token_ids}
                 prompt_sent.add(i)
             if (meta := metas.chunk(i, chunk)) is not None:
