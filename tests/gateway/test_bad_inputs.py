@@ -2,6 +2,7 @@
 gRPC and HTTP validation alike, tiny temperatures, undecodable gRPC payloads, and /openapi.json."""
 
 import asyncio
+import socket
 import time
 
 import grpc
@@ -246,3 +247,17 @@ def test_openapi_declares_request_bodies(http, path, model):
     refs = [part.split('"')[0] for part in str(document).replace("'", '"').split('"$ref": "')[1:]]
     for ref in refs:
         assert ref.rsplit("/", 1)[1] in document["components"]["schemas"], ref
+
+
+def test_clients_that_leave_mid_body_leave_no_traceback(stack, http):
+    """A client that sends half a body and closes is its own business: no "Exception in ASGI application" in
+    the gateway's log, and the gateway serves on."""
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
+    before = len(stack.procs["gateway"].log())
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    for _ in range(20):
+        with socket.create_connection((host, int(port))) as connection:
+            connection.sendall(head + b'{"text": "half')
+    time.sleep(1.0)
+    assert http.get("/health").status_code == 200
+    assert "Exception in ASGI application" not in stack.procs["gateway"].log()[before:]

@@ -6,13 +6,14 @@ from contextlib import asynccontextmanager
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from starlette.requests import ClientDisconnect
 
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient, RequestError
 from services.gateway.http import generate, native, openai_chat, openai_completions, rollout
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
-from services.gateway.http.errors import invalid_request_response, pipeline_error_response
+from services.gateway.http.errors import CLIENT_CLOSED, invalid_request_response, pipeline_error_response
 from services.gateway.http.guards import RequestLimits
 from services.gateway.http.openapi import add_request_schemas
 from services.gateway.protocol.parse import InvalidRequest
@@ -55,6 +56,12 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
         response = pipeline_error_response(exc)
         gateway_of(request).metrics.errors.labels(request.url.path, str(response.status_code)).inc()
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(request: Request, exc: ClientDisconnect) -> Response:
+        """A client that closed before its body arrived: counted, not a traceback in the log."""
+        gateway_of(request).metrics.errors.labels(request.url.path, str(CLIENT_CLOSED)).inc()
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
