@@ -25,6 +25,12 @@ def control_response(replies: dict[str, ControlReply]) -> ControlResponse:
 
 async def init_weights_update_group(schedulers: SchedulerPool, request: InitWeightsUpdateGroupRequest
                                     ) -> ControlResponse:
-    """Every replica joins the trainer's group, replica i (in address order) as rank rank_offset + i."""
+    """Every replica joins the trainer's group, replica i (in address order) as rank rank_offset + i. A world
+    too small for every replica is refused before any joins (the others would wait out the rendezvous)."""
+    replicas = len(schedulers.replicas)
+    if request.rank_offset + replicas > request.world_size:
+        return ControlResponse(success=False, message=(
+            f"world_size: {request.world_size} ranks cannot hold {replicas} scheduler replicas from rank_offset "
+            f"{request.rank_offset}; make it at least {request.rank_offset + replicas}"))
     return control_response(await schedulers.control_ranked(lambda i, client: client.init_weights_update_group(
         dataclasses.replace(request, rank_offset=request.rank_offset + i))))

@@ -151,6 +151,9 @@ def test_refused_updates_change_nothing(stack, http, model_dir):
                         ({**wrong, "shapes": wrong["shapes"][1:]}, "names, dtypes, shapes")):
         refused = http.post("/update_weights_from_distributed", json=body)
         assert not refused.json()["success"] and f"{field}:" in refused.json()["message"], refused.text
+    small = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                          "rank_offset": 1, "world_size": REPLICAS})
+    assert small.status_code == 400 and "world_size" in small.json()["message"]
     nccl = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
                                                          "rank_offset": 1, "world_size": 3, "backend": "nccl"})
     assert not nccl.json()["success"] and "nccl needs CUDA" in nccl.json()["message"]
