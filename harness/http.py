@@ -47,3 +47,9 @@ def stream_events(http: httpx.Client | str, /, **body) -> list[dict]:
             client.close()
     assert events and events[-1] == "[DONE]", events[-3:]
     return [orjson.loads(event) for event in events[:-1]]
+
+
+def exact_regex(text: str) -> str:
+    """A regex (xgrammar's syntax) that matches `text` alone: for SGLang's `regex` field, to make a model
+    write exactly `text`."""
+    return "".join("\\" + c if c in "\\^$.|?*+()[]{}" else c for c in text)

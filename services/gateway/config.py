@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 
 from services.common.config import ServiceConfig, option, require_positive
+from services.gateway.agents.reasoning import ReasoningParserName
+from services.gateway.agents.tool_calls import ToolCallParserName
 from services.gateway.routing import RoutingPolicy
 
 
@@ -34,6 +36,13 @@ class GatewayConfig(ServiceConfig):
     health_timeout_s: float = option(2.0, "how long one such check waits for an answer")
     hop_timeout_s: float = option(5.0, "a request whose path (scheduler, detokenizer, or this gateway's stream "
                                   "from it) stays broken this long fails with an error naming the hop")
+    tool_call_parser: ToolCallParserName | None = option(
+        None, "how tool calls are read out of the model's text with tool_choice auto (SGLang's --tool-call-parser): "
+        "qwen25 (also qwen, hermes: <tool_call> JSON blocks) or llama3 (Llama 3's JSON calls); unset: requests "
+        "with tools need tool_choice required, a named function or none")
+    reasoning_parser: ReasoningParserName | None = option(
+        None, "split the model's <think> reasoning into the chat message's reasoning_content (SGLang's "
+        "--reasoning-parser): qwen3 (the model opens the block) or deepseek-r1 (the prompt opens it)")
     stream_interval: int = option(1, "output tokens per message of a streaming request (SGLang's --stream-interval): "
                                   "1 sends each token as it is generated; more sends fewer, larger chunks")
     incremental_streaming_output: bool = option(

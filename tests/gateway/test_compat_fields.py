@@ -13,13 +13,14 @@ CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens
 COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 
-# OpenAI's fields flatwire cannot honour yet: (field, a value it refuses, the neutral values it accepts).
+# OpenAI's fields flatwire cannot honour yet: (endpoint, field, a value it refuses, the neutral values it accepts).
 # (Structured output, response_format and SGLang's json_schema / regex / ebnf:
-# tests/scheduler/test_structured_output.py.)
+# tests/scheduler/test_structured_output.py; tools on chat: tests/gateway/test_agents.py.)
+CHAT_ENDPOINT, COMPLETIONS_ENDPOINT = "/v1/chat/completions", "/v1/completions"
 OPENAI_FIELDS = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], [None, []]),
-    ("tool_choice", "auto", [None, "none"]),
-    ("best_of", 2, [None, 1]),
+    (COMPLETIONS_ENDPOINT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], [None, []]),
+    (COMPLETIONS_ENDPOINT, "tool_choice", "auto", [None, "none"]),
+    *((endpoint, "best_of", 2, [None, 1]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
 ]
 
 
@@ -31,8 +32,8 @@ def assert_refused(response, field: str) -> None:
     assert error["message"].startswith(field + ":") and "not supported" in error["message"]
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize(("field", "value", "neutral"), OPENAI_FIELDS, ids=[f[0] for f in OPENAI_FIELDS])
+@pytest.mark.parametrize(("endpoint", "field", "value", "neutral"), OPENAI_FIELDS,
+                         ids=[f"{f[0]}-{f[1]}" for f in OPENAI_FIELDS])
 def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field, value, neutral):
     base = {**(CHAT if "chat" in endpoint else COMPLETION), "model": served_model}
     assert_refused(http.post(endpoint, json={**base, field: value}), field)

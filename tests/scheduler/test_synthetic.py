@@ -3,14 +3,13 @@
 import json
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import numpy as np
 import pytest
 
 from harness.http import generate, stream_events
-from harness.stack import Stack, running
+from harness.stack import Stack, another_gateway, running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -24,18 +23,6 @@ def synthetic(model_dir, log_dir) -> Iterator[Stack]:
     with running(model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", str(STEP_MS),
                                                      "--max-running-requests", "8")) as stack:
         yield stack
-
-
-@contextmanager
-def gateway(stack: Stack, *args: str) -> Iterator[httpx.Client]:
-    """Another gateway on the same scheduler and detokenizer, with `args`; stopped on the way out."""
-    extra = stack.add("gateway", *args)
-    stack.start(extra.name)
-    try:
-        with httpx.Client(base_url=extra.http_url, timeout=60) as client:
-            yield client
-    finally:
-        stack.stop(extra.name)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +73,7 @@ def test_stream_interval_sends_fewer_larger_chunks_with_the_same_result(http, sy
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 23}}
     whole = generate(http, **body)
     per_token = stream_events(http, **body)
-    with gateway(synthetic, "--stream-interval", "5") as coarse_http:
+    with another_gateway(synthetic, "--stream-interval", "5") as coarse_http:
         coarse = stream_events(coarse_http, **body)
     for events in (per_token, coarse):
         assert events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
@@ -103,7 +90,7 @@ def test_incremental_streaming_output_sends_only_what_is_new(http, synthetic):
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 17},
             "return_logprob": True, "top_logprobs_num": 3}
     whole = generate(http, **body)
-    with gateway(synthetic, "--incremental-streaming-output") as incremental_http:
+    with another_gateway(synthetic, "--incremental-streaming-output") as incremental_http:
         events = stream_events(incremental_http, **body)
     assert "".join(event["text"] for event in events) == whole["text"]
     assert [i for event in events for i in event["output_ids"]] == whole["output_ids"]

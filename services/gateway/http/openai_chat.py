@@ -1,10 +1,14 @@
-"""OpenAI's `POST /v1/chat/completions`: messages through the chat template, n choices, SSE."""
+"""OpenAI's `POST /v1/chat/completions`: messages (and tools) through the chat template, n choices, SSE;
+each choice's text split into reasoning, content and tool calls (agents/)."""
 
 import time
 
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
+from services.gateway.agents.reasoning import ThinkBlock
+from services.gateway.agents.tool_calls import ForcedCalls, ToolCallParser, tool_call_parser
+from services.gateway.agents.turn import AssistantTurn
 from services.gateway.engine_client import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
@@ -24,6 +28,8 @@ from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
 from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.openai import ChatCompletionRequest
+from services.gateway.protocol.parse import InvalidRequest
+from services.gateway.render import assistant
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
 from services.gateway.result import RequestResult
@@ -41,7 +47,12 @@ async def chat_completions(request: Request) -> Response:
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(ChatCompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
-    ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context)
+    if req.tool_choice_name == "auto" and gateway.config.tool_call_parser is None:
+        raise InvalidRequest("tool_choice" if req.tool_choice else "tools",
+                             "tool_choice auto (the default with tools) needs a server started with "
+                             "--tool-call-parser; give tool_choice required, a function's name, or none")
+    ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
+                            req.template_tools(), req.chat_template_kwargs)
     max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
     # Choice j samples with its own seed (seed + j), so that seeded choices differ yet reproduce.
     inputs = [GenerateInput(input_ids=ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
@@ -77,9 +88,34 @@ def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogpro
     return chat_logprobs(track, gateway.table, candidates=not req.return_flat_raw_output_top_logprobs)
 
 
+def _turn(gateway: Gateway, req: ChatCompletionRequest) -> AssistantTurn:
+    """A choice's parsers: the server's reasoning parser unless the request keeps reasoning in the content,
+    and with tools the server's tool-call parser (auto) or the forced calls' JSON (required, a function)."""
+    config = gateway.config
+    think = ThinkBlock(config.reasoning_parser) if config.reasoning_parser and req.separate_reasoning else None
+    tools: ToolCallParser | None = None
+    if req.tool_choice_name in ("required", "function"):
+        tools = ForcedCalls(req.forced_function)
+    elif req.tool_choice_name == "auto" and config.tool_call_parser is not None:
+        tools = tool_call_parser(config.tool_call_parser)
+    return AssistantTurn(think, tools, stream_reasoning=req.stream_reasoning,
+                         max_calls=None if req.parallel_tool_calls else 1)
+
+
+def _finish(result: RequestResult, turn: AssistantTurn) -> dict:
+    """OpenAI's finish_reason "tool_calls" for a turn that stopped after calling tools."""
+    fields = finish_fields(result)
+    if turn.calls and fields["finish_reason"] == "stop":
+        fields["finish_reason"] = "tool_calls"
+    return fields
+
+
 def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: RequestResult) -> dict:
-    choice = {"index": index, "message": {"role": "assistant", "content": result.text},
-              "logprobs": _logprobs(gateway, req, result.output), **finish_fields(result)}
+    turn = _turn(gateway, req)
+    whole = turn.feed(result.text)
+    whole.extend(turn.end())
+    choice = {"index": index, "message": assistant.message(whole, turn.separates_reasoning),
+              "logprobs": _logprobs(gateway, req, result.output), **_finish(result, turn)}
     if req.return_token_ids:
         choice["token_ids"] = result.output_ids
     if req.return_meta_info:
@@ -102,17 +138,20 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
             choice["token_ids"] = token_ids
         return event(head | {"choices": [choice]} | (extra or {}))
 
+    turns = [_turn(gateway, req) for _ in range(req.n)]
     for i in range(req.n):  # the prompt's ids once, with the first chunk (as vLLM)
         yield chunk_event(i, {"role": "assistant", "content": ""},
                           extra={"prompt_token_ids": prompt_ids} if req.return_token_ids and i == 0 else None)
     ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
     async for i, chunk in gens.merged():
         if chunk.token_ids or chunk.text:
-            yield chunk_event(i, {"content": chunk.text}, _logprobs(gateway, req, chunk.output),
+            yield chunk_event(i, assistant.delta(turns[i].feed(chunk.text)), _logprobs(gateway, req, chunk.output),
                               meta=metas.chunk(i, chunk), token_ids=chunk.token_ids)
         if chunk.result is not None:
             ended[i] = chunk.result
-            yield chunk_event(i, {}, finish=finish_fields(chunk.result), meta=metas.last(chunk.result))
+            if not assistant.is_empty(rest := turns[i].end()):  # what the parsers held to the end
+                yield chunk_event(i, assistant.delta(rest))
+            yield chunk_event(i, {}, finish=_finish(chunk.result, turns[i]), meta=metas.last(chunk.result))
     if req.include_usage:
         yield event(head | {"choices": [], "usage": usage(len(prompt_ids), [ended[i] for i in range(req.n)], req.n)})
     yield DONE

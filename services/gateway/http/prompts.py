@@ -45,14 +45,20 @@ async def encode_texts(tokenizer, texts: list[str], max_context: int | None = No
     return await asyncio.to_thread(encode_checked, tokenizer, texts, max_context, field)
 
 
-def _chat_ids(tokenizer, messages: list[dict], max_context: int | None) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _chat_ids(tokenizer, messages: list[dict], max_context: int | None, tools: list[dict] | None,
+              template_kwargs: dict) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs)
     return encode_checked(tokenizer, [text], max_context, "messages", add_special_tokens=False)[0]
 
 
-async def encode_chat(tokenizer, messages: list[ChatMessage], max_context: int | None = None) -> list[int]:
+async def encode_chat(tokenizer, messages: list[ChatMessage], max_context: int | None = None,
+                      tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The conversation through the model's chat template (with the tools, and the request's
+    chat_template_kwargs as template variables), tokenized."""
     try:
-        return await asyncio.to_thread(_chat_ids, tokenizer, [m.template_dict() for m in messages], max_context)
+        return await asyncio.to_thread(_chat_ids, tokenizer, [m.template_dict() for m in messages], max_context,
+                                       tools, template_kwargs or {})
     except InvalidRequest:
         raise
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)

@@ -9,11 +9,12 @@ output candidates as flat arrays in meta_info instead of in `logprobs`) and
 
 import dataclasses
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from flatwire_wire.scheduler import LogprobParams
 from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from services.gateway.agents.tool_choice import named_call_schema, required_calls_schema
 from services.gateway.protocol.parse import (
     InvalidRequest,
     LogprobsModeName,
@@ -79,9 +80,7 @@ class OpenAIRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: Annotated[ResponseFormat | None, AfterValidator(_no_other_constraint)] = None  # json: a constraint
-    # OpenAI's fields flatwire cannot honour yet: refused unless neutral (tools: no tool-call parser).
-    tools: Annotated[list | None, unsupported(None, [])] = None
-    tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None
+    # OpenAI's fields flatwire cannot honour yet: refused unless neutral.
     best_of: Annotated[int | None, unsupported(None, 1)] = None
     # SGLang extensions (besides the sampling fields)
     return_meta_info: bool = False
@@ -128,20 +127,63 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the schema binds when the output is constrained (tool_choice), as vLLM
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back in the history
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    reasoning_content: str | None = None  # an assistant's reasoning, in the history
 
     def template_dict(self) -> dict:
-        """The message as the chat template wants it: content as one string."""
+        """The message as the chat template wants it: content as one string, the other fields only if given."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if (value := getattr(self, name)) is not None:
+                message[name] = value
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return message
+
+
+# What a chat template's own variables are: chat_template_kwargs may not replace them.
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                      "continue_final_message", "return_dict")
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -150,6 +192,13 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     return_flat_raw_top_logprobs_b64: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
+    # SGLang's: variables for the chat template (enable_thinking, ...) and the reasoning parser's switches
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -163,6 +212,56 @@ class ChatCompletionRequest(OpenAIRequest):
         check_batch_size("n", self.n, f"n={self.n} choices", info)
         return self
 
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise InvalidRequest("tools", "tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest("tool_choice", f"tool_choice: function {choice.function.name!r} is not in tools")
+        if choice in ("auto", "required") and not names:
+            raise InvalidRequest("tool_choice", f"tool_choice {choice!r} requires tools")
+        if self.forced_tool_schema() is not None:
+            given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+            if self.response_format is not None and self.response_format.schema_text() is not None:
+                given.insert(0, "response_format")
+            if given:
+                raise InvalidRequest("tool_choice", f"tool_choice {self.tool_choice_name!r} constrains the output: "
+                                                    f"it cannot be combined with {given[0]}")
+        reserved = [key for key in self.chat_template_kwargs or {} if key in TEMPLATE_VARIABLES]
+        if reserved:
+            raise InvalidRequest("chat_template_kwargs", f"chat_template_kwargs: {reserved[0]!r} is the template's "
+                                                         "own variable; give it as a request field")
+        return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """auto, none, required or function (OpenAI's default: auto with tools, none without)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def forced_tool_schema(self) -> str | None:
+        """The output's JSON schema when tool_choice demands a call (tool_choice.py), else None."""
+        functions = {tool.function.name: tool.function.parameters for tool in self.tools or []}
+        if self.forced_function is not None:
+            return named_call_schema(functions[self.forced_function])
+        if self.tool_choice == "required":
+            return required_calls_schema(functions, self.parallel_tool_calls)
+        return None
+
+    def constraint(self) -> dict[str, str]:
+        schema = self.forced_tool_schema()
+        return {"json_schema": schema} if schema is not None else super().constraint()
+
+    def template_tools(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -172,7 +271,10 @@ class ChatCompletionRequest(OpenAIRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def scheduler_fields(self) -> dict[str, str]:
-        return {**super().scheduler_fields(), "input_ids": "messages", "logprob.top_logprobs_num": "top_logprobs"}
+        fields = {**super().scheduler_fields(), "input_ids": "messages", "logprob.top_logprobs_num": "top_logprobs"}
+        if self.forced_tool_schema() is not None:
+            fields["sampling.json_schema"] = "tools"  # a function's parameters schema the grammar cannot take
+        return fields
 
     def logprob(self) -> LogprobParams:
         if not self.logprobs:
@@ -183,6 +285,9 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # Chat's fields, which OpenAI's completions do not have: refused unless neutral.
+    tools: Annotated[list | None, unsupported(None, [])] = None
+    tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False

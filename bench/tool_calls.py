@@ -1,0 +1,112 @@
+"""What a tool call costs the gateway: a chat round trip with tools against the same chat without them.
+
+The default model on the real scheduler, detokenizer and a gateway started with --tool-call-parser qwen25 and
+--reasoning-parser qwen3. Every request asks for the same output, forced by SGLang's `regex` field: a
+reasoning block and one `<tool_call>` block (about 40 tokens), so the two kinds of request differ only in
+what the gateway does: without tools the text is content (the reasoning still split out); with tools the
+template also renders the tools' signatures (a longer prompt to tokenize) and the parser reads the call.
+Measured: the gateway's CPU seconds per request (its /proc counters around R requests, C at a time), unary
+and streamed, and the parse alone in this process (AssistantTurn over the same text, fed token-sized pieces).
+
+    python -m bench.tool_calls              # writes bench/out/tool_calls.{md,json}
+"""
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from bench.common import OUT_DIR, Progress, Table, measure, write_results
+from bench.e2e import cpu_seconds
+from harness.http import exact_regex
+from harness.stack import running
+from services.common.model_store import resolve_model
+from services.gateway.agents.reasoning import ReasoningParserName, ThinkBlock
+from services.gateway.agents.tool_calls import TaggedCalls
+from services.gateway.agents.turn import AssistantTurn
+
+OUTPUT = ('<think>\nThe user asks for the weather; the tool has it.\n</think>\n\n<tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+PIECE_CHARS = 4  # about a token's text
+
+
+
+def parse_alone() -> None:
+    turn = AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls())
+    for i in range(0, len(OUTPUT), PIECE_CHARS):
+        turn.feed(OUTPUT[i:i + PIECE_CHARS])
+    turn.end()
+
+
+def round_trips(url: str, model: str, tools: bool, stream: bool, requests: int, concurrency: int) -> None:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 128, "temperature": 0, "stream": stream,
+            "regex": exact_regex(OUTPUT), **({"tools": TOOLS} if tools else {})}
+
+    def one(_: int) -> None:
+        with httpx.Client(timeout=300) as http:
+            if stream:
+                with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                    response.raise_for_status()
+                    text = "".join(response.iter_text())
+                    expected = '"tool_calls"' if tools else '"finish_reason":"stop"'
+                    if expected not in text:
+                        raise RuntimeError(f"unexpected stream: {text[-300:]}")
+            else:
+                reply = http.post(f"{url}/v1/chat/completions", json=body)
+                reply.raise_for_status()
+                message = reply.json()["choices"][0]["message"]
+                if bool(message.get("tool_calls")) != tools:
+                    raise RuntimeError(f"unexpected message: {message}")
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(requests)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.tool_calls", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    args = parser.parse_args(argv)
+    log_dir = OUT_DIR / "tool_calls-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(5, "tool_calls")
+    cases = [(tools, stream) for stream in (False, True) for tools in (False, True)]
+    results: dict[str, float] = {}
+    with running(resolve_model(None), log_dir, scheduler_args=("--max-running-requests", "16"),
+                 gateway_args=("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")) as stack:
+        stack.wait_ready()
+        url = stack.http_url
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        gateway = stack.procs["gateway"].proc.pid
+        round_trips(url, model, True, False, 2, 1)  # the regex's grammar compiled once, the routes warm
+        for tools, stream in cases:
+            progress.step(f"{'tools' if tools else 'no tools'}, {'streamed' if stream else 'unary'}")
+            before, started = cpu_seconds(gateway), time.perf_counter()
+            round_trips(url, model, tools, stream, args.requests, args.concurrency)
+            key = f"{'tools' if tools else 'plain'}_{'stream' if stream else 'unary'}"
+            results[f"{key}_cpu_s"] = (cpu_seconds(gateway) - before) / args.requests
+            results[f"{key}_wall_s"] = time.perf_counter() - started
+    progress.step("the parse alone")
+    parse = measure(parse_alone)
+    results["parse_s"] = parse.median
+    table = Table(f"Gateway CPU per chat round trip, {args.requests} requests at concurrency {args.concurrency}",
+                  ["mode", "without tools", "with tools (auto, qwen25)", "difference", "the parse alone"])
+    for stream in (False, True):
+        mode = "streamed" if stream else "unary"
+        plain = results[f"plain_{'stream' if stream else 'unary'}_cpu_s"]
+        tools = results[f"tools_{'stream' if stream else 'unary'}_cpu_s"]
+        table.add(mode, f"{plain * 1e3:.2f} ms", f"{tools * 1e3:.2f} ms", f"{(tools - plain) * 1e3:+.2f} ms",
+                  f"{parse.us:.0f} us")
+    notes = ("Each request: the same ~40-token output (a reasoning block and one tool call, forced by `regex`); "
+             "with tools the prompt also carries the tools' signatures (about 120 more tokens to render and "
+             "tokenize). The parse alone: the reasoning and tool-call parsers over the output, 4 characters a piece.")
+    print(write_results("tool_calls", "python -m bench.tool_calls", [table], results, notes))
+
+
+if __name__ == "__main__":
+    main()
