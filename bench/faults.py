@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from bench.common import machine_line
-from harness.faults import LONG_HOP_TIMEOUT_S, OUTCOMES, SCENARIOS, SCHEDULER_ARGS, K, ScenarioResult, run_scenario
+from harness.faults import OUTCOMES, SCENARIOS, SCHEDULER_ARGS, K, ScenarioResult, run_scenario
 from harness.stack import running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,14 +54,6 @@ def main() -> None:
         for name in args.scenarios:
             print(f"{name} ...", flush=True)
             results.append(run_scenario(stack, name, args.requests, args.tokens, tokenizer))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
-        if "detokenizer killed and restarted" in args.scenarios:
-            # The same restart, with a hop timeout longer than the detokenizer takes to come back.
-            stack.restart("gateway", "--hop-timeout-s", str(LONG_HOP_TIMEOUT_S))
-            result = run_scenario(stack, "detokenizer killed and restarted", args.requests, args.tokens,
-                                  tokenizer)
-            result.name += f" (--hop-timeout-s {LONG_HOP_TIMEOUT_S:.0f})"
-            results.append(result)
             print(table(results[-1:]).splitlines()[-1], flush=True)
     command = "python -m bench.faults " + " ".join(
         f"--{k} {v}" for k, v in (("requests", args.requests), ("tokens", args.tokens)))

@@ -36,8 +36,13 @@ class InProcessSteps:
             logprob=LogprobParams(return_logprob=top_k > 0, top_logprobs_num=top_k, logprob_start_len=-1)), self.limits)
 
     def add(self, requests: list[Request]) -> None:
+        """In line, their grammars (if any) compiled."""
         for request in requests:
+            if request.compiling is not None:
+                request.compiling.result()
             self.policy.add(request)
+        if failed := self.policy.compiled():
+            raise failed[0][1]
 
     def place(self, request: Request) -> None:
         """Start a request as if its prompt had been prefilled (its KV pages hold zeros): for timing decode steps at

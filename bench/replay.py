@@ -52,6 +52,7 @@ from transformers import AutoTokenizer
 
 from bench.common import Interleaved, Progress, Table, fmt_bytes, fmt_ratio, fmt_time, write_results
 from services.common.model_store import resolve_model
+from services.detokenizer.batch_decode import batch_decoder
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.gateway.accumulator import Accumulator
@@ -142,7 +143,7 @@ def scheduler_steps(ids: np.ndarray, k: int, batch: int, vocab: int, interval: i
 
 def detokenize(tokenizer, workload: Workload) -> list[bytes]:
     """The detokenizer process's work on every step; returns what it sends the gateway."""
-    manager, router = DetokenizerManager(tokenizer), Router()
+    manager, router = DetokenizerManager(batch_decoder(tokenizer)), Router()
     queue = router.subscribe(OWNER)
     sent = []
     for data in workload.steps:

@@ -40,7 +40,6 @@ from harness.stack import Stack
 SCHEDULER_ARGS = ("--max-running-requests", "64")
 K = 128
 HANG_S = 90.0
-LONG_HOP_TIMEOUT_S = 15.0
 OUTCOMES = ("identical", "failed explicitly", "truncated silently", "hung", "other")
 
 

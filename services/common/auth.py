@@ -97,13 +97,17 @@ def is_loopback(host: str) -> bool:
 
 
 def resolve_internal_secret(config, log: logging.Logger, internal_server: bool = True) -> None:
-    """Set config.internal_secret from --internal-secret-file if needed, and warn when an internal
-    server listens beyond loopback without one (anyone who reaches its port could read or end any
-    request)."""
+    """Set config.internal_secret from --internal-secret-file if needed. An internal server that would listen
+    beyond loopback without one (anyone who reaches its port could read or end any request) exits, unless
+    --allow-no-secret, and then says so."""
     config.internal_secret = load_internal_secret(config.internal_secret, config.internal_secret_file)
     if internal_server and not config.internal_secret and not is_loopback(config.host):
+        if not config.allow_no_secret:
+            raise SystemExit(f"--host {config.host}: listening beyond loopback needs an internal secret "
+                             "(FLATWIRE_INTERNAL_SECRET or --internal-secret-file, the same on every service), or "
+                             "--allow-no-secret to leave the internal hops unauthenticated")
         log.warning("no internal secret (FLATWIRE_INTERNAL_SECRET) while listening on %s: internal hops are "
-                    "unauthenticated", config.host)
+                    "unauthenticated (--allow-no-secret)", config.host)
 
 
 # -- servers ----------------------------------------------------------------------------------------------

@@ -107,6 +107,9 @@ class ServiceConfig:
     internal_secret_file: str | None = option(None, "read the internal secret from this file when "
                                               "--internal-secret is unset; a missing file is created with a "
                                               "random secret (services sharing a volume agree on it)")
+    allow_no_secret: bool = option(False, "let a scheduler or detokenizer listen beyond loopback without an internal "
+                                   "secret (refused otherwise: anyone who reaches its port could read or end any "
+                                   "request)")
 
     def __post_init__(self):
         require_positive(self, ("max_message_mb", "max_request_mb", "keepalive_s"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from flatwire_wire.scheduler import AbortRequest
 from flatwire_wire.steps import EntryOrder, Finish, FinishReason, RequestStart, StepMessage, entry_order, lost_output
 
-from services.detokenizer.batch_decode import batch_decoder
+from services.detokenizer.batch_decode import BatchDecode
 from services.detokenizer.decode_status import DecodeStatus
 from services.detokenizer.router import OwnedStep
 from services.detokenizer.stop_strings import StopStrings
@@ -54,8 +54,8 @@ class _Entry:
 
 
 class DetokenizerManager:
-    def __init__(self, tokenizer):
-        self._batch_decode = batch_decoder(tokenizer)
+    def __init__(self, batch_decode: BatchDecode):
+        self._batch_decode = batch_decode
         self.requests: dict[str, DecodingRequest] = {}
         # Requests ended here by a stop string -> their scheduler, until the scheduler's own
         # Finish for them arrives (steps already in flight still carry them).

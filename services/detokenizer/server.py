@@ -21,7 +21,6 @@ from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
 from flatwire_wire.scheduler import AbortRequest
 from flatwire_wire.steps import FinishReason, StepMessage
 from grpc_health.v1 import health_pb2
-from transformers import AutoTokenizer
 
 from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
@@ -30,6 +29,7 @@ from services.common.logs import setup_logging
 from services.common.model_store import resolve_model
 from services.common.rpc import add_health, create_server, listen
 from services.common.signals import stop_requested
+from services.detokenizer.batch_decode import load_batch_decoder
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
@@ -166,9 +166,9 @@ async def _report_health(streams: SchedulerStreams, servicer) -> None:
 
 async def serve(config: DetokenizerConfig) -> None:
     resolve_internal_secret(config, log)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
+    decode = load_batch_decoder(resolve_model(config.model, config.cache_dir))
     router = Router(adopt_for_s=config.owner_grace_s)
-    relay = Relay(DetokenizerManager(tokenizer), router, config)
+    relay = Relay(DetokenizerManager(decode), router, config)
 
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)

@@ -34,6 +34,10 @@ class GatewayConfig(ServiceConfig):
     owner_id: str | None = option(None, "this gateway's routing id (default: random)")
     health_interval_s: float = option(1.0, "seconds between checks of each scheduler's path (scheduler, detokenizer)")
     health_timeout_s: float = option(2.0, "how long one such check waits for an answer")
+    health_failure_threshold: int = option(
+        3, "checks (or submits) in a row that get no answer within their timeout before a scheduler leaves rotation "
+        "(SGLang's router: --health-failure-threshold); a refused connection, a restart or a detokenizer that no "
+        "longer follows it takes it out at once")
     hop_timeout_s: float = option(5.0, "a request whose path (scheduler, detokenizer, or this gateway's stream "
                                   "from it) stays broken this long fails with an error naming the hop")
     tool_call_parser: ToolCallParserName | None = option(
@@ -79,7 +83,7 @@ class GatewayConfig(ServiceConfig):
         require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
                                 "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s",
-                                "control_timeout_s"))
+                                "control_timeout_s", "health_failure_threshold"))
         if not self.drain_timeout_s >= 0:  # also refuses nan
             raise ValueError("--drain-timeout-s: must not be negative")
         if self.max_outstanding_requests < 0:

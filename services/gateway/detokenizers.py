@@ -82,12 +82,14 @@ class DetokenizerStreams:
             self._instances.pop(address, None)
         await asyncio.gather(*(self._channels.pop(address).close() for address in gone))
 
-    async def following(self, scheduler: str, timeout: float) -> list[str]:
-        """The detokenizers that answer, now, that they follow the step stream of replica `scheduler`."""
+    async def following(self, scheduler: str, timeout: float) -> tuple[list[str], list[str]]:
+        """(The detokenizers that answer, now, that they follow the step stream of replica `scheduler`; those that
+        gave no answer within `timeout`: busy or stopped, they may follow it yet.)"""
         name = subscription_health_name(scheduler)
         checked = list(self._health.items())  # as of now: the names may be re-resolved meanwhile
         follows = await asyncio.gather(*(_serving(stub, name, timeout) for _, stub in checked))
-        return [address for (address, _), yes in zip(checked, follows) if yes]
+        return ([address for (address, _), yes in zip(checked, follows) if yes],
+                [address for (address, _), yes in zip(checked, follows) if yes is None])
 
     async def stop(self) -> None:
         streams = list(self._streams.values())
@@ -123,10 +125,12 @@ class DetokenizerStreams:
         await follow_stream(f"detokenizer {address}", subscribe, handle, self._on_step_failed, RECONNECT_MAX_S)
 
 
-async def _serving(health: health_pb2_grpc.HealthStub, service: str, timeout: float) -> bool:
-    """SERVING -> True; NOT_SERVING, unknown service or no answer -> False."""
+async def _serving(health: health_pb2_grpc.HealthStub, service: str, timeout: float) -> bool | None:
+    """SERVING -> True; NOT_SERVING, unknown service or a refusal -> False; no answer in time -> None."""
     try:
         reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: its name stopped resolving, channel closed
+    except grpc.aio.AioRpcError as exc:
+        return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+    except grpc.aio.UsageError:  # its name stopped resolving, channel closed
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -9,8 +9,12 @@ A replica is in rotation only while its whole path works: it answers, and some
 detokenizer that this gateway is connected to follows its step stream (outputs of
 a request sent anywhere else would never arrive). Requests go to the replica in
 rotation that routing.py picks: where the request's session or prompt prefix went before (that
-replica's prefix cache holds it), else the least loaded. When the path breaks, the replica leaves
-rotation at once; its in-flight requests are failed only once the path has stayed
+replica's prefix cache holds it), else the least loaded. When the path breaks (a refused
+connection, a detokenizer that answers that it does not follow it), the replica leaves rotation
+at once; when it is merely slow (a check, or a submit, that gets no answer in time: a busy host,
+a short stall), only after --health-failure-threshold such checks in a row, and while every
+replica is out for slowness a new request waits up to --hop-timeout-s for one to come back
+rather than failing at once. Its in-flight requests are failed only once the path has stayed
 broken for --hop-timeout-s (within that, a restarted detokenizer replays what they
 missed), or at once when the replica answers with a new instance id (it restarted,
 and their state is gone). Requests the gateway gives up on are aborted in their
@@ -53,6 +57,8 @@ class Replica:
     client: SchedulerClient
     healthy: bool = False  # in rotation
     problem: str | None = "not checked yet"  # why its path is broken; None while it works
+    slow: bool = False  # out of rotation only for answering late: it may come back any moment
+    late_answers: int = 0  # checks (and submits) in a row that got no answer in time
     whole_at: float = field(default_factory=time.monotonic)  # when its path was last found working
     instance_id: str = ""
     max_running_requests: int = 0  # its running slots (ModelInfo), for admission control
@@ -64,6 +70,10 @@ class Replica:
     @property
     def load(self) -> int:
         return len(self.outstanding)
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class SchedulerPool:
@@ -82,6 +92,7 @@ class SchedulerPool:
         self._rpc_slots = asyncio.Semaphore(config.max_concurrent_submits)
         self._tasks: list[asyncio.Task] = []
         self._recheck = asyncio.Event()
+        self._back_in_rotation = asyncio.Event()  # set (and cleared) when a replica enters rotation
         self._aborts: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -140,18 +151,21 @@ class SchedulerPool:
     async def _submit(self, request: TokenizedRequest, routing_key: str | None) -> str:
         tried: set[str] = set()
         full: grpc.aio.AioRpcError | None = None  # a replica's refusal: its waiting list is full, or memory released
+        wait_until = time.monotonic() + self.config.hop_timeout_s
         while True:
             candidates = [r for r in self.replicas.values() if r.healthy and r.address not in tried]
             if not candidates and full is not None:
                 raise full  # every replica that answered refused: 429 when full, 503 when released; not a failure
+            if not candidates and not tried and await self._slow_one_back(wait_until):
+                continue
             if not candidates:
                 problems = "; ".join(f"{r.address}: {r.problem}" for r in self.replicas.values() if r.problem)
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           details=f"no scheduler can serve requests now ({problems or 'none'})")
+                raise _unavailable(f"no scheduler can serve requests now ({problems or 'none'})")
             replica = self.router.choose(candidates, request.input_ids, routing_key)
             replica.outstanding.add(request.rid)
             try:
                 await replica.client.submit(request, timeout=self.config.hop_timeout_s)
+                replica.late_answers = 0
                 return replica.address
             except grpc.aio.AioRpcError as exc:
                 replica.outstanding.discard(request.rid)
@@ -159,10 +173,30 @@ class SchedulerPool:
                     full = exc  # full, or its memory released: not broken, and another replica may take it
                     tried.add(replica.address)
                     continue
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Slow, not broken; the request may have arrived: not sent again elsewhere, stopped there.
+                    why = f"scheduler {replica.address} did not answer a submit in {self.config.hop_timeout_s:g}s"
+                    self._answered_late(replica, why)
+                    self.abort(replica.address, request.rid)
+                    raise _unavailable(why) from None
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self._take_out(replica, f"scheduler {replica.address} failed a submit: {exc.code().name}")
                 tried.add(replica.address)
+
+    async def _slow_one_back(self, deadline: float) -> bool:
+        """While some replica is out of rotation for answering late, wait (until `deadline`) for one to come back;
+        whether one did."""
+        while any(r.slow for r in self.replicas.values()) and not self.any_healthy():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.recheck()
+            try:
+                await asyncio.wait_for(self._back_in_rotation.wait(), left)
+            except TimeoutError:
+                return False
+        return self.any_healthy()
 
     def release(self, address: str, rid: str) -> None:
         if replica := self.replicas.get(address):
@@ -273,7 +307,10 @@ class SchedulerPool:
         try:
             info = await replica.client.model_info(timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            return self._take_out(replica, f"scheduler {replica.address} is not answering ({exc.code().name})")
+            why = f"scheduler {replica.address} is not answering ({exc.code().name})"
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return self._answered_late(replica, why)
+            return self._take_out(replica, why)
         replica.max_running_requests = info.max_running_requests
         replica.weight_version = info.weight_version
         try:
@@ -284,8 +321,11 @@ class SchedulerPool:
             if replica.instance_id:
                 self._lose(replica, f"scheduler {replica.address} restarted: the requests it was running are lost")
             replica.instance_id = info.instance_id
-        followed = await self.detokenizers.following(replica.address, timeout)
+        followed, late = await self.detokenizers.following(replica.address, timeout)
         replica.followers = set(followed) or replica.followers  # kept while none answers: still the likely ones
+        if not any(self.detokenizers.connected(a) for a in followed) and late:
+            return self._answered_late(replica, f"detokenizer {', '.join(late)} did not answer whether it follows "
+                                                f"scheduler {replica.address}")
         if not any(self.detokenizers.connected(a) for a in followed):
             unreachable = [a for a in self.detokenizers.addresses if not self.detokenizers.connected(a)]
             if followed:
@@ -295,16 +335,25 @@ class SchedulerPool:
             else:
                 why = "no detokenizer follows its step stream"
             return self._take_out(replica, f"scheduler {replica.address}: {why}")
-        replica.problem, replica.whole_at = None, time.monotonic()
+        replica.problem, replica.whole_at, replica.late_answers = None, time.monotonic(), 0
         if not replica.healthy:
             log.info("scheduler %s in rotation", replica.address)
-            replica.healthy = True
+            replica.healthy, replica.slow = True, False
+            self._back_in_rotation.set()
+            self._back_in_rotation.clear()
 
-    def _take_out(self, replica: Replica, why: str) -> None:
+    def _answered_late(self, replica: Replica, why: str) -> None:
+        """A check or submit that got no answer in time: out of rotation after --health-failure-threshold in a row
+        (one slow answer on a busy host is not an outage)."""
+        replica.late_answers += 1
+        if replica.late_answers >= self.config.health_failure_threshold:
+            self._take_out(replica, f"{why}, {replica.late_answers} times in a row", slow=True)
+
+    def _take_out(self, replica: Replica, why: str, slow: bool = False) -> None:
         """Out of rotation; its requests wait for the path to come back until the hop timeout."""
         if replica.healthy:
             log.warning("out of rotation: %s", why)
-        replica.healthy, replica.problem = False, why
+        replica.healthy, replica.problem, replica.slow = False, why, slow
 
     def _lose(self, replica: Replica, why: str) -> None:
         """Fail the replica's in-flight requests now."""

@@ -1,6 +1,7 @@
 """A request while the scheduler holds it: its validated options, its state, and its output not shipped yet."""
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,7 @@ from services.scheduler.sampling.logit_adjust import LogitAdjustment
 class RequestStatus(enum.Enum):
     """Where a request is; the scheduling policy (engine/scheduler.py) alone moves it, through ALLOWED."""
 
+    COMPILING = "compiling"  # accepted; its grammar compiles (sampling/grammar.py) before it may wait its turn
     WAITING = "waiting"  # accepted, holds no KV yet
     RUNNING = "running"  # holds KV pages and a request slot: prefilling (in chunks) or decoding a token per step
     # Dropped its KV (pause "retract", or preempted when pages ran short; its full pages stay in the prefix cache):
@@ -24,6 +26,7 @@ class RequestStatus(enum.Enum):
 
 
 ALLOWED = {
+    RequestStatus.COMPILING: {RequestStatus.WAITING, RequestStatus.FINISHED},
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED},
     RequestStatus.RUNNING: {RequestStatus.RETRACTED, RequestStatus.FINISHED},
     RequestStatus.RETRACTED: {RequestStatus.RUNNING, RequestStatus.FINISHED},
@@ -96,6 +99,7 @@ class Request:
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet
     status: RequestStatus = RequestStatus.WAITING
+    compiling: Future[xgr.GrammarMatcher] | None = None  # its grammar's matcher while COMPILING
     slot: int = -1  # its row of per-request sampling state while RUNNING
     output_ids: list[int] = field(default_factory=list)
     # KV: the pages of its sequence (prompt then output), and how many of its tokens they hold so far.

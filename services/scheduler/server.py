@@ -154,11 +154,8 @@ class SchedulerService:
         self._broadcast(None)
 
     async def submit(self, request: TokenizedRequest, context) -> Empty:
-        try:
-            if request.sampling.constraint:  # compiling a grammar blocks: not on the event loop
-                parsed = await asyncio.to_thread(parse_request, request, self.limits, self.grammars)
-            else:
-                parsed = parse_request(request, self.limits)
+        try:  # (a grammar is parsed here and compiled after the answer: Grammars.matcher_later)
+            parsed = parse_request(request, self.limits, self.grammars)
         except InvalidTokenizedRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                                 trailing_metadata=((FIELD_METADATA, exc.field),))

@@ -5,6 +5,7 @@ gateway renames it to the client's), and the server answers it with INVALID_ARGU
 """
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +13,7 @@ import xgrammar as xgr
 from flatwire_wire.logprobs import LogprobRows, LogprobsMode
 from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
-from services.scheduler.request import PendingOutput, Request
+from services.scheduler.request import PendingOutput, Request, RequestStatus
 from services.scheduler.sampling.grammar import Grammars, InvalidGrammar
 from services.scheduler.sampling.logit_adjust import LogitAdjustment
 
@@ -56,7 +57,8 @@ def _check_ids(ids, name: str, vocab_size: int) -> None:
 
 def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammars | None = None) -> Request:
     """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field. A constrained
-    request's grammar is compiled by `grammars` (blocking: see Grammars.compile); without them it is refused."""
+    request's grammar is parsed by `grammars` and compiled in their thread (the request is COMPILING until then);
+    without them it is refused."""
     sampling, logprob = msg.sampling, msg.logprob
     _check(bool(msg.rid), "rid", "must not be empty")
     input_ids = np.array(msg.input_ids, dtype=np.int64)
@@ -99,7 +101,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
 
     eos = () if sampling.ignore_eos else limits.eos_token_ids
     stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
-    grammar = _grammar(sampling, stop_ids, grammars)
+    compiling = _grammar(sampling, stop_ids, grammars)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
     interval = max(1, min(interval, max_new_tokens))
@@ -124,14 +126,17 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         seed=sampling.seed,
         adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
                                       sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
-        grammar=grammar,
+        grammar=None,
+        compiling=compiling,
+        status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
         pending=PendingOutput(interval, LogprobRows.allocate(interval, top_k, len(ids)) if wants else None),
     )
 
 
 def _grammar(sampling: SamplingParams, stop_ids: frozenset[int],
-             grammars: Grammars | None) -> xgr.GrammarMatcher | None:
-    """The request's grammar matcher, if it has a constraint (SamplingParams.constraint)."""
+             grammars: Grammars | None) -> Future[xgr.GrammarMatcher] | None:
+    """The request's grammar matcher to be, if it has a constraint (SamplingParams.constraint): parsed now (a
+    constraint that does not parse is refused), compiled after Submit has answered."""
     if sampling.constraint is None:
         return None
     kind, text = sampling.constraint
@@ -144,6 +149,7 @@ def _grammar(sampling: SamplingParams, stop_ids: frozenset[int],
     if grammars is None:
         raise InvalidTokenizedRequest(f"sampling.{kind}", "this scheduler compiles no grammars")
     try:
-        return grammars.matcher(kind, text, stop_ids)
+        grammar = grammars.parse(kind, text)
     except InvalidGrammar as exc:
         raise InvalidTokenizedRequest(f"sampling.{kind}", str(exc)) from None
+    return grammars.matcher_later(grammar, stop_ids)

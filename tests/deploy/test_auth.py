@@ -5,7 +5,10 @@ One stack for the module: scheduler, detokenizer and gateway sharing an internal
 with an API key.
 """
 
+import os
 import secrets
+import subprocess
+import sys
 import uuid
 
 import grpc
@@ -218,3 +221,24 @@ def test_internal_secret_file(tmp_path):
     assert load_internal_secret("", str(path)) == created  # a second service reads the same one
     assert load_internal_secret("explicit", str(path)) == "explicit"
     assert load_internal_secret(None, None) is None and load_internal_secret("", None) is None
+
+
+@pytest.mark.parametrize("service", ["scheduler", "detokenizer"])
+def test_an_internal_server_beyond_loopback_needs_a_secret(service, model_dir):
+    """Without a secret on 0.0.0.0 it exits at once naming the fix; --allow-no-secret starts it, with a warning."""
+    command = [sys.executable, "-m", "services", service, "--host", "0.0.0.0", "--port", "0", "--model",
+               str(model_dir), *(["--schedulers", "127.0.0.1:1"] if service == "detokenizer" else [])]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FLATWIRE_INTERNAL_SECRET")}
+    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "needs an internal secret" in refused.stderr, refused.stderr[-2000:]
+    allowed = subprocess.Popen([*command, "--allow-no-secret"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        log = ""
+        for line in allowed.stderr:
+            log += line
+            if "serving on" in line:
+                break
+        assert "unauthenticated (--allow-no-secret)" in log, log[-2000:]
+    finally:
+        allowed.kill()
+        allowed.wait()

@@ -5,6 +5,7 @@ routed with Router, exactly as the service does.
 """
 
 import asyncio
+import json
 import random
 
 import numpy as np
@@ -13,7 +14,7 @@ from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, RequestResume, RequestStart, StepMessage
 from transformers import AutoTokenizer
 
-from services.detokenizer.batch_decode import batch_decoder
+from services.detokenizer.batch_decode import _rust_tokenizer, batch_decoder, load_batch_decoder
 from services.detokenizer.decode_status import REPLACEMENT_CHAR
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
@@ -90,7 +91,7 @@ def test_streamed_deltas_concatenate_to_the_full_decode(tokenizer):
         "words": (tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3), params()),
         **{f"noise{n}": ([rng.randrange(len(tokenizer)) for _ in range(40)], params()) for n in range(4)},
     }
-    deltas, finishes, _ = run(DetokenizerManager(tokenizer), requests)
+    deltas, finishes, _ = run(DetokenizerManager(batch_decoder(tokenizer)), requests)
     for rid, (ids, _) in requests.items():
         assert "".join(deltas[rid]) == tokenizer.decode(ids), rid
         assert finishes[rid].reason == FinishReason.LENGTH
@@ -100,14 +101,14 @@ def test_streamed_deltas_concatenate_to_the_full_decode(tokenizer):
 def test_characters_split_across_tokens_never_stream_replacement_chars(tokenizer):
     ids = tokenizer.encode(MULTIBYTE)
     assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids), "the text must split a character"
-    deltas, _, _ = run(DetokenizerManager(tokenizer), {"r": (ids, params())})
+    deltas, _, _ = run(DetokenizerManager(batch_decoder(tokenizer)), {"r": (ids, params())})
     assert not any(REPLACEMENT_CHAR in delta for delta in deltas["r"])
     assert "" in deltas["r"], "partial characters must be held back"
 
 
 def test_one_step_decodes_all_its_requests_in_two_batched_calls(tokenizer):
     counting = CountingTokenizer(tokenizer)
-    manager = DetokenizerManager(counting)
+    manager = DetokenizerManager(batch_decoder(counting))
     ids = tokenizer.encode("several requests share this step")
     run(manager, {f"r{n}": (ids, params(skip_special_tokens=True)) for n in range(5)})
     assert counting.calls == 2 * len(ids)
@@ -121,10 +122,27 @@ def test_direct_rust_decode_equals_transformers_batch_decode(tokenizer, skip):
                                                                                      skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_checkpoint_decoder_loaded_without_transformers_decodes_as_transformers(model_dir, tokenizer, skip):
+    sequences = [tokenizer.encode(text) + [248046, 248058, 248068] for text in ("plain words", "中文 🎉", "")]
+    assert load_batch_decoder(model_dir)(sequences, skip, True) == tokenizer.batch_decode(sequences,
+                                                                                          skip_special_tokens=skip)
+    assert _rust_tokenizer(model_dir) is not None  # the default model's tokenizer.json is enough
+
+
+def test_a_checkpoint_whose_config_adds_special_tokens_decodes_through_transformers(model_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = [*config["extra_special_tokens"], "<think>"]  # not special in tokenizer.json
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert _rust_tokenizer(tmp_path) is None
+
+
 def test_skip_special_tokens(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = tokenizer.encode("hello") + [im_end] + tokenizer.encode(" world")
-    deltas, _, _ = run(DetokenizerManager(tokenizer), {
+    deltas, _, _ = run(DetokenizerManager(batch_decoder(tokenizer)), {
         "skip": (ids, params(skip_special_tokens=True)),
         "keep": (ids, params(skip_special_tokens=False, spaces_between_special_tokens=True)),
     })
@@ -134,7 +152,7 @@ def test_skip_special_tokens(tokenizer):
 
 def test_stop_token_is_not_text_unless_no_stop_trim(tokenizer):
     ids = tokenizer.encode("the end") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {
+    deltas, finishes, aborts = run(DetokenizerManager(batch_decoder(tokenizer)), {
         "trim": (ids, params()), "keep": (ids, params(no_stop_trim=True)),
     }, finish_reason=FinishReason.STOP_TOKEN)
     assert "".join(deltas["trim"]) == "the end"
@@ -147,7 +165,7 @@ def test_stop_string_spanning_tokens_trims_and_stops_the_request(tokenizer):
     ids = tokenizer.encode(text)
     stop = "op he"  # "stop" and " here" are separate tokens
     assert not any(stop in tokenizer.decode([i]) for i in ids)
-    deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {
+    deltas, finishes, aborts = run(DetokenizerManager(batch_decoder(tokenizer)), {
         "trim": (ids, params(stop=["never", stop])),
         "keep": (ids, params(stop=[stop], no_stop_trim=True)),
     })
@@ -163,7 +181,7 @@ def test_stop_string_spanning_tokens_trims_and_stops_the_request(tokenizer):
 
 def test_stop_string_in_the_last_token_overrides_length(tokenizer):
     ids = tokenizer.encode("one two three")
-    deltas, finishes, aborts = run(DetokenizerManager(tokenizer), {"r": (ids, params(stop=[" three"]))})
+    deltas, finishes, aborts = run(DetokenizerManager(batch_decoder(tokenizer)), {"r": (ids, params(stop=[" three"]))})
     assert "".join(deltas["r"]) == "one two"
     assert finishes["r"].reason == FinishReason.STOP_STRING and not aborts
 
@@ -194,7 +212,7 @@ def _block(rows: int, k: int, seed: int) -> LogprobBlock:
 
 def test_router_gives_each_owner_only_its_requests_with_their_bytes(tokenizer):
     async def scenario():
-        manager, router = DetokenizerManager(tokenizer), Router(adopt_for_s=60)
+        manager, router = DetokenizerManager(batch_decoder(tokenizer)), Router(adopt_for_s=60)
         queues = {owner: router.subscribe(owner) for owner in ("gw-a", "gw-b")}
         token = tokenizer.encode(" fox")[0]
         owners = {"a1": "gw-a", "b1": "gw-b", "a2": "gw-a", "x1": "gw-gone"}
@@ -262,7 +280,7 @@ def _feed(manager, steps) -> tuple[dict[int, str], list, list]:
 
 def test_replayed_steps_are_taken_once(tokenizer):
     steps = _steps("r", tokenizer.encode(MULTIBYTE))
-    manager = DetokenizerManager(tokenizer)
+    manager = DetokenizerManager(batch_decoder(tokenizer))
     texts, finishes, _ = _feed(manager, steps[:10])
     # The stream was cut and resubscribed: the scheduler replays steps 4.. again.
     more, finishes_after, _ = _feed(manager, steps[4:])
@@ -275,21 +293,21 @@ def test_replayed_steps_are_taken_once(tokenizer):
 def test_a_resumed_request_gets_the_same_deltas_as_without_the_restart(tokenizer, resumed_at):
     ids = tokenizer.encode(MULTIBYTE)
     steps = _steps("r", ids)
-    undisturbed, _, _ = _feed(DetokenizerManager(tokenizer), steps)
+    undisturbed, _, _ = _feed(DetokenizerManager(batch_decoder(tokenizer)), steps)
     # A new detokenizer: the scheduler resumes the request from its first resumed_at ids, then replays the rest.
     head = StepMessage()
     head.resumed.append(RequestResume(start=steps[0].started[0], output_ids=ids[:resumed_at]))
     resumed = steps[resumed_at]  # its start came with the resume:
     first = StepMessage(step=resumed.step, rids=resumed.rids, token_ids=resumed.token_ids, positions=resumed.positions,
                         counts=resumed.counts, finished=resumed.finished)
-    restarted, finishes, _ = _feed(DetokenizerManager(tokenizer), [head, first, *steps[resumed_at + 1:]])
+    restarted, finishes, _ = _feed(DetokenizerManager(batch_decoder(tokenizer)), [head, first, *steps[resumed_at + 1:]])
     assert restarted == undisturbed
     assert [f.reason for f in finishes] == [FinishReason.LENGTH]
 
 
 def test_a_gap_fails_the_request_and_aborts_it(tokenizer):
     steps = _steps("r", tokenizer.encode("one two three four five six"))
-    manager = DetokenizerManager(tokenizer)
+    manager = DetokenizerManager(batch_decoder(tokenizer))
     texts, finishes, aborts = _feed(manager, [steps[0], steps[1], steps[3]])
     assert sorted(texts) == [0, 1]
     assert [(f.reason, f.output_tokens) for f in finishes] == [(FinishReason.ERROR, 2)]
@@ -301,7 +319,7 @@ def test_entries_of_several_tokens_decode_as_one_delta_and_route_whole(tokenizer
     """Coalesced entries (a request that does not stream): one delta per entry, the same text in the end;
     the router gives each owner its entries' tokens, counts and positions."""
     async def scenario():
-        manager, router = DetokenizerManager(tokenizer), Router(adopt_for_s=60)
+        manager, router = DetokenizerManager(batch_decoder(tokenizer)), Router(adopt_for_s=60)
         queues = {owner: router.subscribe(owner) for owner in ("gw-a", "gw-b")}
         ids = {"a": tokenizer.encode(MULTIBYTE), "b": tokenizer.encode("The quick brown fox jumps over the lazy dog.")}
         texts = {rid: "" for rid in ids}

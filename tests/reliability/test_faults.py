@@ -10,7 +10,7 @@ timeout. A short "complete" response or a hang fails the test, in every scenario
 import pytest
 from transformers import AutoTokenizer
 
-from harness.faults import LONG_HOP_TIMEOUT_S, SCHEDULER_ARGS, run_scenario
+from harness.faults import SCHEDULER_ARGS, run_scenario
 from harness.stack import running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
@@ -19,6 +19,8 @@ REQUESTS = 16
 TOKENS = 200
 HOP_TIMEOUT_S = 5.0  # the gateway's default
 HEALTH_ROUND_S = 3.5  # a failure may come up to one health round (check timeout 2 s, interval 1 s) late
+# A stalled scheduler leaves rotation after --health-failure-threshold (3) checks in a row got no answer.
+SLOW_OUT_S = 3 * HEALTH_ROUND_S
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +34,14 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def run(stack, tokenizer, name, hop_timeout_s=HOP_TIMEOUT_S):
+def run(stack, tokenizer, name, fails_within_s=HOP_TIMEOUT_S + HEALTH_ROUND_S):
     result = run_scenario(stack, name, REQUESTS, TOKENS, tokenizer)
     print(f"\n{name}: {dict(result.counts)}; max time to fail "
           f"{max(result.fail_times, default=0):.1f}s; {result.notes}; {result.details}")
     assert result.counts["truncated silently"] == 0, result
     assert result.counts["hung"] == 0, result
     assert result.counts["other"] == 0, result
-    assert all(seconds < hop_timeout_s + HEALTH_ROUND_S for seconds in result.fail_times), result
+    assert all(seconds < fails_within_s for seconds in result.fail_times), result
     return result
 
 
@@ -47,24 +49,10 @@ def test_no_fault_every_request_is_identical(stack, tokenizer):
     assert run(stack, tokenizer, "no fault").counts["identical"] == REQUESTS
 
 
-def test_detokenizer_restart_loses_nothing(stack, tokenizer):
-    """The restarted detokenizer resumes every request from the scheduler's replay.
-
-    It takes 3-6 s to come back on this 2-core machine under load; with the default hop
-    timeout (5 s) the gateway may fail the requests explicitly first, so this test gives
-    it longer. test_detokenizer_restart_within_the_default_timeout covers the default.
-    """
-    stack.restart("gateway", "--hop-timeout-s", str(LONG_HOP_TIMEOUT_S))
-    try:
-        result = run(stack, tokenizer, "detokenizer killed and restarted", LONG_HOP_TIMEOUT_S)
-    finally:
-        stack.restart("gateway")
-    assert result.counts["identical"] == REQUESTS
-
-
-def test_detokenizer_restart_within_the_default_timeout(stack, tokenizer):
-    """Identical or failed explicitly, request by request; nothing in between."""
-    run(stack, tokenizer, "detokenizer killed and restarted")
+def test_detokenizer_restart_loses_nothing_with_the_defaults(stack, tokenizer):
+    """The restarted detokenizer (serving about a second after it starts) resumes every request from the
+    scheduler's replay, well inside the default hop timeout."""
+    assert run(stack, tokenizer, "detokenizer killed and restarted").counts["identical"] == REQUESTS
 
 
 def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
@@ -87,7 +75,7 @@ def _refused_at_once(admission, missing: str):
 
 
 def test_scheduler_stopped_fails_requests_and_leaves_no_orphans(stack, tokenizer):
-    result = run(stack, tokenizer, "scheduler stopped 20s")
+    result = run(stack, tokenizer, "scheduler stopped 20s", fails_within_s=SLOW_OUT_S + HEALTH_ROUND_S)
     assert result.counts["failed explicitly"] == REQUESTS
     assert not any(note.startswith("ORPHANS") for note in result.notes), result.notes
 

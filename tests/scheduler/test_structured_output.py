@@ -25,6 +25,7 @@ from services.scheduler.cache.prefix_cache import PrefixCache
 from services.scheduler.engine.scheduler import Scheduler, SlotPool
 from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.request import RequestStatus
 from services.scheduler.sampling.grammar import Grammars, TokenMask
 from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
 
@@ -59,7 +60,7 @@ def test_mask_keeps_exactly_the_grammar_tokens_of_constrained_rows(grammars, tok
     vocab = len(tokenizer)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     raw = logits.clone()
-    start, midway = (grammars.matcher("regex", REGEX, frozenset([STOP])) for _ in range(2))
+    start, midway = (grammars.matcher(Grammars.parse("regex", REGEX), frozenset([STOP])) for _ in range(2))
     for token in tokenizer.encode("abc-", add_special_tokens=False):
         assert midway.accept_token(token)
     TokenMask(4, vocab, torch.device("cpu")).apply(logits, [(0, start), (2, midway)])
@@ -73,7 +74,7 @@ def test_mask_keeps_exactly_the_grammar_tokens_of_constrained_rows(grammars, tok
 
 
 def test_a_complete_output_allows_only_the_stop_tokens(grammars, tokenizer):
-    matcher = grammars.matcher("regex", REGEX, frozenset([STOP, 7]))
+    matcher = grammars.matcher(Grammars.parse("regex", REGEX), frozenset([STOP, 7]))
     for token in tokenizer.encode("abc-12", add_special_tokens=False):
         assert matcher.accept_token(token)
     logits = torch.zeros(1, len(tokenizer))
@@ -127,8 +128,12 @@ def test_logprobs_stay_raw(model_dir, grammars):
         requests.append(request)
     pool = PagePool(runner.num_pages, runner.page_size)
     scheduler = Scheduler(SlotPool(2), pool, PrefixCache(pool, enabled=False), 256, chunked=True)
-    for request in requests:
+    for request in requests:  # the constrained one gets in line once its grammar is ready
         scheduler.add(request)
+        if request.compiling is not None:
+            assert request.status is RequestStatus.COMPILING
+            request.compiling.result()
+            assert scheduler.compiled() == [] and request.status is RequestStatus.WAITING
     result = run_step(runner, scheduler.schedule(), 256)
     rows = result.output
     assert rows is not None

@@ -66,6 +66,7 @@ from services.scheduler.step import Batch, StepResult, StepRunner
 log = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for the weights the server started with
+GRAMMAR_READY = "grammar ready"  # an inbox item that only wakes the engine: a COMPILING request may get in line
 
 
 class QueueFull(Exception):
@@ -142,6 +143,8 @@ class Engine:
                                 f"wait: max_waiting_requests); retry later")
             self._live.add(request.rid)
         self._inbox.put(request)
+        if request.compiling is not None:  # its grammar compiles meanwhile: wake the engine when it is ready
+            request.compiling.add_done_callback(lambda _: self._inbox.put(GRAMMAR_READY))
         return True
 
     def abort(self, abort: AbortRequest) -> bool:
@@ -214,6 +217,9 @@ class Engine:
         """Aborts, control commands, admission, one model step, finishes; then one StepMessage if anything
         happened."""
         out = _Outgoing(new)
+        for uncompiled, error in self.scheduler.compiled():
+            out.end(uncompiled, self._finish(uncompiled, FinishReason.ERROR,
+                                             message=f"its grammar did not compile: {error}"))
         for abort in aborts:
             if (request := self.scheduler.find(abort.rid)) is not None:  # None: it finished before the abort came
                 reason = abort.reason or FinishReason.ABORT
@@ -415,7 +421,7 @@ class Engine:
         held = pages.usable - pages.free - pages.evictable  # by requests (some also cached)
         self.stats = SchedulerStats(
             running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
+            waiting=len(scheduler.waiting) + len(scheduler.compiling),
             kv_tokens_used=sum(r.computed for r in scheduler.running),
             steps=self._step,
             finished=self._finished_total,

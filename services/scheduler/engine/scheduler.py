@@ -60,6 +60,7 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.chunked = chunked  # a prompt longer than what is left of the budget is split across steps
         self.waiting: deque[Request] = deque()  # WAITING and RETRACTED, in the order they are admitted
+        self.compiling: list[Request] = []  # COMPILING: in line once their grammar is ready
         self.running: list[Request] = []  # RUNNING, in the order they were admitted
         self.retractions = 0  # requests retracted because pages ran short
         self.prefill_tokens = 0  # tokens whose KV a prefill computed (cache hits excluded)
@@ -67,16 +68,31 @@ class Scheduler:
 
     @property
     def requests(self) -> list[Request]:
-        """Every request held: running, then waiting."""
-        return [*self.running, *self.waiting]
+        """Every request held: running, then waiting, then compiling."""
+        return [*self.running, *self.waiting, *self.compiling]
 
     @property
     def available_pages(self) -> int:
         return self.pages.free + self.pages.evictable
 
     def add(self, request: Request) -> None:
-        """A new request, last in line."""
-        self.waiting.append(request)
+        """A new request, last in line (once its grammar is compiled, if it is COMPILING)."""
+        (self.compiling if request.status is RequestStatus.COMPILING else self.waiting).append(request)
+
+    def compiled(self) -> list[tuple[Request, BaseException]]:
+        """Compiling requests whose grammar is ready get in line; those whose compile failed are returned, with
+        why, for the engine to finish."""
+        failed = []
+        for request in list(self.compiling):
+            matcher = request.compiling
+            if matcher is None or not matcher.done():
+                continue
+            if (error := matcher.exception()) is not None:
+                failed.append((request, error))
+                continue
+            request.grammar, request.compiling = matcher.result(), None
+            self._move(request, RequestStatus.WAITING)
+        return failed
 
     def find(self, rid: str) -> Request | None:
         return next((r for r in self.requests if r.rid == rid), None)
@@ -238,9 +254,13 @@ class Scheduler:
             self.slots.release(request.slot)
             request.slot = -1
             self._drop_kv(request)
+        elif request.status is RequestStatus.COMPILING:
+            self.compiling.remove(request)
         else:
             self.waiting.remove(request)
-        if status is RequestStatus.RUNNING:
+        if status is RequestStatus.WAITING:
+            self.waiting.append(request)
+        elif status is RequestStatus.RUNNING:
             request.slot = self.slots.allocate()
             request.sampling_ready = False
             self.running.append(request)

@@ -17,6 +17,7 @@ vLLM use).
 import logging
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,7 @@ class Grammars:
         self.eos_token_ids = eos_token_ids
         self._compiler: xgr.GrammarCompiler | None = None
         self._loading = threading.Lock()
+        self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._loading:
@@ -61,24 +63,32 @@ class Grammars:
                 log.info("structured output: %s's vocabulary read for grammar compilation", self.model_dir)
             return self._compiler
 
-    def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        """Blocking: milliseconds for a small schema once the vocabulary is read, nothing when cached."""
-        compiler = self._compiler_now()
+    @staticmethod
+    def parse(kind: str, text: str) -> xgr.Grammar:
+        """The constraint as a grammar, or InvalidGrammar saying why not: under a millisecond, as the
+        vocabulary plays no part (the compile against it does)."""
         try:
             if kind == "json_schema":
-                return compiler.compile_json_schema(text, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                return xgr.Grammar.from_json_schema(text, max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if kind == "regex":
-                return compiler.compile_regex(text)
-            return compiler.compile_grammar(text)  # ebnf
+                return xgr.Grammar.from_regex(text)
+            return xgr.Grammar.from_ebnf(text)
         except (RuntimeError, ValueError) as exc:
             message = _ERROR_ORIGIN.sub("", str(exc).strip()).strip()
             if len(message) > MAX_ERROR_CHARS:
                 message = message[:MAX_ERROR_CHARS] + "..."
             raise InvalidGrammar(f"xgrammar cannot compile it: {message}") from None
 
-    def matcher(self, kind: str, text: str, stop_ids: frozenset[int]) -> xgr.GrammarMatcher:
-        """A new request's matcher: the grammar, then one of `stop_ids` (not empty)."""
-        return xgr.GrammarMatcher(self.compile(kind, text), override_stop_tokens=sorted(stop_ids))
+    def matcher(self, grammar: xgr.Grammar, stop_ids: frozenset[int]) -> xgr.GrammarMatcher:
+        """A new request's matcher: the grammar, then one of `stop_ids` (not empty). Blocking: reads the vocabulary
+        the first time (seconds), then milliseconds for a small schema, nothing when cached."""
+        compiled = self._compiler_now().compile_grammar(grammar)
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+
+    def matcher_later(self, grammar: xgr.Grammar, stop_ids: frozenset[int]) -> Future[xgr.GrammarMatcher]:
+        """matcher() in this model's compile thread: its Submit answers at once, and the request waits for it
+        (RequestStatus.COMPILING), however long the compile takes on a busy host."""
+        return self._compile_thread.submit(self.matcher, grammar, stop_ids)
 
 
 class TokenMask:

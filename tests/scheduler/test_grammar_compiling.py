@@ -1,0 +1,124 @@
+"""A constrained request's grammar compiles after its Submit answered (RequestStatus.COMPILING): the engine runs
+everything else meanwhile, then gets it in line; an abort or a failed compile ends only that request.
+
+The engine runs in process, stepped by the test (as test_paged_engine does), on the default model, with
+Grammars that compile for real once the test lets them (HeldGrammars)."""
+
+import re
+import threading
+
+import pytest
+from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import FinishReason, StepMessage
+from transformers import AutoTokenizer
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine.engine import Engine
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.request import RequestStatus
+from services.scheduler.sampling.grammar import Grammars
+from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
+
+REGEX = "[a-z]{3}-[0-9]{2}"
+
+
+class HeldGrammars(Grammars):
+    """Grammars whose compiles wait for `go` (and fail with `failure`, when set)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.go = threading.Event()
+        self.failure: Exception | None = None
+
+    def matcher(self, grammar, stop_ids):
+        assert self.go.wait(60)
+        if self.failure is not None:
+            raise self.failure
+        return super().matcher(grammar, stop_ids)
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir):
+    return ModelRunner(model_dir, "cpu", "float32", 0, 4, 4, 2048)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class Run:
+    """An Engine stepped by the test, its requests' grammars compiled by HeldGrammars; what it published."""
+
+    def __init__(self, runner: ModelRunner, model_dir):
+        self.published: list[StepMessage] = []
+        self.engine = Engine(runner, SchedulerConfig(max_running_requests=4, page_size=4, max_total_tokens=2048),
+                             publish=self.published.append)
+        self.grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids)
+        self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 16, tuple(runner.eos_token_ids), 50)
+
+    def submit(self, rid: str, **sampling) -> None:
+        self.engine.submit(parse_request(TokenizedRequest(
+            rid=rid, owner="test", input_ids=[9707, 11, 1879],
+            sampling=SamplingParams(max_new_tokens=12, temperature=0, **sampling),
+            logprob=LogprobParams(logprob_start_len=-1)), self.limits, self.grammars))
+
+    def step(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.engine._iterate(*self.engine._drain_inbox(block=False))
+
+    def finish(self, rid: str):
+        return next((f for m in self.published for f in m.finished if f.rid == rid), None)
+
+    def output(self, rid: str) -> list[int]:
+        return [t for m in self.published for i, r in enumerate(m.rids) if r == rid for t in m.entry_tokens(i)]
+
+
+@pytest.fixture
+def run(runner, model_dir):
+    run = Run(runner, model_dir)
+    yield run
+    run.grammars.go.set()
+
+
+def test_others_run_while_a_grammar_compiles(run, tokenizer):
+    run.submit("constrained", regex=REGEX)
+    run.submit("free", ignore_eos=True)
+    run.step(20)
+    assert run.finish("free").reason is FinishReason.LENGTH  # done while the other compiles
+    [held] = run.engine.scheduler.requests
+    assert (held.rid, held.status) == ("constrained", RequestStatus.COMPILING)
+    assert run.engine.stats.waiting == 1 and not run.output("constrained")
+    run.grammars.go.set()
+    held.compiling.result(timeout=60)
+    run.step(20)
+    assert run.finish("constrained").reason is FinishReason.STOP_TOKEN
+    assert re.fullmatch(REGEX, tokenizer.decode(run.output("constrained")[:-1]))
+
+
+def test_an_abort_while_compiling_ends_it(run):
+    run.submit("constrained", regex=REGEX)
+    run.step()
+    run.engine.abort(AbortRequest(rid="constrained"))
+    run.step()
+    assert run.finish("constrained").reason is FinishReason.ABORT
+    assert not run.engine.scheduler.requests
+    run.grammars.go.set()  # the compile ends later: nothing is left to get in line
+    run.step(3)
+    assert not run.engine.scheduler.requests
+
+
+def test_a_failed_compile_fails_that_request_alone(run):
+    run.grammars.failure = RuntimeError("out of memory")
+    run.submit("constrained", regex=REGEX)
+    run.submit("free", ignore_eos=True)
+    run.grammars.go.set()
+    run.step(20)
+    finish = run.finish("constrained")
+    assert finish.reason is FinishReason.ERROR and "its grammar did not compile: out of memory" in finish.message
+    assert run.finish("free").reason is FinishReason.LENGTH
+
+
+def test_a_constraint_that_does_not_parse_is_refused_at_submit(run):
+    with pytest.raises(InvalidTokenizedRequest, match="Unclosed"):
+        run.submit("bad", regex="[a-")
