@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from services.common.rpc import check_health
+from services.common.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,10 +27,10 @@ class ServiceProcess:
         self.command = command
         self.log_path = log_dir / f"{command}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services", command, *args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        )
+        environ = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "services", command, *args],
+                                     cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=environ)
+        self._tls = TlsFiles.from_env(environ)  # its FLATWIRE_SSL_* if any
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -39,7 +40,7 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.command} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            if check_health(address, timeout=1.0):
+            if check_health(address, 1.0, self._tls.checking_channel(), self._tls.server_name):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{self.command} not healthy after {timeout}s:\n{self.log()[-4000:]}")

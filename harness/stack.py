@@ -52,7 +52,8 @@ class Service:
     def http_url(self) -> str:
         if self.kind != "gateway":
             raise AttributeError(f"{self.name} serves no HTTP")
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.env.get("FLATWIRE_SSL_CERTFILE") else "http"  # started with TLS
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def running(self) -> bool:

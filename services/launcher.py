@@ -20,15 +20,16 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.config import ServiceConfig, env_name, option, parse_config
+from services.common.healthcheck import http_ok
 from services.common.model_store import model_name, resolve_model
 from services.common.rpc import check_health
 from services.detokenizer.config import DetokenizerConfig
@@ -171,14 +172,6 @@ def _wait(check, what: str, procs: list[subprocess.Popen], deadline: float) -> N
         time.sleep(0.25)
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -223,12 +216,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     services = [Supervised(name, [sys.executable, "-m", "services", name, *args, *model, *flags[name]],
                            config.restart_delay_s) for name, args in commands.items()]
     deadline = time.monotonic() + config.startup_timeout_s
-    http = f"http://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:{config.port}"
+    gateway_tls = configs["gateway"].tls
+    http = f"http{'s' if gateway_tls.public else ''}://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:" \
+           f"{config.port}"
+    # Its own children on loopback: their certificate need not name 127.0.0.1.
+    own = ssl._create_unverified_context() if gateway_tls.public else None  # noqa: S323
+    internal, name = shared.tls.checking_channel(), shared.tls.server_name
     try:
         procs = [service.start() for service in services]
-        _wait(lambda: check_health(scheduler), "the scheduler", procs, deadline)
-        _wait(lambda: check_health(detokenizer), "the detokenizer", procs, deadline)
-        _wait(lambda: _http_ok(f"{http}/health"), "the gateway", procs, deadline)
+        _wait(lambda: check_health(scheduler, 2.0, internal, name), "the scheduler", procs, deadline)
+        _wait(lambda: check_health(detokenizer, 2.0, internal, name), "the detokenizer", procs, deadline)
+        _wait(lambda: http_ok(f"{http}/health", 2, own), "the gateway", procs, deadline)
         print(f"\nflatwire is up (model {model_name(shared.model, model_dir)} from {model_dir})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"

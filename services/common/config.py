@@ -12,6 +12,8 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from services.common.tls import TlsFiles
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -66,7 +68,10 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
                 values[field.name] = _parse(hints[field.name], raw)
             except ValueError as exc:
                 parser.error(f"--{field.name.replace('_', '-')}: {exc}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # a check across options (__post_init__): said as argparse says its own
+        parser.error(str(exc))
 
 
 def require_positive(config: Any, names: tuple[str, ...]) -> None:
@@ -107,9 +112,26 @@ class ServiceConfig:
     internal_secret_file: str | None = option(None, "read the internal secret from this file when "
                                               "--internal-secret is unset; a missing file is created with a "
                                               "random secret (services sharing a volume agree on it)")
+    ssl_keyfile: str | None = option(None, "this service's TLS private key (PEM; SGLang's and uvicorn's name): on the "
+                                     "gateway, HTTPS and TLS on the public gRPC port; with --ssl-ca-certs, every "
+                                     "service's identity on the internal hops (services/common/tls.py)")
+    ssl_certfile: str | None = option(None, "the certificate (PEM chain) of --ssl-keyfile")
+    ssl_ca_certs: str | None = option(None, "the CA certificates (PEM) that signed every service's certificate: "
+                                      "mutual TLS on the internal hops (the scheduler and detokenizer serve only "
+                                      "peers it signed; every service checks the server's name against it); the "
+                                      "same on every service")
+    ssl_server_name: str | None = option(None, "with --ssl-ca-certs: the name every internal server's certificate "
+                                         "is checked for, whatever address is dialled (pods dialled by IP); "
+                                         "default: the configured host (a DNS name of several replicas)")
     allow_no_secret: bool = option(False, "let a scheduler or detokenizer listen beyond loopback without an internal "
                                    "secret (refused otherwise: anyone who reaches its port could read or end any "
                                    "request)")
 
     def __post_init__(self):
         require_positive(self, ("max_message_mb", "max_request_mb", "keepalive_s"))
+        _ = self.tls  # checked now: a key without its certificate is a startup error
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.ssl_keyfile or None, self.ssl_certfile or None, self.ssl_ca_certs or None,
+                        self.ssl_server_name or None)

@@ -8,6 +8,11 @@ import asyncio
 import socket
 
 
+def host_of(entry: str) -> str:
+    """'name:port' -> 'name' (what a TLS certificate of the replicas behind it names)."""
+    return entry.rpartition(":")[0].strip("[]")
+
+
 async def resolve(entry: str) -> list[str]:
     """'name:port' -> one 'ip:port' per address the name resolves to (none if it does not)."""
     host, _, port = entry.rpartition(":")

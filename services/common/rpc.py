@@ -73,10 +73,14 @@ def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S,
     ])
 
 
-def listen(server: grpc.aio.Server, address: str) -> None:
-    """Bind `address`, or stop the process with why: a port another process holds is a startup error."""
+def listen(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> None:
+    """Bind `address` (with `credentials`: TLS, tls.py), or stop the process with why: a port another process
+    holds is a startup error."""
     try:
-        server.add_insecure_port(address)
+        if credentials is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise SystemExit(f"cannot listen on {address}: {exc} (another server holds the port?)") from None
 
@@ -101,16 +105,35 @@ async def mark_serving(servicer: health.aio.HealthServicer, service_names: list[
 
 
 def create_channel(address: str, max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
-                   internal_secret: str | None = None) -> grpc.aio.Channel:
-    """With `internal_secret`, every call on the channel carries it (see auth.py)."""
+                   internal_secret: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                   server_name: str | None = None) -> grpc.aio.Channel:
+    """With `internal_secret`, every call on the channel carries it (see auth.py); with `credentials`, TLS, the
+    server's certificate checked for `server_name` (default: the address's host)."""
     interceptors = auth.internal_secret_interceptors(internal_secret) if internal_secret else None
-    return grpc.aio.insecure_channel(address, options=message_options(max_message_mb, keepalive_s),
-                                     interceptors=interceptors)
+    options: list[tuple[str, int | str]] = [*message_options(max_message_mb, keepalive_s)]
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
-def check_health(address: str, timeout: float = 2.0) -> bool:
-    """True when the server at `address` answers SERVING (blocking; for CLIs and probes)."""
-    with grpc.insecure_channel(address) as channel:
+def internal_channel(address: str, config, name: str | None = None) -> grpc.aio.Channel:
+    """A channel to a scheduler or detokenizer with what a service's config (ServiceConfig) says: message limits,
+    keepalive, the internal secret, mutual TLS. `name`: the configured host `address` was resolved from (a DNS
+    name of several replicas): what their certificates name."""
+    tls = config.tls
+    return create_channel(address, config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
+                          credentials=tls.internal_channel(), server_name=tls.server_name or name)
+
+
+def check_health(address: str, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None) -> bool:
+    """True when the server at `address` answers SERVING (blocking; for CLIs and probes; `credentials`: TLS, the
+    certificate checked for `server_name`, default the address's host)."""
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    with (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+          else grpc.insecure_channel(address)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:

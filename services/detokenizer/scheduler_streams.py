@@ -16,9 +16,9 @@ import grpc
 from flatwire_wire.scheduler import AbortRequest, SchedulerClient
 from flatwire_wire.steps import StepMessage
 
-from services.common.discovery import resolve
+from services.common.discovery import host_of, resolve
 from services.common.follow import follow_stream
-from services.common.rpc import create_channel
+from services.common.rpc import internal_channel
 from services.detokenizer.config import DetokenizerConfig
 
 log = logging.getLogger("flatwire.detokenizer")
@@ -73,22 +73,21 @@ class SchedulerStreams:
                 log.warning("abort of %s on %s failed: %s %s", request.rid, scheduler, exc.code(), exc.details())
 
     async def _refresh(self) -> None:
-        seen: set[str] = set()
+        seen: dict[str, str] = {}  # address -> the configured host it was resolved from
         self._unresolved = set()
         for entry in self.config.schedulers:
             addresses = await resolve(entry)
             if not addresses:
                 self._unresolved.add(entry)
-            seen.update(addresses)
-        for address in seen - self._tasks.keys():
-            self._tasks[address] = asyncio.create_task(self._follow(address))
+            seen.update(dict.fromkeys(addresses, host_of(entry)))
+        for address in seen.keys() - self._tasks.keys():
+            self._tasks[address] = asyncio.create_task(self._follow(address, seen[address]))
         for address in self._tasks.keys() - seen:
             log.info("scheduler %s no longer resolves; unsubscribing", address)
             self._tasks.pop(address).cancel()
 
-    async def _follow(self, address: str) -> None:
-        channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
-                                 internal_secret=self.config.internal_secret)
+    async def _follow(self, address: str, name: str) -> None:
+        channel = internal_channel(address, self.config, name)
         client = SchedulerClient(channel)
         self._clients[address] = client
 

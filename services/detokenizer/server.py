@@ -175,7 +175,7 @@ async def serve(config: DetokenizerConfig) -> None:
     DETOKENIZER.add_to(server, DetokenizerService(router))
     health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
-    listen(server, address)
+    listen(server, address, config.tls.internal_server())
     await server.start()
     tasks = [asyncio.create_task(relay.streams.run()), asyncio.create_task(relay.watch()),
              asyncio.create_task(_report_health(relay.streams, health))]

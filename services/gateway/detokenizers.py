@@ -21,9 +21,9 @@ from flatwire_wire.detokenizer import DetokenizerClient
 from flatwire_wire.steps import StepMessage
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.discovery import INSTANCE_METADATA, resolve, subscription_health_name
+from services.common.discovery import INSTANCE_METADATA, host_of, resolve, subscription_health_name
 from services.common.follow import follow_stream
-from services.common.rpc import create_channel
+from services.common.rpc import internal_channel
 from services.gateway.config import GatewayConfig
 
 log = logging.getLogger("flatwire.gateway")
@@ -44,6 +44,7 @@ class DetokenizerStreams:
         self._on_cut = on_cut
         self._on_connected = on_connected
         self._resolved: dict[str, list[str]] = {}  # configured entry -> its addresses
+        self._names: dict[str, str] = {}  # address -> the configured host it was resolved from
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> the channel of its health checks
         self._health: dict[str, health_pb2_grpc.HealthStub] = {}
         self._streams: dict[str, asyncio.Task] = {}  # address -> its output stream's consumer
@@ -67,14 +68,14 @@ class DetokenizerStreams:
         addresses it had: a DNS hiccup must not cut output streams (what is in transit on them would be lost)."""
         for entry in self.config.detokenizers:
             self._resolved[entry] = await resolve(entry) or self._resolved.get(entry, [])
-        current = {address for addresses in self._resolved.values() for address in addresses}
-        for address in current - self._health.keys():
-            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
-                                     internal_secret=self.config.internal_secret)
+        current = {address: host_of(entry) for entry, addresses in self._resolved.items() for address in addresses}
+        for address in current.keys() - self._health.keys():
+            self._names[address] = current[address]
+            channel = internal_channel(address, self.config, current[address])
             self._channels[address] = channel
             self._health[address] = health_pb2_grpc.HealthStub(channel)
             self._streams[address] = asyncio.create_task(self._follow(address))
-        gone = self._health.keys() - current
+        gone = self._health.keys() - current.keys()
         for address in gone:
             log.info("detokenizer %s no longer resolves", address)
             del self._health[address]
@@ -104,8 +105,7 @@ class DetokenizerStreams:
 
         @asynccontextmanager
         async def subscribe():
-            channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
-                                     internal_secret=self.config.internal_secret)
+            channel = internal_channel(address, self.config, self._names.get(address))
             try:
                 call = DetokenizerClient(channel).stream_outputs(self.owner)
                 instance = dict(await call.initial_metadata()).get(INSTANCE_METADATA)

@@ -36,8 +36,8 @@ import grpc
 from flatwire_wire.control import ControlReply, WeightsChunk
 from flatwire_wire.scheduler import AbortRequest, ModelInfo, SchedulerClient, SchedulerStats, TokenizedRequest
 
-from services.common.discovery import resolve
-from services.common.rpc import create_channel
+from services.common.discovery import host_of, resolve
+from services.common.rpc import internal_channel
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams
 from services.gateway.routing import Router
@@ -293,8 +293,7 @@ class SchedulerPool:
             for address in await resolve(entry):
                 seen.add(address)
                 if address not in self.replicas:
-                    channel = create_channel(address, self.config.max_message_mb, self.config.keepalive_s,
-                                             internal_secret=self.config.internal_secret)
+                    channel = internal_channel(address, self.config, host_of(entry))
                     self.replicas[address] = Replica(address, channel, SchedulerClient(channel))
         for address in set(self.replicas) - seen:
             replica = self.replicas.pop(address)

@@ -52,16 +52,17 @@ async def serve(config: GatewayConfig) -> None:
                                 max_receive_mb=config.max_request_mb)
     add_generation_service(grpc_server, engine)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
-    listen(grpc_server, f"{config.host}:{config.grpc_port}")
+    listen(grpc_server, f"{config.host}:{config.grpc_port}", config.tls.public_server())
     await grpc_server.start()
     health_task = asyncio.create_task(_report_health(engine, health))
 
     app = Draining(create_app(engine, config))
     http = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                                      access_log=False, http=with_header_timeout(config.http_header_timeout_s),
-                                     timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S))
-    log.info("gateway %s: HTTP on %s:%d, gRPC on %s:%d", engine.owner, config.host, config.port, config.host,
-             config.grpc_port)
+                                     timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
+                                     ssl_keyfile=config.tls.keyfile, ssl_certfile=config.tls.certfile))
+    log.info("gateway %s: HTTP%s on %s:%d, gRPC%s on %s:%d", engine.owner, "S" if config.tls.public else "",
+             config.host, config.port, " (TLS)" if config.tls.public else "", config.host, config.grpc_port)
     try:
         await serve_until_drained(http, app, grpc_server, engine, config.drain_timeout_s)  # after SIGTERM/SIGINT
     finally:

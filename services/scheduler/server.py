@@ -330,7 +330,7 @@ async def serve(config: SchedulerConfig) -> None:
     SCHEDULER.add_to(server, service)
     health = add_health(server)  # no reflection: an internal API
     address = f"{config.host}:{config.port}"
-    listen(server, address)
+    listen(server, address, config.tls.internal_server())
     service.engine.start()
     await server.start()
     await mark_serving(health, [SERVICE_NAME])

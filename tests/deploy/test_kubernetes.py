@@ -44,7 +44,7 @@ from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerConfig
 
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "tls")
 KUBERNETES_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 CONFIGS = {"scheduler": SchedulerConfig, "detokenizer": DetokenizerConfig, "gateway": GatewayConfig}
 KINDS = {"ConfigMap", "Service", "PersistentVolumeClaim", "StatefulSet", "Deployment", "PodDisruptionBudget",
@@ -189,13 +189,22 @@ def test_each_scheduler_pod_has_its_detokenizer_and_the_gateways_find_both(rende
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes(rendered, overlay):
     found = containers(rendered[overlay])
-    for name in ("scheduler", "detokenizer"):  # Kubernetes' native gRPC probes: grpc.health.v1 on the port
+
+    def grpc_health(probe: dict, port: int) -> bool:
+        """Kubernetes' native gRPC probe (grpc.health.v1 on the port); with TLS, which it cannot speak, the same
+        check by `flatwire health grpc` (the container's own TLS variables)."""
+        if overlay == "tls":
+            return "grpc" not in probe and probe["exec"]["command"] == ["flatwire", "health", "grpc",
+                                                                        f"127.0.0.1:{port}"]
+        return probe["grpc"] == {"port": port}
+
+    for name in ("scheduler", "detokenizer"):
         _, container = found[name]
         port = int(plain(container, "FLATWIRE_PORT"))
-        assert container["readinessProbe"]["grpc"] == {"port": port}, name
+        assert grpc_health(container["readinessProbe"], port), name
         assert "startupProbe" in container, name
     _, scheduler = found["scheduler"]
-    assert scheduler["livenessProbe"]["grpc"] == {"port": int(plain(scheduler, "FLATWIRE_PORT"))}
+    assert grpc_health(scheduler["livenessProbe"], int(plain(scheduler, "FLATWIRE_PORT")))
     # The detokenizer's health follows its scheduler's stream: its liveness asks only that it listens.
     _, detokenizer = found["detokenizer"]
     assert port_number(detokenizer, detokenizer["livenessProbe"]["tcpSocket"]["port"]) == int(
@@ -203,6 +212,7 @@ def test_probes(rendered, overlay):
     _, gateway = found["gateway"]
     http_port = int(plain(gateway, "FLATWIRE_PORT"))
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert gateway["readinessProbe"]["httpGet"].get("scheme", "HTTP") == ("HTTPS" if overlay == "tls" else "HTTP")
     assert port_number(gateway, gateway["readinessProbe"]["httpGet"]["port"]) == http_port
     assert port_number(gateway, gateway["livenessProbe"]["tcpSocket"]["port"]) == http_port
     assert {p["containerPort"] for p in gateway["ports"]} == {http_port, int(plain(gateway, "FLATWIRE_GRPC_PORT"))}
@@ -263,6 +273,19 @@ def test_gateways_scale_and_drain_within_the_grace_period(rendered, overlay):
     for kind in WORKLOADS:
         for workload in of_kind(objects, kind):
             assert any(selects(b["spec"]["selector"]["matchLabels"], workload) for b in budgets), kind
+
+
+def test_tls_overlay_gives_every_container_the_tls_secret(rendered):
+    objects = rendered["tls"]
+    for name, (workload, container) in containers(objects).items():
+        env = env_of(container)
+        files = {key: env[key]["value"] for key in ("FLATWIRE_SSL_KEYFILE", "FLATWIRE_SSL_CERTFILE",
+                                                     "FLATWIRE_SSL_CA_CERTS")}
+        assert env["FLATWIRE_SSL_SERVER_NAME"]["value"] == "flatwire.internal", name  # pods are dialled by IP
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        [mount] = [m for m in container["volumeMounts"] if all(f.startswith(m["mountPath"] + "/")
+                                                               for f in files.values())]
+        assert volumes[mount["name"]]["secret"]["secretName"] == "flatwire-tls", name
 
 
 def test_gpu_overlay_gives_each_scheduler_a_gpu_and_the_cuda_image(rendered):

@@ -4,6 +4,7 @@ side by side on their own internal ports; it takes every option of the services 
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.certificates import make_certificates
 from harness.http import post
 from harness.launcher import Launcher
 from harness.procs import ROOT
@@ -197,3 +199,19 @@ def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, 
         assert len(events) == 3  # 6 tokens, 2 per event (--stream-interval 2)
     finally:
         _stop_up(up)
+
+
+def test_up_with_tls_serves_https_and_mutual_tls_inside(model_dir, tmp_path):
+    certs = make_certificates(tmp_path / "tls")
+    up = Launcher(tmp_path / "up.log", model_dir, ["--ssl-keyfile", str(certs.key), "--ssl-certfile", str(certs.cert),
+                                                    "--ssl-ca-certs", str(certs.ca)])
+    up.wait_up()
+    try:
+        https = up.http_url.replace("http://", "https://")
+        assert https in up.log()  # where to connect, as it printed it
+        reply = post(https, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}}, timeout=60,
+                     verify=ssl.create_default_context(cafile=certs.ca))
+        assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
+        assert not check_health(f"127.0.0.1:{up.ports['scheduler-port']}")  # no plaintext inside either
+    finally:
+        assert up.stop() == 0, up.log()

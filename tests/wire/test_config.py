@@ -6,7 +6,7 @@ from services.common.config import parse_config
 from services.gateway.config import GatewayConfig
 
 
-def test_flags_environment_and_booleans(monkeypatch):
+def test_flags_environment_and_booleans(monkeypatch, capsys):
     assert parse_config(GatewayConfig, ["--incremental-streaming-output"]).incremental_streaming_output is True
     assert parse_config(GatewayConfig, ["--incremental-streaming-output", "off"]).incremental_streaming_output is False
     assert parse_config(GatewayConfig, []).incremental_streaming_output is False
@@ -15,5 +15,9 @@ def test_flags_environment_and_booleans(monkeypatch):
     assert parse_config(GatewayConfig, ["--stream-interval", "2"]).stream_interval == 2  # the flag wins
     with pytest.raises(SystemExit):
         parse_config(GatewayConfig, ["--incremental-streaming-output", "maybe"])
-    with pytest.raises(ValueError, match="--stream-interval: must be positive"):
+    with pytest.raises(SystemExit):  # a check across options: argparse's exit, with the message on stderr
         parse_config(GatewayConfig, ["--stream-interval", "0"])
+    assert "--stream-interval: must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(GatewayConfig, ["--ssl-keyfile", "key.pem"])
+    assert "give both" in capsys.readouterr().err

@@ -148,15 +148,27 @@ class GenerationStream(ChunkStream):
             yield self._take(response)
 
 
+def _tls_credentials(tls: bool | bytes) -> grpc.ChannelCredentials | None:
+    """False: plaintext; True: TLS checked against the system's roots; bytes: against this CA (PEM)."""
+    if not tls:
+        return None
+    return grpc.ssl_channel_credentials(tls if isinstance(tls, bytes) else None)
+
+
 class FlatwireClient:
     """Blocking client. Options of generate() and stream(): the fields of requests.Options."""
 
     def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None,
-                 admin_api_key: str | None = None):
-        """`admin_api_key`: what the rollout-control methods send (default: api_key)."""
+                 admin_api_key: str | None = None, tls: bool | bytes = False):
+        """`admin_api_key`: what the rollout-control methods send (default: api_key). `tls`: True for a gateway
+        started with --ssl-certfile whose certificate the system trusts, or the PEM bytes of the CA that signed
+        it."""
         self._metadata = _metadata(api_key)
         self._admin_metadata = _metadata(admin_api_key or api_key)
-        self._channel = grpc.insecure_channel(address, options=_channel_options(max_message_mb))
+        options = _channel_options(max_message_mb)
+        credentials = _tls_credentials(tls)
+        self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+                         else grpc.insecure_channel(address, options=options))
         self._calls = _methods(self._channel)
 
     def __enter__(self) -> "FlatwireClient":
@@ -272,10 +284,13 @@ class AsyncFlatwireClient:
     """asyncio client (grpc.aio); the same options as FlatwireClient."""
 
     def __init__(self, address: str, max_message_mb: int = 1024, api_key: str | None = None,
-                 admin_api_key: str | None = None):
+                 admin_api_key: str | None = None, tls: bool | bytes = False):
         self._metadata = _metadata(api_key)
         self._admin_metadata = _metadata(admin_api_key or api_key)
-        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(max_message_mb))
+        options = _channel_options(max_message_mb)
+        credentials = _tls_credentials(tls)
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
+                         else grpc.aio.insecure_channel(address, options=options))
         self._calls = _methods(self._channel)
 
     async def __aenter__(self) -> "AsyncFlatwireClient":
