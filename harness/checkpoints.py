@@ -1,11 +1,12 @@
-"""Checkpoints for weight updates: the default model with seeded noise on some layers, beside its tokenizer."""
+"""Checkpoints for the tests: the default model with seeded noise on some layers (weight updates), and a small
+random Mixture-of-Experts model on the default vocabulary (routed experts); each beside the default tokenizer."""
 
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -21,7 +22,25 @@ def perturbed_checkpoint(model_dir: Path, target: Path, seed: int, layers: Seque
             if any(layer in name for layer in layers):
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
     model.save_pretrained(target)
+    _copy_tokenizer(model_dir, target)
+    return target
+
+
+def moe_checkpoint(model_dir: Path, target: Path, seed: int = 7) -> Path:
+    """A random Qwen3-MoE of 3 decoder layers (8 experts, 2 per token; layer 1 dense, as mlp_only_layers make it)
+    on the default model's vocabulary and tokenizer, saved to `target`; `target`."""
+    config = Qwen3MoeConfig(
+        vocab_size=248077, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        mlp_only_layers=[1], max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=[248046, 248044], pad_token_id=248044)
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(config).save_pretrained(target)
+    _copy_tokenizer(model_dir, target)
+    return target
+
+
+def _copy_tokenizer(model_dir: Path, target: Path) -> None:
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, target / name)
-    return target

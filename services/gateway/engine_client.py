@@ -71,6 +71,7 @@ class GenerateInput:
     stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
     rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
     routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
+    return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -202,7 +203,8 @@ class EngineClient:
         self._requests[rid] = state
         request = TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
-            detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0)
+            detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0,
+            return_routed_experts=inp.return_routed_experts)
         try:
             state.scheduler = await self._submit(request, inp)
             if state.abort_requested:  # aborted while it was being submitted
@@ -320,6 +322,7 @@ class EngineClient:
             finish_reason=finish.reason,
             e2e_latency=time.perf_counter() - state.started_at,
             cached_tokens=finish.cached_tokens,
+            routed_experts=finish.routed_experts_of(),
             token_ids_logprob=list(state.inp.logprob.token_ids_logprob) or None,
             prompt=state.prompt,
             output=output,

@@ -8,6 +8,7 @@ as one-request blocks.
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from flatwire_wire.logprobs import RequestLogprobs
 from flatwire_wire.public import WeightVersionSpan
 from flatwire_wire.steps import FinishReason
@@ -37,6 +38,7 @@ class RequestResult:
     e2e_latency: float = 0.0
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (their KV not computed again)
     error: str | None = None  # why, with finish_reason ABORT
+    routed_experts: np.ndarray | None = None  # int32 [tokens, layers, top_k], with return_routed_experts
     # Which weights produced which output positions (no token yet: one empty span, the version then in force).
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
 

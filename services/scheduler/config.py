@@ -31,6 +31,9 @@ class SchedulerConfig(ServiceConfig):
     logprobs_mode: str = option("raw_logprobs", "the distribution output logprobs are of when a request names none "
                                 "(vLLM's names): raw_logprobs, the model's; processed_logprobs, the one each token "
                                 "was drawn from (after logit_bias, penalties, grammar, temperature, top-k/p, min-p)")
+    enable_return_routed_experts: bool = option(
+        False, "record the experts a MoE model's routers choose for every token (SGLang's flag), for requests that "
+        "ask with return_routed_experts: int32 per KV slot, layer and expert slot (model/routed_experts.py)")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "

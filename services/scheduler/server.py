@@ -89,7 +89,8 @@ class SchedulerService:
         self.limits = SubmitLimits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                                    max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
                                    output_interval=config.output_interval, max_total_tokens=kv_tokens,
-                                   logprobs_mode=LogprobsMode.named(config.logprobs_mode))
+                                   logprobs_mode=LogprobsMode.named(config.logprobs_mode),
+                                   routed_experts=runner.expert_routing is not None)
         self.model_info = ModelInfo(
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
@@ -317,7 +318,8 @@ async def serve(config: SchedulerConfig) -> None:
     else:
         runner = await asyncio.to_thread(
             ModelRunner, model_dir, config.device, config.dtype, config.context_length, config.max_running_requests,
-            config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows)
+            config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows,
+            config.enable_return_routed_experts)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
 
+from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.request import Request
 
 
@@ -70,6 +71,7 @@ class StepRunner(Protocol):
     dtype: torch.dtype
     num_pages: int  # of the KV memory, page 0 (padding) included
     page_size: int
+    expert_routing: ExpertRouting | None  # what a MoE model's routers chose, with --enable-return-routed-experts
 
     def step(self, batch: Batch) -> StepResult:
         """One step: the KV of every row's tokens, and a token for each row that samples."""

@@ -43,6 +43,7 @@ class SubmitLimits:
     output_interval: int  # tokens per entry of a request that does not stream (--output-interval)
     max_total_tokens: int = 1 << 62  # the KV memory: a sequence longer than it can never run
     logprobs_mode: LogprobsMode = LogprobsMode.RAW  # a request's that names none (--logprobs-mode)
+    routed_experts: bool = False  # whether routed experts are recorded (--enable-return-routed-experts on a MoE)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -101,6 +102,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
 
     eos = () if sampling.ignore_eos else limits.eos_token_ids
     stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
+    _check(limits.routed_experts or not msg.return_routed_experts, "return_routed_experts",
+           "this scheduler records no routed experts: a MoE model, started with --enable-return-routed-experts")
     compiling = _grammar(sampling, stop_ids, grammars)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
@@ -124,6 +127,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         token_ids_logprob=ids,
         processed_logprobs=wants and (logprob.logprobs_mode or limits.logprobs_mode) is LogprobsMode.PROCESSED,
         seed=sampling.seed,
+        return_routed_experts=msg.return_routed_experts,
         adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
                                       sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
         grammar=None,

@@ -42,8 +42,7 @@ def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field
         assert response.status_code == 200, (ok, response.text)
 
 
-@pytest.mark.parametrize(("field", "value", "neutral"), [("n", 5, [None, 1]),
-                                                       ("return_routed_experts", True, [None, False])])
+@pytest.mark.parametrize(("field", "value", "neutral"), [("n", 5, [None, 1])])
 def test_generate_field_refused_unless_neutral(http, field, value, neutral):
     assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
     for ok in neutral:

@@ -1,5 +1,7 @@
-"""SGLang's meta_info fields that are not logprobs: id, token counts, finish_reason, latency, weight versions."""
+"""SGLang's meta_info fields that are not logprobs: id, token counts, finish_reason, latency, weight versions,
+routed experts."""
 
+import pybase64
 from flatwire_wire.steps import FinishReason
 
 from services.gateway.result import RequestResult
@@ -29,4 +31,13 @@ def base_meta_info(result: RequestResult) -> dict:
         "weight_version": result.weight_version,
         "weight_versions": [{"version": span.version, "start": span.start, "end": span.end}
                             for span in result.weight_versions],
+        **routed_experts(result),
     }
+
+
+def routed_experts(result: RequestResult) -> dict:
+    """SGLang's routed_experts (base64 of the int32 array, token-major) and its [tokens, layers, top_k] shape."""
+    if result.routed_experts is None:
+        return {}
+    return {"routed_experts": pybase64.b64encode(result.routed_experts.astype("<i4").tobytes()).decode(),
+            "routed_experts_shape": list(result.routed_experts.shape)}

@@ -38,8 +38,8 @@ class GenerateRequest(BaseModel):
     # The request's id (meta_info.id, /abort_request's rid): one per prompt of a batch; default: a fresh uuid.
     rid: str | list[str] | None = None
     n: Annotated[int | None, unsupported(None, 1)] = None  # SGLang's top-level n: one sample per prompt here
-    # MoE routing replay: the experts each token was routed to are not captured yet.
-    return_routed_experts: Annotated[bool | None, unsupported(None, False)] = None
+    # MoE routing replay (SGLang's): meta_info.routed_experts, from a scheduler with --enable-return-routed-experts.
+    return_routed_experts: bool = False
 
     @field_validator("top_logprobs_num")
     @classmethod

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from flatwire_wire.control import ControlReply, PauseMode
 from flatwire_wire.logprobs import LogprobRows
 from flatwire_wire.scheduler import AbortRequest, SchedulerStats
@@ -405,6 +406,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: FinishReason, matched_token: int = 0, matched_stop: str = "",
                 message: str = "") -> Finish:
+        routed = self._routed_experts(request)  # before its pages go
         self.scheduler.finish(request)
         with self._live_lock:
             self._live.discard(request.rid)
@@ -413,7 +415,16 @@ class Engine:
         else:
             self._finished_total += 1
         return Finish(rid=request.rid, reason=reason, matched_token=matched_token, matched_stop=matched_stop,
-                      message=message, output_tokens=len(request.output_ids), cached_tokens=request.cached_tokens)
+                      message=message, output_tokens=len(request.output_ids), cached_tokens=request.cached_tokens,
+                      routed_experts=routed.astype("<i4").tobytes() if routed is not None else b"",
+                      routed_experts_shape=list(routed.shape) if routed is not None else [])
+
+    def _routed_experts(self, request: Request) -> np.ndarray | None:
+        """What its tokens whose KV it holds were routed to, if it asked: every token but the last sampled."""
+        routing = self.runner.expert_routing
+        if not request.return_routed_experts or routing is None:
+            return None
+        return routing.of(request.page_table, request.computed)
 
     def _update_stats(self) -> None:
         # Swapped whole so that GetStats (another thread) reads a consistent snapshot.

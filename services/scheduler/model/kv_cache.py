@@ -18,13 +18,18 @@ DEFAULT_CPU_TOKENS = 131072  # the KV memory of the former 32 slots x 4096 token
 
 
 class KVPool:
+    """`routed_top_k`: also keep, per slot and layer, the top-k experts a MoE router chose for the token
+    (model/routed_experts.py): int32 [num_pages, page_size, layers, top_k], -1 where none did."""
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, routed_top_k: int = 0):
         self.num_pages = num_pages
         self.page_size = page_size
         self._layout = (num_layers, (num_pages, page_size, num_kv_heads, head_dim), dtype, device)
+        self._routed_top_k = routed_top_k
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.routed_experts = torch.empty(0, dtype=torch.int32)
         self.resume()
 
     def resume(self) -> None:
@@ -32,14 +37,18 @@ class KVPool:
         layers, shape, dtype, device = self._layout
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        if self._routed_top_k:
+            self.routed_experts = torch.full((*shape[:2], layers, self._routed_top_k), -1, dtype=torch.int32,
+                                             device=device)
 
     def release(self) -> None:
         """Free every layer's tensors (memory release: no request holds a page)."""
         self.keys, self.values = [], []
+        self.routed_experts = torch.empty(0, dtype=torch.int32)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.routed_experts))
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

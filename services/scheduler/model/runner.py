@@ -8,6 +8,7 @@ leave between steps without padding, and share the pages of a common prefix.
 """
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch
 from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.kv_cache import KVPool, bytes_per_token, pool_pages
+from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.grammar import TokenMask
 from services.scheduler.sampling.logit_adjust import SlotPenalties
 from services.scheduler.step import Batch, StepResult
@@ -59,7 +61,8 @@ def model_max_context(config) -> int:
 class ModelRunner:
     def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
-                 logits_chunk_rows: int = 256):
+                 logits_chunk_rows: int = 256, routed_experts: bool = False):
+        """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts)."""
         self.logits_chunk_rows = logits_chunk_rows
         self.device = pick_device(device)
         config = AutoConfig.from_pretrained(model_dir)
@@ -81,7 +84,9 @@ class ModelRunner:
         token_bytes = bytes_per_token(layers, kv_heads, head_dim, self.dtype)
         self.page_size = page_size
         self.num_pages = pool_pages(max_total_tokens, page_size, token_bytes, self.device, mem_fraction_static)
-        self.kv = KVPool(layers, self.num_pages, page_size, kv_heads, head_dim, self.dtype, self.device)
+        self.kv = KVPool(layers, self.num_pages, page_size, kv_heads, head_dim, self.dtype, self.device,
+                         routed_top_k=router_top_k(self.model) if routed_experts else 0)
+        self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
         self.penalties = SlotPenalties(max_running, self.vocab_size, self.device)
         self.token_mask = TokenMask(max_running, self.vocab_size, self.device)  # for structured output
         log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d tokens (%d pages of %d, %.2f GiB, %d "
@@ -95,17 +100,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's tokens."""
-        paged = PagedBatch.build(self.kv, [row.request.page_table for row in batch.rows],
-                                 np.array([row.start for row in batch.rows], dtype=np.int64),
-                                 np.array([row.end for row in batch.rows], dtype=np.int64), self.device)
-        out = self.decoder(
-            input_ids=self._tensor(input_ids).unsqueeze(0),
-            position_ids=self._tensor(positions).unsqueeze(0),
-            # A mask mapping tells transformers the masks are handled (by our attention).
-            attention_mask={"full_attention": None, "sliding_attention": None},
-            use_cache=False,
-            paged_batch=paged,
-        )
+        tables = [row.request.page_table for row in batch.rows]
+        starts = np.array([row.start for row in batch.rows], dtype=np.int64)
+        ends = np.array([row.end for row in batch.rows], dtype=np.int64)
+        paged = PagedBatch.build(self.kv, tables, starts, ends, self.device)
+        with self.expert_routing.recording(tables, starts, ends) if self.expert_routing else nullcontext():
+            out = self.decoder(
+                input_ids=self._tensor(input_ids).unsqueeze(0),
+                position_ids=self._tensor(positions).unsqueeze(0),
+                # A mask mapping tells transformers the masks are handled (by our attention).
+                attention_mask={"full_attention": None, "sliding_attention": None},
+                use_cache=False,
+                paged_batch=paged,
+            )
         return out.last_hidden_state[0]
 
     @torch.inference_mode()

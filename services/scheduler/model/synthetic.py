@@ -26,6 +26,7 @@ from flatwire_wire.logprobs import LogprobRows
 from transformers import AutoConfig, AutoTokenizer
 
 from services.scheduler.model.kv_cache import DEFAULT_CPU_TOKENS
+from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.model.runner import model_max_context
 from services.scheduler.step import Batch, BatchRow, StepResult
 
@@ -61,6 +62,7 @@ class SyntheticRunner:
         self.max_context = min(context_length or model_max_context(config), model_max_context(config))
         self.page_size = page_size
         self.num_pages = (max_total_tokens or DEFAULT_CPU_TOKENS) // page_size + 1
+        self.expert_routing: ExpertRouting | None = None  # no model, no routers
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.step_s = step_ms / 1e3
         self._next_step_at = 0.0  # time.perf_counter() at which the next step may return

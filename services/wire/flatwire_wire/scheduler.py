@@ -81,6 +81,7 @@ class TokenizedRequest:
     logprob: LogprobParams = field(default_factory=LogprobParams)
     detokenize: DetokenizeParams = field(default_factory=DetokenizeParams)
     stream_interval: int = 0  # output tokens per entry; 0: the scheduler's --output-interval
+    return_routed_experts: bool = False  # MoE: the experts of each token, with the Finish
 
 
 @twin(scheduler_pb2.AbortRequest)

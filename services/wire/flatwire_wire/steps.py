@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
+
 from flatwire_wire.codec import from_proto, to_proto, twin
 from flatwire_wire.lazy import lazy
 from flatwire_wire.logprobs import LogprobBlock, decode_block, write_block
@@ -73,6 +75,15 @@ class Finish:
     # 0..output_tokens-1 (wire rule 5).
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
+    # With return_routed_experts: int32 [tokens, layers, top_k] packed (routed_experts_of reads it).
+    routed_experts: bytes = b""
+    routed_experts_shape: list[int] = field(default_factory=list)
+
+    def routed_experts_of(self) -> np.ndarray | None:
+        """The routed experts as int32 [tokens, layers, top_k]; None when the request did not ask."""
+        if not self.routed_experts_shape:
+            return None
+        return np.frombuffer(self.routed_experts, dtype="<i4").reshape(self.routed_experts_shape)
 
 
 @twin(scheduler_pb2.RequestResume)

@@ -91,7 +91,7 @@ class DetokenizeParams(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
-    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval")
+    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts")
     RID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class TokenizedRequest(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     owner: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -106,7 +107,8 @@ class TokenizedRequest(_message.Message):
     logprob: LogprobParams
     detokenize: DetokenizeParams
     stream_interval: int
-    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
@@ -153,7 +155,7 @@ class RequestStart(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("rid", "reason", "matched_token", "matched_stop", "message", "output_tokens", "cached_tokens")
+    __slots__ = ("rid", "reason", "matched_token", "matched_stop", "message", "output_tokens", "cached_tokens", "routed_experts", "routed_experts_shape")
     RID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +163,8 @@ class Finish(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     rid: str
     reason: _arrays_pb2.FinishReason
     matched_token: int
@@ -168,7 +172,9 @@ class Finish(_message.Message):
     message: str
     output_tokens: int
     cached_tokens: int
-    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    routed_experts: bytes
+    routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version")

@@ -1,0 +1,83 @@
+"""Routed experts (SGLang's return_routed_experts, for routing replay in MoE RL): a scheduler started with
+--enable-return-routed-experts on a small random Qwen3-MoE (harness/checkpoints.py) returns, for every token that
+went through the model, the experts each MoE layer's router chose, equal to transformers' own routers on the same
+sequence; a prompt prefix found in the prefix cache keeps the routing its first prefill recorded."""
+
+import numpy as np
+import pybase64
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from harness.checkpoints import moe_checkpoint
+from harness.http import generate, post
+from harness.stack import running
+
+pytestmark = pytest.mark.slow  # runs services as processes of its own
+
+LAYERS, TOP_K, DENSE_LAYER = 3, 2, 1
+
+
+@pytest.fixture(scope="module")
+def moe_dir(model_dir, tmp_path_factory):
+    return moe_checkpoint(model_dir, tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_stack(moe_dir, log_dir):
+    with running(moe_dir, log_dir, scheduler_args=("--enable-return-routed-experts", "--page-size", "4")) as stack:
+        yield stack
+
+
+def routed(meta: dict) -> np.ndarray:
+    flat = np.frombuffer(pybase64.b64decode(meta["routed_experts"]), dtype="<i4")
+    return flat.reshape(meta["routed_experts_shape"])
+
+
+def reference(moe_dir, sequence: list[int]) -> np.ndarray:
+    """transformers' routers on the sequence: [tokens, layers, top_k], -1 in the dense layer."""
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence]), output_router_logits=True).router_logits
+    expected = np.full((len(sequence), LAYERS, TOP_K), -1, dtype=np.int32)
+    moe_layers = [layer for layer in range(LAYERS) if layer != DENSE_LAYER]
+    for layer, router_logits in zip(moe_layers, logits):
+        expected[:, layer] = router_logits.reshape(len(sequence), -1).topk(TOP_K, dim=-1).indices.numpy()
+    return expected
+
+
+def ask(stack, prompt: list[int], new_tokens: int) -> dict:
+    return generate(stack.http_url, input_ids=prompt, return_routed_experts=True,
+                    sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
+
+
+def test_every_token_s_experts_match_transformers(moe_stack, moe_dir):
+    prompt = np.random.default_rng(1).integers(0, 240_000, 21).tolist()
+    body = ask(moe_stack, prompt, 8)
+    experts = routed(body["meta_info"])
+    sequence = prompt + body["output_ids"][:-1]  # the last sampled token never went through the model
+    assert experts.shape == (len(sequence), LAYERS, TOP_K)
+    expected = reference(moe_dir, sequence)
+    assert (experts[:, DENSE_LAYER] == -1).all()
+    np.testing.assert_array_equal(np.sort(experts, axis=-1), np.sort(expected, axis=-1))
+
+
+def test_a_cached_prefix_keeps_its_routing(moe_stack):
+    prompt = np.random.default_rng(2).integers(0, 240_000, 30).tolist()
+    first = ask(moe_stack, prompt, 4)
+    second = ask(moe_stack, prompt + [11, 12, 13], 4)
+    assert second["meta_info"]["cached_tokens"] >= 24  # whole pages of the shared prompt
+    np.testing.assert_array_equal(routed(second["meta_info"])[:30], routed(first["meta_info"])[:30])
+
+
+def test_only_asked_for(moe_stack):
+    body = generate(moe_stack.http_url, text="Hello", sampling_params={"max_new_tokens": 2})
+    assert "routed_experts" not in body["meta_info"]
+
+
+def test_a_scheduler_without_routing_refuses_it(http):
+    reply = post(http, "/generate", {"text": "Hello", "return_routed_experts": True,
+                                     "sampling_params": {"max_new_tokens": 2}})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "return_routed_experts" and "--enable-return-routed-experts" in error["message"]
