@@ -3,10 +3,12 @@
 went through the model, the experts each MoE layer's router chose, equal to transformers' own routers on the same
 sequence; a prompt prefix found in the prefix cache keeps the routing its first prefill recorded."""
 
+import httpx
 import numpy as np
 import pybase64
 import pytest
 import torch
+from flatwire_client import FlatwireClient, HttpClient
 from transformers import AutoModelForCausalLM
 
 from harness.checkpoints import moe_checkpoint
@@ -81,3 +83,32 @@ def test_a_scheduler_without_routing_refuses_it(http):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "return_routed_experts" and "--enable-return-routed-experts" in error["message"]
+
+
+def test_the_public_grpc_api_and_the_client_carry_them(moe_stack):
+    prompt = np.random.default_rng(3).integers(0, 240_000, 13).tolist()
+    expected = routed(ask(moe_stack, prompt, 5)["meta_info"])
+    options = dict(max_new_tokens=5, temperature=0, ignore_eos=True, return_routed_experts=True)
+    with FlatwireClient(moe_stack.grpc_address) as client:
+        np.testing.assert_array_equal(client.generate(input_ids=prompt, **options).routed_experts, expected)
+        stream = client.stream(input_ids=prompt, **options)
+        list(stream)
+        assert all(chunk.routed_experts is None for chunk in stream.chunks[:-1])  # with the last chunk only
+        np.testing.assert_array_equal(stream.result.routed_experts, expected)
+        assert client.generate(input_ids=prompt, max_new_tokens=2).routed_experts is None
+    with HttpClient(moe_stack.http_url) as http:  # /generate's packed protobuf
+        np.testing.assert_array_equal(http.generate(input_ids=prompt, **options).routed_experts, expected)
+
+
+def test_openai_routes_carry_them_in_meta_info(moe_stack):
+    prompt = np.random.default_rng(4).integers(0, 240_000, 9).tolist()
+    expected = routed(ask(moe_stack, prompt, 3)["meta_info"])
+    with httpx.Client(base_url=moe_stack.http_url, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                "return_routed_experts": True, "return_meta_info": True}
+        reply = post(http, "/v1/completions", body)
+        assert reply.status_code == 200, reply.text
+        np.testing.assert_array_equal(routed(reply.json()["choices"][0]["meta_info"]), expected)
+        refused = post(http, "/v1/completions", {**body, "return_meta_info": False})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_routed_experts"

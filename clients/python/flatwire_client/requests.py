@@ -36,6 +36,7 @@ class Options:
     stop: tuple[str, ...] = field(default=())
     skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
+    return_routed_experts: bool = False  # MoE: Generation.routed_experts (a server with --enable-return-routed-experts)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -53,7 +54,8 @@ class Options:
             top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
             token_ids_logprob=list(self.token_ids_logprob), stop=list(self.stop),
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, stream=stream,
-            logprobs_mode=LogprobsMode.named(self.logprobs_mode) if self.logprobs_mode else LogprobsMode.UNSPECIFIED)
+            logprobs_mode=LogprobsMode.named(self.logprobs_mode) if self.logprobs_mode else LogprobsMode.UNSPECIFIED,
+            return_routed_experts=self.return_routed_experts)
 
     def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
         """/generate's JSON (SGLang's field names)."""
@@ -73,4 +75,6 @@ class Options:
             body["logprob_start_len"] = self.logprob_start_len
         if self.logprobs_mode is not None:
             body["logprobs_mode"] = self.logprobs_mode
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return body

@@ -29,6 +29,8 @@ class Generation:
     weight_version: str = ""  # of the weights that produced the last token so far ("": none yet)
     weight_versions: list[VersionSpan] = field(default_factory=list)  # which weights produced which positions
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (set on a stream's last chunk)
+    # int32 [tokens, layers, top_k]: the experts each token was routed to (return_routed_experts; last chunk)
+    routed_experts: np.ndarray | None = None
 
 
 def generation(response: GenerateResponse, input_ids: list[int] | None) -> Generation:
@@ -41,7 +43,13 @@ def generation(response: GenerateResponse, input_ids: list[int] | None) -> Gener
     return Generation(response.rid, response.tokens, response.text, response.output_logprobs(),
                       response.prompt_logprobs(input_ids), finish, matched, response.prompt_tokens,
                       response.completion_tokens, response.weight_version, response.weight_versions,
-                      response.cached_tokens)
+                      response.cached_tokens, _routed_experts(response))
+
+
+def _routed_experts(response: GenerateResponse) -> np.ndarray | None:
+    if not response.routed_experts_shape:
+        return None
+    return np.frombuffer(response.routed_experts, dtype="<i4").reshape(response.routed_experts_shape)
 
 
 class ChunkStream:
@@ -65,4 +73,4 @@ class ChunkStream:
         return Generation(last.rid, np.concatenate([c.token_ids for c in self.chunks]),
                           "".join(c.text for c in self.chunks), output, prompt, last.finish_reason, last.matched_stop,
                           last.prompt_tokens, last.completion_tokens, last.weight_version, last.weight_versions,
-                          last.cached_tokens)
+                          last.cached_tokens, last.routed_experts)

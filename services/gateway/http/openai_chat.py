@@ -56,7 +56,8 @@ async def chat_completions(request: Request) -> Response:
     max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
     # Choice j samples with its own seed (seed + j), so that seeded choices differ yet reproduce.
     inputs = [GenerateInput(input_ids=ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
-                            detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields())
+                            detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
+                            return_routed_experts=req.return_routed_experts)
               for j in range(req.n)]
     check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))

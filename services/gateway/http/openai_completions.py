@@ -56,7 +56,8 @@ async def completions(request: Request) -> Response:
         max_new = check_lengths(prompt_ids, gateway.limits, "prompt", req.max_tokens, "max_tokens")
         # choice p * n + j is prompt p's j-th sample, with its own seed (seed + j) when seeded
         inputs += [GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
-                                 detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields())
+                                 detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
+                                 return_routed_experts=req.return_routed_experts)
                    for j in range(req.n)]
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)

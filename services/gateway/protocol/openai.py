@@ -89,12 +89,15 @@ class OpenAIRequest(SamplingFields):
     logprobs_mode: LogprobsModeName | None = None  # flatwire's (vLLM's names): of the logprobs returned
     # vLLM's: the prompt's and each choice's token ids in the response, so that a trainer never retokenizes
     return_token_ids: bool = False
+    # SGLang's MoE routing replay: each choice's meta_info.routed_experts (a scheduler with
+    # --enable-return-routed-experts)
+    return_routed_experts: bool = False
 
     @model_validator(mode="after")
     def _flat_flags(self) -> "OpenAIRequest":
-        if self.return_flat_raw_output_top_logprobs and not self.return_meta_info:
-            raise InvalidRequest("return_flat_raw_output_top_logprobs",
-                                 "return_flat_raw_output_top_logprobs requires return_meta_info")
+        for flag in ("return_flat_raw_output_top_logprobs", "return_routed_experts"):  # they live in meta_info
+            if getattr(self, flag) and not self.return_meta_info:
+                raise InvalidRequest(flag, f"{flag} requires return_meta_info")
         return self
 
     @property

@@ -23,6 +23,9 @@ def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) ->
     if (result := chunk.result) is not None and result.finish_reason is not None:
         response.finish_reason = result.finish_reason
         response.cached_tokens = result.cached_tokens
+        if result.routed_experts is not None:
+            response.routed_experts = result.routed_experts.astype(I32).tobytes()
+            response.routed_experts_shape = list(result.routed_experts.shape)
         if result.finish_reason is FinishReason.STOP_STRING:
             response.matched_stop = str(result.matched_stop)
         elif result.finish_reason is FinishReason.STOP_TOKEN:

@@ -62,6 +62,7 @@ class GenerateRequest:
     no_stop_trim: bool = False
     stream: bool = False
     logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # of the output logprobs; UNSPECIFIED: the server's
+    return_routed_experts: bool = False  # MoE: the experts each token was routed to, on the last chunk
 
 
 @twin(generate_pb2.WeightVersionSpan)
@@ -93,6 +94,8 @@ class GenerateResponse:
     weight_version: str = ""
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held; set on the last chunk
+    routed_experts: bytes = b""  # <i4 [tokens, layers, top_k], with return_routed_experts, on the last chunk
+    routed_experts_shape: list[int] = field(default_factory=list)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "GenerateResponse":
@@ -107,14 +110,16 @@ class GenerateResponse:
                    matched_stop=m.matched_stop, prompt_tokens=m.prompt_tokens, completion_tokens=m.completion_tokens,
                    weight_version=m.weight_version,
                    weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in m.weight_versions],
-                   cached_tokens=m.cached_tokens)
+                   cached_tokens=m.cached_tokens, routed_experts=m.routed_experts,
+                   routed_experts_shape=list(m.routed_experts_shape))
 
     def to_bytes(self) -> bytes:
         message = generate_pb2.GenerateResponsePacked(
             rid=self.rid, token_ids=self.token_ids, text=self.text, finish_reason=self.finish_reason,
             matched_token=self.matched_token, matched_stop=self.matched_stop, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, weight_version=self.weight_version,
-            cached_tokens=self.cached_tokens,
+            cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
+            routed_experts_shape=self.routed_experts_shape,
             weight_versions=[generate_pb2.WeightVersionSpan(version=s.version, start=s.start, end=s.end)
                              for s in self.weight_versions])
         if self.output is not None:
