@@ -22,11 +22,13 @@ arrays) and nested ([logprob, id, text] rows); k=0 is `return_logprob: false`, o
 row per mode whatever the formats (flat_b64 streams each event's rows only).
 Non-streaming rows are run at each
 --output-intervals value (50, the default, and 1: a message per token, everything
-else equal), so the same run shows what coalescing saves. The gateway runs one
-process (it has no worker option), so there is no scale-out axis.
+else equal), so the same run shows what coalescing saves. --gateway-workers runs each
+configuration with that many gateway processes sharing the HTTP port (--reuse-port, as
+`flatwire up --gateway-workers N`); their CPU is summed.
 
     python -m bench.capacity                  # the full matrix: writes bench/out/capacity.{md,json}
     python -m bench.capacity --concurrency 32 --k 128 --formats flat_b64 --modes nonstream --duration 5
+    python -m bench.capacity --concurrency 512 --modes stream --gateway-workers 1,2 --name capacity_workers
     python -m bench.capacity --replot         # redraw bench/plots/capacity.png (needs matplotlib)
 """
 
@@ -63,6 +65,7 @@ class Config:
     format: str  # flat_b64, nested, or "-" (k=0)
     mode: str  # nonstream or stream
     interval: int = 50  # the scheduler's --output-interval: tokens per entry of a request that does not stream
+    gateways: int = 1  # gateway processes behind the HTTP port
 
     def body(self, tokens: int) -> bytes:
         body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
@@ -73,7 +76,8 @@ class Config:
 
 
 def configs(args) -> list[Config]:
-    return [Config(c, k, fmt, mode, interval) for interval in args.output_intervals for c in args.concurrency
+    return [Config(c, k, fmt, mode, interval, gateways) for gateways in args.gateway_workers
+            for interval in args.output_intervals for c in args.concurrency
             for k in args.k for fmt in (args.formats if k else ["-"]) for mode in args.modes
             if mode == "nonstream" or interval == args.output_intervals[0]]  # the interval is for nonstream
 
@@ -170,8 +174,8 @@ async def client_loop(address: tuple[str, int], body: bytes, stream: bool, delay
         connection.close()
 
 
-def snapshot(stack: Stack, pids: dict[str, int]) -> tuple[float, dict[str, float], int]:
-    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+def snapshot(stack: Stack, pids: dict[str, list[int]]) -> tuple[float, dict[str, float], int]:
+    cpu = {name: sum(map(cpu_seconds, each)) for name, each in pids.items()}
     return time.perf_counter(), cpu, stack.stats().steps
 
 
@@ -180,7 +184,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-async def measure(stack: Stack, pids: dict[str, int], config: Config, args) -> dict:
+async def measure(stack: Stack, pids: dict[str, list[int]], config: Config, args) -> dict:
     body, stream = config.body(args.tokens), config.mode == "stream"
     replies: list[Reply] = []
     first: list[bytes] = []
@@ -223,14 +227,14 @@ def wait_idle(stack: Stack, timeout: float = 120.0) -> None:
 
 
 def table(rows: list[dict], args) -> Table:
-    columns = ["C", "k", "format", "mode", "interval", "offered tok/s", "delivered tok/s", "of offer",
+    columns = ["C", "k", "format", "mode", "interval", "gateways", "offered tok/s", "delivered tok/s", "of offer",
                *(f"{s} us/tok" for s in (*SERVICES, "client")), "step ms", "p50 s", "p99 s", "errors"]
     out = Table(f"Capacity: {args.tokens}-token requests, synthetic step {args.step_ms:g} ms", columns,
                 "us/tok: CPU microseconds per delivered token of each process (client: this benchmark's HTTP "
                 "clients, on the same cores). step ms: the scheduler's measured step time in the window.")
     for r in rows:
         interval = r.get("interval", 50) if r["mode"] == "nonstream" else 1
-        head = [r["concurrency"], r["k"], r["format"], r["mode"], interval]
+        head = [r["concurrency"], r["k"], r["format"], r["mode"], interval, r.get("gateways", 1)]
         us = r["us_per_token"]
         out.add(*head, f"{r['offered_tok_s']:,.0f}", f"{r['delivered_tok_s']:,.0f}", f"{r['fraction']:.0%}",
                 *(f"{us[s]:.1f}" for s in (*SERVICES, "client")), f"{r['step_ms_measured']:.1f}",
@@ -298,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="max_new_tokens of every request")
     parser.add_argument("--output-intervals", type=ints, default=[50, 1],
                         help="the scheduler's --output-interval values to compare (non-streaming requests only)")
+    parser.add_argument("--gateway-workers", type=ints, default=[1],
+                        help="gateway processes sharing the HTTP port (SO_REUSEPORT), e.g. 1,2")
+    parser.add_argument("--name", default="capacity", help="results as bench/out/NAME.{md,json}")
     parser.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default model)")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from bench/out/capacity.json")
     args = parser.parse_args(argv)
@@ -310,13 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = OUT_DIR / "capacity-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for interval, concurrency in dict.fromkeys((c.interval, c.concurrency) for c in todo):
+    for interval, concurrency, gateways in dict.fromkeys((c.interval, c.concurrency, c.gateways) for c in todo):
         scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms),
                           "--max-running-requests", str(concurrency), "--output-interval", str(interval))
-        with running(model_dir, log_dir, scheduler_args=scheduler_args) as stack:
+        with running(model_dir, log_dir, scheduler_args=scheduler_args, gateway_workers=gateways) as stack:
             stack.wait_ready()
-            pids = {name: stack.procs[name].proc.pid for name in SERVICES} | {"client": os.getpid()}
-            for config in (c for c in todo if (c.interval, c.concurrency) == (interval, concurrency)):
+            pids = {kind: [stack.procs[name].proc.pid for name, service in stack.services.items()
+                           if service.kind == kind] for kind in SERVICES} | {"client": [os.getpid()]}
+            for config in (c for c in todo if (c.interval, c.concurrency, c.gateways) == (interval, concurrency,
+                                                                                          gateways)):
                 rows.append(asyncio.run(measure(stack, pids, config, args)))
                 wait_idle(stack)
                 r = rows[-1]
@@ -325,19 +334,20 @@ def main(argv: list[str] | None = None) -> None:
                               + (f", check: {r['check']}" if r["check"] else ""))
     command = "python -m bench.capacity" + "".join(
         f" --{name.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
-        for name, value in vars(args).items() if value != parser.get_default(name))
+        for name, value in vars(args).items() if value != parser.get_default(name) and name != "name")
     notes = (f"Synthetic scheduler (`--engine synthetic --step-ms {args.step_ms:g}`, --max-running-requests C) "
-             f"and the real detokenizer and gateway, one process each, on {os.cpu_count()} cores shared with the "
+             f"and the real detokenizer and gateway (gateways: processes sharing the HTTP port), on "
+             f"{os.cpu_count()} cores shared with the "
              f"clients. Each of C closed-loop clients sends POST /generate ({len(PROMPT_IDS)}-token prompt, "
              f"max_new_tokens {args.tokens}, ignore_eos) for {args.warmup:g} s of warm-up and {args.duration:g} s "
              "measured. Offered: C x 1000 / step ms. Delivered counts the requests that completed in the window, "
              "some of whose tokens came before it: it can pass the offer by a few percent. interval: output "
              "tokens per message of a non-streaming request (the scheduler's --output-interval); streaming "
              "requests ship every token.")
-    print(write_results("capacity", command, [table(rows, args)],
+    print(write_results(args.name, command, [table(rows, args)],
                         {"step_ms": args.step_ms, "tokens": args.tokens, "duration_s": args.duration,
                          "warmup_s": args.warmup, "rows": rows}, notes))
-    if (path := plot(rows)) is not None:
+    if args.name == "capacity" and (path := plot(rows)) is not None:
         print(path)
 
 

@@ -19,10 +19,13 @@ tests/reliability/test_faults.py runs them with fewer requests and asserts the o
 """
 
 import concurrent.futures
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -235,6 +238,33 @@ def _scheduler_killed(stack: Stack) -> list[str]:
     return []
 
 
+@contextmanager
+def busy_cores() -> Iterator[None]:
+    """A process spinning on each core, for as long as the block runs (a host busy with other work)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def _cores_busy(stack: Stack, seconds: float = 15.0) -> list[str]:
+    with busy_cores():
+        time.sleep(seconds)
+    return [f"every core spun by another process for {seconds:.0f}s"]
+
+
+def _scheduler_stalls(stack: Stack, times: int = 3, seconds: float = 2.5) -> list[str]:
+    for _ in range(times):
+        stack.signal("scheduler", signal.SIGSTOP)
+        time.sleep(seconds)
+        stack.signal("scheduler", signal.SIGCONT)
+        time.sleep(1.5)
+    return [f"scheduler stopped {times} times for {seconds:g}s"]
+
+
 def _scheduler_stopped(stack: Stack, seconds: float = 20.0) -> list[str]:
     stack.signal("scheduler", signal.SIGSTOP)
     time.sleep(seconds)
@@ -258,6 +288,8 @@ class Scenario:
 
 SCENARIOS = {
     "no fault": Scenario(lambda stack: []),
+    "cores busy (contention)": Scenario(_cores_busy),
+    "scheduler stalls of 2.5s": Scenario(_scheduler_stalls),
     "detokenizer killed and restarted": Scenario(_detokenizer_restarted),
     "detokenizer killed for good": Scenario(_detokenizer_killed, restart=("detokenizer",), probe_admission=True),
     "scheduler killed": Scenario(_scheduler_killed, restart=("scheduler",), probe_admission=True),

@@ -57,7 +57,12 @@ class Launcher:
             self.ports[f"{service}-port"] = int(argv[argv.index("--port") + 1])
 
     def child_pid(self, service: str) -> int | None:
-        """The pid of its child running `python -m services <service>`, from /proc (no psutil here)."""
+        """The pid of its (first) child running `python -m services <service>`."""
+        return next(iter(self.children(service)), None)
+
+    def children(self, service: str) -> list[int]:
+        """The pids of its children running `python -m services <service>`, from /proc (no psutil here)."""
+        found = []
         for entry in Path("/proc").iterdir():
             try:
                 if not entry.name.isdigit() or f"PPid:\t{self.proc.pid}\n" not in (entry / "status").read_text():
@@ -66,8 +71,8 @@ class Launcher:
             except OSError:  # the process went away while we looked
                 continue
             if argv[2:4] == [b"services", service.encode()]:
-                return int(entry.name)
-        return None
+                found.append(int(entry.name))
+        return sorted(found)
 
     def child_argv(self, service: str) -> list[str] | None:
         """The command line of its child running `python -m services <service>`."""

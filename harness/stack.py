@@ -69,7 +69,7 @@ class Stack:
     """
 
     def __init__(self, model_dir: Path | str, log_dir: Path, *, schedulers: int = 1, detokenizers: int = 1,
-                 scheduler_args: Sequence[str] = (), detokenizer_args: Sequence[str] = (),
+                 gateway_workers: int = 1, scheduler_args: Sequence[str] = (), detokenizer_args: Sequence[str] = (),
                  gateway_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  scheduler_env: dict[str, str] | None = None, detokenizer_env: dict[str, str] | None = None,
                  gateway_env: dict[str, str] | None = None):
@@ -85,23 +85,27 @@ class Stack:
         for i in range(detokenizers):
             self.add("detokenizer", *detokenizer_args, env=detokenizer_env,
                      schedulers=replicas if detokenizers == 1 else [replicas[i]])
-        self.add("gateway", *gateway_args, env=gateway_env)
+        shared = ("--reuse-port",) if gateway_workers > 1 else ()  # flatwire up --gateway-workers
+        first = self.add("gateway", *gateway_args, *shared, env=gateway_env)
+        for _ in range(gateway_workers - 1):
+            self.add("gateway", *gateway_args, *shared, env=gateway_env, ports_of=first)
 
     def add(self, kind: str, *args: str, env: dict[str, str] | None = None,
-            schedulers: Sequence[str] | None = None) -> Service:
-        """One more `kind` on free ports, following every scheduler (and a gateway, every detokenizer) of the
-        stack so far, `args` after its command line and `env` added to the stack's; registered, not started."""
+            schedulers: Sequence[str] | None = None, ports_of: Service | None = None) -> Service:
+        """One more `kind` on free ports (or on `ports_of`'s: a gateway worker sharing them, --reuse-port),
+        following every scheduler (and a gateway, every detokenizer) of the stack so far, `args` after its command
+        line and `env` added to the stack's; registered, not started."""
         if kind not in KINDS:
             raise ValueError(f"kind: one of {', '.join(KINDS)}, not {kind!r}")
         count = sum(service.kind == kind for service in self.services.values())
         name = kind if count == 0 else f"{kind}-{count}"
-        port = free_port()
+        port = ports_of.port if ports_of is not None else free_port()
         command = ["--port", str(port), "--model", self.model]
         grpc_port = None
         if kind == "detokenizer":
             command += ["--schedulers", ",".join(schedulers or self.scheduler_addresses)]
         elif kind == "gateway":
-            grpc_port = free_port()
+            grpc_port = ports_of.grpc_port if ports_of is not None else free_port()
             command += ["--grpc-port", str(grpc_port), "--schedulers", ",".join(self.scheduler_addresses),
                         "--detokenizers", ",".join(self.detokenizer_addresses)]
         service = Service(name, kind, port, [*command, *args], {**self.env, **(env or {})}, grpc_port)

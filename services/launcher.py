@@ -54,6 +54,9 @@ class UpConfig:
     scheduler_port: int | None = option(None, "scheduler port (loopback); default: a free port, picked at start")
     detokenizer_port: int | None = option(None, "detokenizer port (loopback); default: a free port, picked at "
                                           "start")
+    gateway_workers: int = option(1, "gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT: the kernel "
+                                  "spreads connections across them), so that a host's cores all serve clients; each "
+                                  "is an ordinary gateway of the same scheduler and detokenizer")
     startup_timeout_s: float = option(600.0, "give up if the pipeline is not healthy by then")
     restart_delay_s: float = option(1.0, "wait before restarting a crashed service; doubles on each crash")
     restart_max_delay_s: float = option(30.0, "cap on the restart delay")
@@ -172,6 +175,19 @@ def _wait(check, what: str, procs: list[subprocess.Popen], deadline: float) -> N
         time.sleep(0.25)
 
 
+def _listening(port: int) -> int:
+    """TCP sockets listening on `port` on this host (/proc/net/tcp and tcp6: state 0A)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        count += sum(1 for row in rows if (fields := row.split())[3] == "0A"
+                     and int(fields[1].rsplit(":", 1)[1], 16) == port)
+    return count
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -213,8 +229,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "gateway": ["--host", config.host, "--port", str(config.port), "--grpc-port", str(config.grpc_port),
                     "--schedulers", scheduler, "--detokenizers", detokenizer],
     }
+    if config.gateway_workers < 1:
+        sys.exit(f"{prog or 'flatwire up'}: --gateway-workers: at least 1")
+    if config.gateway_workers > 1:
+        commands["gateway"].append("--reuse-port")
     services = [Supervised(name, [sys.executable, "-m", "services", name, *args, *model, *flags[name]],
                            config.restart_delay_s) for name, args in commands.items()]
+    services += [Supervised(f"gateway-{worker}", services[-1].command, config.restart_delay_s)
+                 for worker in range(2, config.gateway_workers + 1)]
     deadline = time.monotonic() + config.startup_timeout_s
     gateway_tls = configs["gateway"].tls
     http = f"http{'s' if gateway_tls.public else ''}://{'127.0.0.1' if config.host == '0.0.0.0' else config.host}:" \
@@ -227,6 +249,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         _wait(lambda: check_health(scheduler, 2.0, internal, name), "the scheduler", procs, deadline)
         _wait(lambda: check_health(detokenizer, 2.0, internal, name), "the detokenizer", procs, deadline)
         _wait(lambda: http_ok(f"{http}/health", 2, own), "the gateway", procs, deadline)
+        if config.gateway_workers > 1:  # each worker binds the shared ports once it serves
+            _wait(lambda: _listening(config.port) >= config.gateway_workers, "every gateway worker", procs, deadline)
         print(f"\nflatwire is up (model {model_name(shared.model, model_dir)} from {model_dir})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"

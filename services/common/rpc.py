@@ -55,10 +55,11 @@ def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_
 
 def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
                   internal_secret: str | None = None, access: auth.AccessKeys | None = None,
-                  admin_methods: frozenset[str] = frozenset(), max_receive_mb: int | None = None) -> grpc.aio.Server:
+                  admin_methods: frozenset[str] = frozenset(), max_receive_mb: int | None = None,
+                  reuse_port: bool = False) -> grpc.aio.Server:
     """With `internal_secret` or the keys of `access`, every call but health's must carry one (see auth.py;
     `admin_methods` need the admin key when there is one). `max_receive_mb`: the largest request message
-    taken (default: max_message_mb)."""
+    taken (default: max_message_mb). `reuse_port`: several processes may serve one port (gateway workers)."""
     interceptors = auth.server_interceptors(internal_secret=internal_secret, access=access,
                                             admin_methods=admin_methods)
     interceptors.append(RefuseUndecodable())  # innermost: undecodable payloads -> INVALID_ARGUMENT
@@ -68,8 +69,9 @@ def create_server(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S,
         ("grpc.http2.min_ping_interval_without_data_ms", max(int(keepalive_s * 500), 1)),
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
-        # Off: with it a second server on a taken port binds too, and the kernel splits the calls between them.
-        ("grpc.so_reuseport", 0),
+        # Off unless asked: with it a second server on a taken port binds too, and the kernel splits the calls
+        # between them.
+        ("grpc.so_reuseport", int(reuse_port)),
     ])
 
 

@@ -14,6 +14,10 @@ class GatewayConfig(ServiceConfig):
 
     port: int = option(30000, "HTTP port")
     grpc_port: int = option(30001, "public gRPC port")
+    reuse_port: bool = option(False, "bind the HTTP and public gRPC ports with SO_REUSEPORT, so that several gateway "
+                              "processes on one host share them and the kernel spreads connections across them "
+                              "(flatwire up --gateway-workers); each is an ordinary gateway, with its own admission "
+                              "limits. Off, a second server on a taken port fails to start")
     schedulers: list[str] = option(["127.0.0.1:30010"], "scheduler addresses host:port; a DNS name that resolves "
                                    "to several addresses counts as one replica each")
     detokenizers: list[str] = option(["127.0.0.1:30020"], "detokenizer addresses host:port; a DNS name that "
@@ -70,6 +74,10 @@ class GatewayConfig(ServiceConfig):
                                           "connection, or after the previous response); then the connection closes")
     http_body_timeout_s: float = option(30.0, "seconds a client has to send a request's whole body once its "
                                         "headers arrived; then 408 and the connection closes")
+    http_write_timeout_s: float = option(30.0, "seconds a client may read nothing while the server has response "
+                                         "bytes waiting for it (its send buffer full); then the connection is cut "
+                                         "and a stream still running aborted, so that a client that never reads "
+                                         "cannot pin its response in memory; one that reads slowly is never cut")
     control_timeout_s: float = option(600.0, "most seconds a rollout control call waits for a scheduler replica "
                                       "(a weight update waits for the running requests to finish first); then that "
                                       "replica's answer is a failure")
@@ -83,7 +91,7 @@ class GatewayConfig(ServiceConfig):
         require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
                                 "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s",
-                                "control_timeout_s", "health_failure_threshold"))
+                                "control_timeout_s", "health_failure_threshold", "http_write_timeout_s"))
         if not self.drain_timeout_s >= 0:  # also refuses nan
             raise ValueError("--drain-timeout-s: must not be negative")
         if self.max_outstanding_requests < 0:

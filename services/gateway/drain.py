@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Iterator
 
 import grpc
@@ -62,13 +63,15 @@ class HttpServer(uvicorn.Server):
 
 
 async def serve_until_drained(http: HttpServer, app: Draining, grpc_server: grpc.aio.Server,
-                              engine: EngineClient, drain_timeout_s: float) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (see the module docstring) and stop serving HTTP."""
+                              engine: EngineClient, drain_timeout_s: float,
+                              sockets: list[socket.socket] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (see the module docstring) and stop serving HTTP. `sockets`:
+    listening sockets to serve on (else uvicorn binds its own)."""
     signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    serving = asyncio.create_task(http.serve())
+    serving = asyncio.create_task(http.serve(sockets=sockets))
     signalled = asyncio.create_task(signals.get())
     await asyncio.wait([serving, signalled], return_when=asyncio.FIRST_COMPLETED)
     if serving.done():  # uvicorn ended on its own (it could not listen): no drain

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import socket
 
 import uvicorn
 from grpc_health.v1 import health_pb2
@@ -18,7 +19,7 @@ from services.gateway.drain import Draining, HttpServer, serve_until_drained
 from services.gateway.engine_client import EngineClient
 from services.gateway.grpc_api import ADMIN_METHODS, SERVICE_NAME, add_generation_service
 from services.gateway.http.app import create_app
-from services.gateway.http.guards import with_header_timeout
+from services.gateway.http.guards import with_timeouts
 
 log = logging.getLogger("flatwire.gateway")
 # After a drain, how long uvicorn may still take to close its connections before it cuts what is left on them.
@@ -49,7 +50,7 @@ async def serve(config: GatewayConfig) -> None:
 
     grpc_server = create_server(config.max_message_mb, config.keepalive_s,
                                 access=AccessKeys(config.api_key, config.admin_api_key), admin_methods=ADMIN_METHODS,
-                                max_receive_mb=config.max_request_mb)
+                                max_receive_mb=config.max_request_mb, reuse_port=config.reuse_port)
     add_generation_service(grpc_server, engine)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     listen(grpc_server, f"{config.host}:{config.grpc_port}", config.tls.public_server())
@@ -57,18 +58,30 @@ async def serve(config: GatewayConfig) -> None:
     health_task = asyncio.create_task(_report_health(engine, health))
 
     app = Draining(create_app(engine, config))
+    protocol = with_timeouts(config.http_header_timeout_s, config.http_write_timeout_s)
     http = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                                     access_log=False, http=with_header_timeout(config.http_header_timeout_s),
+                                     access_log=False, http=protocol,
                                      timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
                                      ssl_keyfile=config.tls.keyfile, ssl_certfile=config.tls.certfile))
     log.info("gateway %s: HTTP%s on %s:%d, gRPC%s on %s:%d", engine.owner, "S" if config.tls.public else "",
              config.host, config.port, " (TLS)" if config.tls.public else "", config.host, config.grpc_port)
     try:
-        await serve_until_drained(http, app, grpc_server, engine, config.drain_timeout_s)  # after SIGTERM/SIGINT
+        sockets = [shared_socket(config.host, config.port)] if config.reuse_port else None
+        await serve_until_drained(http, app, grpc_server, engine, config.drain_timeout_s, sockets)  # to a signal
     finally:
         health_task.cancel()
         await grpc_server.stop(grace=0)  # already stopped, unless uvicorn failed
         await engine.stop()
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket that other processes may bind too (SO_REUSEPORT: --reuse-port)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from flatwire_client import FlatwireClient
 
 from harness.certificates import make_certificates
 from harness.http import post
@@ -213,5 +214,24 @@ def test_up_with_tls_serves_https_and_mutual_tls_inside(model_dir, tmp_path):
                      verify=ssl.create_default_context(cafile=certs.ca))
         assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
         assert not check_health(f"127.0.0.1:{up.ports['scheduler-port']}")  # no plaintext inside either
+    finally:
+        assert up.stop() == 0, up.log()
+
+
+def test_up_with_two_gateway_workers_serves_from_both(model_dir, tmp_path):
+    up = Launcher(tmp_path / "up.log", model_dir, ["--gateway-workers", "2"])
+    up.wait_up()
+    try:
+        gateways = up.children("gateway")
+        assert len(gateways) == 2, up.log()
+        seen = set()
+        for _ in range(40):  # a new connection each time: the kernel spreads them over the two
+            seen.add(httpx.get(f"{up.http_url}/get_server_info", timeout=30).json()["gateway_id"])
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2, seen
+        assert _hello(up).status_code == 200
+        with FlatwireClient(up.grpc_address) as client:  # the public gRPC port is shared too
+            assert client.generate("hello", max_new_tokens=2).completion_tokens == 2
     finally:
         assert up.stop() == 0, up.log()

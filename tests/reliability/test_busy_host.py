@@ -7,19 +7,16 @@ answers before its grammar compiles; while the only replica is merely slow, a ne
 Against a stack of our own (a fresh scheduler: its first grammar also reads the vocabulary), with other
 processes spinning on every core where the test says so."""
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
+from harness.faults import busy_cores
 from harness.stack import Stack, running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
@@ -37,18 +34,6 @@ def stack(model_dir, log_dir) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def model(stack) -> str:
     return httpx.get(f"{stack.http_url}/v1/models").json()["data"][0]["id"]
-
-
-@contextmanager
-def busy_cores() -> Iterator[None]:
-    """A process spinning on each core, for as long as the block runs."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def chat(http: httpx.Client, model: str, i: int, **fields) -> httpx.Response:

@@ -55,6 +55,11 @@ def test_detokenizer_restart_loses_nothing_with_the_defaults(stack, tokenizer):
     assert run(stack, tokenizer, "detokenizer killed and restarted").counts["identical"] == REQUESTS
 
 
+def test_short_scheduler_stalls_lose_nothing(stack, tokenizer):
+    """Stopped three times for 2.5 s under load: merely slow, it stays in rotation, and every request completes."""
+    assert run(stack, tokenizer, "scheduler stalls of 2.5s").counts["identical"] == REQUESTS
+
+
 def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
     result = run(stack, tokenizer, "detokenizer killed for good")
     assert result.counts["failed explicitly"] == REQUESTS

@@ -8,6 +8,7 @@ so that each bound is reached with a handful of requests.
 
 import json
 import random
+import re
 import socket
 import statistics
 import string
@@ -23,7 +24,7 @@ from flatwire_client import FlatwireClient
 from flatwire_wire import public
 
 from harness.http import post
-from harness.stack import Stack
+from harness.stack import Stack, another_gateway
 from services.common.rpc import message_options
 from services.gateway.config import GatewayConfig
 
@@ -517,3 +518,50 @@ def test_past_the_schedulers_waiting_list_requests_get_429(tight):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert response.status_code == 200, response.text[:300]
+
+
+# -- clients that stop reading --------------------------------------------------------------------------
+
+# A response of about 15 MB (every prompt position's top-256 with their texts): more than the kernel's socket
+# buffers and the transport's hold, so a client that reads nothing leaves the gateway with bytes waiting.
+BIG_RESPONSE = {"input_ids": list(range(1000, 2500)), "return_logprob": True, "logprob_start_len": 0,
+                "top_logprobs_num": 256, "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 1}}
+
+
+def _request_unread(url: str) -> socket.socket:
+    body = json.dumps(BIG_RESPONSE).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the gateway's side fills up
+    sock.connect(host_port(url))
+    sock.sendall(f"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _read_all(sock: socket.socket, pause_s: float = 0.0) -> bytes:
+    data = b""
+    sock.settimeout(30)
+    try:
+        while chunk := sock.recv(256 * 1024):
+            data += chunk
+            time.sleep(pause_s)
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return data
+
+
+def test_a_client_that_reads_nothing_is_cut_and_a_slow_one_is_not(stack):
+    with another_gateway(stack, "--http-write-timeout-s", "2") as http:
+        url = str(http.base_url).rstrip("/")
+        whole = len(http.post("/generate", json=BIG_RESPONSE).content)
+        assert whole > 8 << 20
+        stalled = _request_unread(url)
+        time.sleep(12)  # the response is rendered and sent by ~5 s here; cut 2 s after the buffers filled
+        got = _read_all(stalled)
+        assert len(got) < whole - 1024, "a client that read nothing for longer than the write timeout was not cut"
+        slow = _request_unread(url)
+        got = _read_all(slow, pause_s=0.005)  # a few KB (its window) every 5 ms: slow, but never stalled
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))
+        assert b"200 OK" in head and len(body) == length > 8 << 20, (len(body), length)
+        assert http.get("/health").status_code == 200

@@ -6,15 +6,22 @@
   fully arrived --http-body-timeout-s after its headers gets 408. Both close the connection
   (the client may still be sending). After a large body or response, freed memory goes back to
   the OS (services/common/memory.py).
-- HeaderTimeoutH11Protocol, uvicorn's h11 protocol plus a timer: a connection that has not
+- TimeoutsH11Protocol, uvicorn's h11 protocol plus two timers: a connection that has not
   sent a complete request head --http-header-timeout-s after it opened (or after its
   previous response) is closed. uvicorn itself bounds the head's size (h11, 16 KiB) and the
   idle time between requests (timeout_keep_alive, 5 s), but not how long a request head or
-  body may take to arrive: a half-sent request would hold its connection forever.
+  body may take to arrive: a half-sent request would hold its connection forever. And a
+  connection whose client has taken none of its response for --http-write-timeout-s while the
+  transport's buffer was full (asyncio paused writing) is cut, its buffered response dropped
+  and a stream still running aborted: a client that never reads cannot pin its response in
+  the gateway's memory, while one that reads slowly is never cut.
 - parse_body_off_loop: a large body is decoded and validated in a worker thread.
 """
 
 import asyncio
+import fcntl
+import struct
+import termios
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -121,23 +128,63 @@ class RequestLimits:
         await response(scope, receive, send)
 
 
-class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections whose request head does not arrive in time."""
+class TimeoutsH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose request head does not arrive in time, and cutting
+    those whose client stops reading."""
 
-    header_timeout_s = 10.0  # set per server by with_header_timeout
+    header_timeout_s = 10.0  # set per server by with_timeouts
+    write_timeout_s = 30.0
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: from now on the client must take some of it every write timeout."""
+        super().pause_writing()
+        if self._write_timer is None:
+            self._arm_write_timer()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _arm_write_timer(self) -> None:
+        self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timeout, self._untaken())
+
+    def _untaken(self) -> int:
+        """Response bytes the client has not taken yet: the transport's buffer, and the kernel's send queue (sent,
+        not acknowledged: Linux SIOCOUTQ, which moves while the transport's buffer waits for room in it)."""
+        size = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        try:
+            size += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (AttributeError, OSError):  # no socket (closed), or no such ioctl here: the buffer alone
+            pass
+        return size
+
+    def _write_timeout(self, untaken: int) -> None:
+        """Still paused: cut unless the client took some of its response since the timer was armed."""
+        self._write_timer = None
+        if self.transport.is_closing():
+            return
+        if self._untaken() < untaken:  # it reads, slowly: give it another period
+            self._arm_write_timer()
+        else:
+            self.transport.abort()  # drops what is buffered; the app sees the client gone
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start the next, pipelined, request
         self._arm_header_timer()
 
     def connection_lost(self, exc) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
+        for timer in (self._header_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
@@ -153,6 +200,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(header_timeout_s: float) -> type[HeaderTimeoutH11Protocol]:
+def with_timeouts(header_timeout_s: float, write_timeout_s: float) -> type[TimeoutsH11Protocol]:
     """The protocol class to give uvicorn.Config(http=...)."""
-    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout_s": header_timeout_s})
+    return type("TimeoutsH11Protocol", (TimeoutsH11Protocol,),
+                {"header_timeout_s": header_timeout_s, "write_timeout_s": write_timeout_s})

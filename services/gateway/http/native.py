@@ -121,6 +121,7 @@ async def server_info(request: Request) -> Response:
         "disable_radix_cache": not info.prefix_cache,
         "logprobs_mode": info.logprobs_mode.api_name,
         "routing_policy": config.routing_policy.value,
+        "gateway_id": engine.owner,  # this gateway process's (one of several behind one port: --reuse-port)
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
     })
