@@ -72,6 +72,7 @@ class GenerateInput:
     rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
     routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
     return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
+    routed_experts_start_len: int = 0
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -204,7 +205,7 @@ class EngineClient:
         request = TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0,
-            return_routed_experts=inp.return_routed_experts)
+            return_routed_experts=inp.return_routed_experts, routed_experts_start_len=inp.routed_experts_start_len)
         try:
             state.scheduler = await self._submit(request, inp)
             if state.abort_requested:  # aborted while it was being submitted
@@ -342,27 +343,35 @@ class EngineClient:
         """End the request with an error (a server-side fault); its generate() raises it."""
         if not state.ended:
             log.warning("request %s failed: %s", state.rid, why)
-            state.failure = why
-            state.wakeup.set()
+            _end_with_error(state, why)
+
+    def _fail_many(self, states: list[GenerationState], why: str) -> None:
+        """_fail for every one of `states` that still runs, with one log line for the fault, not one per request."""
+        running = [state for state in states if not state.ended]
+        for state in running:
+            _end_with_error(state, why)
+        if running:
+            log.warning("%d requests failed (%s, ...): %s", len(running), running[0].rid, why)
 
     def fail_all(self, why: str) -> None:
         """Fail every request in flight (HTTP 503, gRPC UNAVAILABLE; each aborted in its scheduler): a gateway
         that stops before they end (its drain ran out of time) answers them rather than cutting them off."""
-        for state in list(self._requests.values()):
-            self._fail(state, why)
+        self._fail_many(list(self._requests.values()), why)
 
     def _fail_requests_via(self, detokenizer: str) -> None:
         """A detokenizer's output stream lost messages: fail the requests whose outputs come through it."""
-        why = f"the output stream from detokenizer {detokenizer} was cut: outputs in transit were lost"
-        for state in list(self._requests.values()):
-            if state.scheduler and detokenizer in self.schedulers.followers(state.scheduler):
-                self._fail(state, why)
+        self._fail_many([state for state in self._requests.values()
+                         if state.scheduler and detokenizer in self.schedulers.followers(state.scheduler)],
+                        f"the output stream from detokenizer {detokenizer} was cut: outputs in transit were lost")
 
     def _fail_requests_on(self, scheduler: str, why: str) -> None:
         """The path through a scheduler replica stayed broken: fail its in-flight requests."""
-        for state in list(self._requests.values()):
-            if state.scheduler == scheduler:
-                self._fail(state, why)
+        self._fail_many([state for state in self._requests.values() if state.scheduler == scheduler], why)
+
+
+def _end_with_error(state: GenerationState, why: str) -> None:
+    state.failure = why
+    state.wakeup.set()
 
 
 def _prompt_logprobs(state: GenerationState, block: LogprobBlock, i: int) -> RequestLogprobs:

@@ -94,7 +94,7 @@ REQUEST_FIELDS: dict[str, Convert] = {
     "logprob_start_len": _if_set, "token_ids_logprob": _as_is, "stream": _as_is,
     "stop": _as_is, "skip_special_tokens": _if_set, "no_stop_trim": _as_is,
     "logprobs_mode": lambda name, mode: {name: mode.api_name} if mode else {},  # UNSPECIFIED: the server's
-    "return_routed_experts": _as_is,
+    "return_routed_experts": _as_is, "routed_experts_start_len": _if_nonzero,
 }
 SAMPLING_OPTIONS = ("stop", "skip_special_tokens", "no_stop_trim")
 

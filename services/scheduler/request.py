@@ -96,6 +96,7 @@ class Request:
     processed_logprobs: bool  # output logprobs of the distribution sampled from (LogprobsMode.PROCESSED), not raw
     seed: int | None
     return_routed_experts: bool  # its Finish carries the experts each of its tokens was routed to
+    routed_experts_start_len: int  # from this position on
     adjustment: LogitAdjustment | None  # penalties, logit_bias, min_new_tokens; None: sample the raw logits
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet

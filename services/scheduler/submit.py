@@ -104,6 +104,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
     _check(limits.routed_experts or not msg.return_routed_experts, "return_routed_experts",
            "this scheduler records no routed experts: a MoE model, started with --enable-return-routed-experts")
+    _check(msg.routed_experts_start_len <= len(msg.input_ids), "routed_experts_start_len",
+           f"must be at most the prompt's length, {len(msg.input_ids)}")
     compiling = _grammar(sampling, stop_ids, grammars)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
@@ -128,6 +130,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         processed_logprobs=wants and (logprob.logprobs_mode or limits.logprobs_mode) is LogprobsMode.PROCESSED,
         seed=sampling.seed,
         return_routed_experts=msg.return_routed_experts,
+        routed_experts_start_len=msg.routed_experts_start_len,
         adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
                                       sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
         grammar=None,

@@ -110,7 +110,8 @@ def test_every_public_request_field_reaches_generate():
     request = public.GenerateRequest(text="t", input_ids=[1], sampling=sampling, return_logprob=True,
                                      top_logprobs_num=2, logprob_start_len=0, token_ids_logprob=[3], stop=["x"],
                                      skip_special_tokens=False, no_stop_trim=True, stream=True,
-                                     logprobs_mode=LogprobsMode.PROCESSED)
+                                     logprobs_mode=LogprobsMode.PROCESSED, return_routed_experts=True,
+                                     routed_experts_start_len=1)
     fields = generate_fields(request)
     assert set(fields["sampling_params"]) == {f.name for f in dataclasses.fields(public.SamplingParams)} | {
         "stop", "skip_special_tokens", "no_stop_trim"}

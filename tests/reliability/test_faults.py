@@ -7,6 +7,8 @@ what the scheduler produced bit for bit, or an explicit failure within the hop
 timeout. A short "complete" response or a hang fails the test, in every scenario.
 """
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -67,9 +69,14 @@ def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
 
 
 def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
+    logged = len(stack.procs["gateway"].log())
     result = run(stack, tokenizer, "scheduler killed")
     assert result.counts["failed explicitly"] == REQUESTS
     _refused_at_once(result.admission, "not answering")
+    # The fault is logged once, with the number of requests it failed, not once per request.
+    log = stack.procs["gateway"].log()[logged:]
+    assert re.search(rf"{REQUESTS} requests failed \(", log), log[-3000:]
+    assert not re.search(r"request [0-9a-f]{32} failed", log), log[-3000:]
 
 
 def _refused_at_once(admission, missing: str):

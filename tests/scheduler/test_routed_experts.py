@@ -112,3 +112,19 @@ def test_openai_routes_carry_them_in_meta_info(moe_stack):
         np.testing.assert_array_equal(routed(reply.json()["choices"][0]["meta_info"]), expected)
         refused = post(http, "/v1/completions", {**body, "return_meta_info": False})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_routed_experts"
+
+
+def test_routed_experts_start_len(moe_stack):
+    prompt = np.random.default_rng(5).integers(0, 240_000, 12).tolist()
+    whole = routed(ask(moe_stack, prompt, 4)["meta_info"])
+    body = generate(moe_stack.http_url, input_ids=prompt, return_routed_experts=True, routed_experts_start_len=5,
+                    sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    np.testing.assert_array_equal(routed(body["meta_info"]), whole[5:])
+    with FlatwireClient(moe_stack.grpc_address) as client:
+        result = client.generate(input_ids=prompt, max_new_tokens=4, temperature=0, ignore_eos=True,
+                                 return_routed_experts=True, routed_experts_start_len=5)
+        np.testing.assert_array_equal(result.routed_experts, whole[5:])
+    reply = post(moe_stack.http_url, "/generate", {"input_ids": prompt, "return_routed_experts": True,
+                                                   "routed_experts_start_len": 13,
+                                                   "sampling_params": {"max_new_tokens": 2}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "routed_experts_start_len", reply.text

@@ -37,6 +37,7 @@ class Options:
     skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
     return_routed_experts: bool = False  # MoE: Generation.routed_experts (a server with --enable-return-routed-experts)
+    routed_experts_start_len: int = 0  # from this sequence position on
 
     @property
     def wants_logprobs(self) -> bool:
@@ -55,7 +56,7 @@ class Options:
             token_ids_logprob=list(self.token_ids_logprob), stop=list(self.stop),
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, stream=stream,
             logprobs_mode=LogprobsMode.named(self.logprobs_mode) if self.logprobs_mode else LogprobsMode.UNSPECIFIED,
-            return_routed_experts=self.return_routed_experts)
+            return_routed_experts=self.return_routed_experts, routed_experts_start_len=self.routed_experts_start_len)
 
     def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
         """/generate's JSON (SGLang's field names)."""
@@ -77,4 +78,5 @@ class Options:
             body["logprobs_mode"] = self.logprobs_mode
         if self.return_routed_experts:
             body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = self.routed_experts_start_len
         return body

@@ -91,7 +91,8 @@ def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: 
     req.check_logprob_start_len(len(prompt_ids))
     return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(),
                          detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),
-                         rid=req.rid_for(i), return_routed_experts=req.return_routed_experts)
+                         rid=req.rid_for(i), return_routed_experts=req.return_routed_experts,
+                         routed_experts_start_len=req.routed_experts_start_len)
 
 
 def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:

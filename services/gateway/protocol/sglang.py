@@ -40,6 +40,7 @@ class GenerateRequest(BaseModel):
     n: Annotated[int | None, unsupported(None, 1)] = None  # SGLang's top-level n: one sample per prompt here
     # MoE routing replay (SGLang's): meta_info.routed_experts, from a scheduler with --enable-return-routed-experts.
     return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)  # the first position whose routing is returned
 
     @field_validator("top_logprobs_num")
     @classmethod

@@ -424,7 +424,7 @@ class Engine:
         routing = self.runner.expert_routing
         if not request.return_routed_experts or routing is None:
             return None
-        return routing.of(request.page_table, request.computed)
+        return routing.of(request.page_table, request.computed, request.routed_experts_start_len)
 
     def _update_stats(self) -> None:
         # Swapped whole so that GetStats (another thread) reads a consistent snapshot.

@@ -64,9 +64,10 @@ class ExpertRouting:
         finally:
             self._slots = None
 
-    def of(self, page_table: list[int], tokens: int) -> np.ndarray:
-        """int32 [tokens, layers, top_k]: what positions 0..tokens-1 of a sequence with this page table got."""
-        pages, offsets = _slots(self.kv.page_size, [page_table], np.array([0]), np.array([tokens]))
+    def of(self, page_table: list[int], tokens: int, start: int = 0) -> np.ndarray:
+        """int32 [tokens - start, layers, top_k]: what positions start..tokens-1 of a sequence with this page table
+        got."""
+        pages, offsets = _slots(self.kv.page_size, [page_table], np.array([start]), np.array([max(start, tokens)]))
         table = self.kv.routed_experts
         return table[torch.from_numpy(pages).to(table.device), torch.from_numpy(offsets).to(table.device)].cpu().numpy()
 

@@ -63,6 +63,7 @@ class GenerateRequest:
     stream: bool = False
     logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # of the output logprobs; UNSPECIFIED: the server's
     return_routed_experts: bool = False  # MoE: the experts each token was routed to, on the last chunk
+    routed_experts_start_len: int = 0  # the first position whose routing is returned
 
 
 @twin(generate_pb2.WeightVersionSpan)

@@ -82,6 +82,7 @@ class TokenizedRequest:
     detokenize: DetokenizeParams = field(default_factory=DetokenizeParams)
     stream_interval: int = 0  # output tokens per entry; 0: the scheduler's --output-interval
     return_routed_experts: bool = False  # MoE: the experts of each token, with the Finish
+    routed_experts_start_len: int = 0  # from this sequence position on
 
 
 @twin(scheduler_pb2.AbortRequest)

@@ -67,7 +67,7 @@ class WeightVersionSpan(_message.Message):
     def __init__(self, version: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "input_ids", "sampling", "return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob", "stop", "skip_special_tokens", "no_stop_trim", "stream", "logprobs_mode", "return_routed_experts")
+    __slots__ = ("text", "input_ids", "sampling", "return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob", "stop", "skip_special_tokens", "no_stop_trim", "stream", "logprobs_mode", "return_routed_experts", "routed_experts_start_len")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _ClassVar[int]
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -94,7 +95,8 @@ class GenerateRequest(_message.Message):
     stream: bool
     logprobs_mode: _arrays_pb2.LogprobsMode
     return_routed_experts: bool
-    def __init__(self, text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., stream: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
+    routed_experts_start_len: int
+    def __init__(self, text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., stream: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape")

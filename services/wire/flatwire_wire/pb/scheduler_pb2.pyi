@@ -91,7 +91,7 @@ class DetokenizeParams(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
-    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts")
+    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len")
     RID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class TokenizedRequest(_message.Message):
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _ClassVar[int]
     rid: str
     owner: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -108,7 +109,8 @@ class TokenizedRequest(_message.Message):
     detokenize: DetokenizeParams
     stream_interval: int
     return_routed_experts: bool
-    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
+    routed_experts_start_len: int
+    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
