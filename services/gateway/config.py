@@ -63,7 +63,8 @@ class GatewayConfig(ServiceConfig):
     max_outstanding_requests: int = option(0, "generations this gateway holds at once (a batch counts each and is "
                                            "admitted whole); past it HTTP 429 with Retry-After, gRPC "
                                            "RESOURCE_EXHAUSTED; 0: 8 x the schedulers' max_running_requests, at "
-                                           "least --max-batch-size")
+                                           "least twice --max-batch-size (so that one request never holds all of "
+                                           "it)")
     max_stop_strings: int = option(32, "most stop strings one request may give (stop); more is refused with 400")
     max_stop_length: int = option(256, "longest stop string in characters; longer is refused with 400")
     max_logprob_elements: int = option(4 * 1024 * 1024, "most logprob values one request may ask for: positions "

@@ -49,6 +49,9 @@ GRPC_TO_STATUS = {
 # The automatic admission limit: this many generations per running slot of the schedulers in rotation
 # (one running, seven waiting), and never below --max-batch-size (a batch must fit an idle gateway).
 ADMISSION_FACTOR = 8
+# The automatic admission holds this many of the largest request (--max-batch-size): one request never takes
+# all of it, so a 4096-generation rollout batch leaves room for other clients.
+FAIR_SHARE = 2
 
 
 class RequestError(Exception):
@@ -156,10 +159,10 @@ class EngineClient:
     @property
     def admission_limit(self) -> int:
         """Generations this gateway holds at once: --max-outstanding-requests, or ADMISSION_FACTOR x the
-        running slots of the schedulers in rotation, at least --max-batch-size."""
+        running slots of the schedulers in rotation, at least FAIR_SHARE x --max-batch-size."""
         if self.config.max_outstanding_requests:
             return self.config.max_outstanding_requests
-        return max(self.config.max_batch_size, ADMISSION_FACTOR * self.schedulers.capacity())
+        return max(FAIR_SHARE * self.config.max_batch_size, ADMISSION_FACTOR * self.schedulers.capacity())
 
     @property
     def outstanding(self) -> int:
