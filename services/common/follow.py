@@ -4,7 +4,8 @@ The detokenizer follows each scheduler's steps and the gateway each detokenizer'
 outputs the same way: subscribe, handle every message, and when the stream ends or
 breaks, subscribe again after a backoff. A handler that raises (a bug) fails what
 that one message concerned (`on_failure`) and the stream goes on: one bad message
-must not end a consumer, and with it every request behind it, for good.
+must not end a consumer, and with it every request behind it, for good. An outage is logged
+once when it starts and once when the stream is back, not at every retry.
 """
 
 import asyncio
@@ -28,10 +29,15 @@ async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextM
     `subscribe` opens the stream and confirms the subscription (raising grpc.aio.AioRpcError when it
     cannot); its exit runs however the stream ended, so it keeps the consumer's connected state."""
     backoff = FIRST_BACKOFF_S
+    down_since: float | None = None  # when the stream last broke, while it stays down
+    loop = asyncio.get_running_loop()
     while True:
         try:
             async with subscribe() as messages:
                 backoff = FIRST_BACKOFF_S
+                if down_since is not None:
+                    log.info("%s stream is back after %.1fs", name, loop.time() - down_since)
+                    down_since = None
                 async for message in messages:
                     try:
                         await handle(message)
@@ -40,6 +46,11 @@ async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextM
                         on_failure(message)
                 log.warning("%s ended its stream", name)
         except grpc.aio.AioRpcError as exc:
-            log.warning("%s stream: %s %s", name, exc.code(), exc.details())
+            if down_since is None:
+                log.warning("%s stream: %s %s; retrying until it is back", name, exc.code(), exc.details())
+            else:
+                log.debug("%s stream: %s %s", name, exc.code(), exc.details())
+        if down_since is None:
+            down_since = loop.time()
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, max_backoff_s)

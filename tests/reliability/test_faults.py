@@ -69,7 +69,7 @@ def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
 
 
 def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
-    logged = len(stack.procs["gateway"].log())
+    logged, detokenizer_logged = len(stack.procs["gateway"].log()), len(stack.procs["detokenizer"].log())
     result = run(stack, tokenizer, "scheduler killed")
     assert result.counts["failed explicitly"] == REQUESTS
     _refused_at_once(result.admission, "not answering")
@@ -77,6 +77,8 @@ def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
     log = stack.procs["gateway"].log()[logged:]
     assert re.search(rf"{REQUESTS} requests failed \(", log), log[-3000:]
     assert not re.search(r"request [0-9a-f]{32} failed", log), log[-3000:]
+    # The detokenizer's lost stream too: one warning for the outage, not one per retry.
+    assert stack.procs["detokenizer"].log()[detokenizer_logged:].count("retrying until it is back") == 1
 
 
 def _refused_at_once(admission, missing: str):
