@@ -1,6 +1,11 @@
 import os
-from collections.abc import Iterator
-from pathlib import Path
+
+# No test has a GPU: Triton kernels (services/scheduler/model/triton_attention.py) run in Triton's interpreter on
+# CPU tensors. Read when triton is first imported, which transformers may do below.
+os.environ["TRITON_INTERPRET"] = "1"
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import httpx
 import openai

@@ -34,6 +34,9 @@ class SchedulerConfig(ServiceConfig):
     enable_return_routed_experts: bool = option(
         False, "record the experts a MoE model's routers choose for every token (SGLang's flag), for requests that "
         "ask with return_routed_experts: int32 per KV slot, layer and expert slot (model/routed_experts.py)")
+    attention_backend: str = option(
+        "torch", "torch: batched SDPA over gathered pages (CPU, and the reference); triton: a paged kernel that "
+        "reads the pages in place (CUDA; not yet run on a GPU in this project, so not the default)")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "

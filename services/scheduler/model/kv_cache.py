@@ -25,6 +25,7 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device, routed_top_k: int = 0):
         self.num_pages = num_pages
         self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
         self._layout = (num_layers, (num_pages, page_size, num_kv_heads, head_dim), dtype, device)
         self._routed_top_k = routed_top_k
         self.keys: list[torch.Tensor] = []

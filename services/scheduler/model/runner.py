@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch
+from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import run_step
 from services.scheduler.model.kv_cache import KVPool, bytes_per_token, pool_pages
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
@@ -61,10 +61,12 @@ def model_max_context(config) -> int:
 class ModelRunner:
     def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
-                 logits_chunk_rows: int = 256, routed_experts: bool = False):
-        """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts)."""
+                 logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch"):
+        """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
+        `attention_backend`: model/attention.py's BACKENDS."""
         self.logits_chunk_rows = logits_chunk_rows
         self.device = pick_device(device)
+        self.attention_backend = check_backend(attention_backend, self.device)
         config = AutoConfig.from_pretrained(model_dir)
         text_config = config.get_text_config()
         layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
@@ -81,6 +83,7 @@ class ModelRunner:
         self.max_context = min(context_length or model_max_context(text_config), model_max_context(text_config))
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads
+        self.query_group = text_config.num_attention_heads // kv_heads
         token_bytes = bytes_per_token(layers, kv_heads, head_dim, self.dtype)
         self.page_size = page_size
         self.num_pages = pool_pages(max_total_tokens, page_size, token_bytes, self.device, mem_fraction_static)
@@ -103,7 +106,7 @@ class ModelRunner:
         tables = [row.request.page_table for row in batch.rows]
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)
         ends = np.array([row.end for row in batch.rows], dtype=np.int64)
-        paged = PagedBatch.build(self.kv, tables, starts, ends, self.device)
+        paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group)
         with self.expert_routing.recording(tables, starts, ends) if self.expert_routing else nullcontext():
             out = self.decoder(
                 input_ids=self._tensor(input_ids).unsqueeze(0),
