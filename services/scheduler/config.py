@@ -37,6 +37,12 @@ class SchedulerConfig(ServiceConfig):
     attention_backend: str = option(
         "torch", "torch: batched SDPA over gathered pages (CPU, and the reference); triton: a paged kernel that "
         "reads the pages in place (CUDA; not yet run on a GPU in this project, so not the default)")
+    enable_cuda_graph: bool = option(
+        False, "replay decode steps from CUDA graphs captured per batch size (model/cuda_graphs.py; needs "
+        "--attention-backend triton). Off by default until a GPU run in this project has exercised it; SGLang has "
+        "them on and --disable-cuda-graph")
+    cuda_graph_max_bs: int = option(256, "with --enable-cuda-graph, the largest decode batch replayed from a graph "
+                                    "(at most --max-running-requests); larger ones run eagerly")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "
@@ -65,7 +71,7 @@ class SchedulerConfig(ServiceConfig):
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
         require_positive(self, ("max_running_requests", "max_prefill_tokens", "max_top_logprobs", "logits_chunk_rows",
-                                "output_interval", "page_size"))
+                                "output_interval", "page_size", "cuda_graph_max_bs"))
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 (off)")
         if self.max_total_tokens < 0:

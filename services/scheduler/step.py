@@ -76,3 +76,7 @@ class StepRunner(Protocol):
     def step(self, batch: Batch) -> StepResult:
         """One step: the KV of every row's tokens, and a token for each row that samples."""
         ...
+
+    def memory_moved(self) -> None:
+        """The weights' or the KV memory's tensors were replaced: nothing may keep their old addresses."""
+        ...

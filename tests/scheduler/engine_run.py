@@ -20,8 +20,10 @@ class Run:
     def __init__(self, model_dir, slots: int = 8, **options):
         options = {"page_size": 4, "max_total_tokens": 4096, **options}
         self.config = SchedulerConfig(max_running_requests=slots, **options)
+        graphs = self.config.cuda_graph_max_bs if self.config.enable_cuda_graph else 0
         self.runner = ModelRunner(model_dir, "cpu", "float32", 0, slots, self.config.page_size,
-                                  self.config.max_total_tokens, attention_backend=self.config.attention_backend)
+                                  self.config.max_total_tokens, attention_backend=self.config.attention_backend,
+                                  cuda_graph_max_bs=graphs)
         self.published: list[StepMessage] = []
         self.engine = Engine(self.runner, self.config, publish=self.published.append)
         self.limits = SubmitLimits(self.runner.vocab_size, self.runner.max_context, 16,

@@ -334,7 +334,9 @@ class Engine:
                                          "running or waiting; pause_generation or abort them first.")
                 if "kv_cache" in tags:
                     self.prefix_cache.flush()  # its pages are about to hold nothing
-                return self._reply(self.occupation.release(tags))
+                reply = self._reply(self.occupation.release(tags))
+                self.runner.memory_moved()
+                return reply
             case ResumeMemory(tags=tags):
                 if self.occupation is None:
                     return self._refused("Nothing to resume: --engine synthetic holds no model memory.")
@@ -342,6 +344,8 @@ class Engine:
                     return self._reply(self.occupation.resume(tags))
                 except WeightsRefused as exc:  # the checkpoint the weights came from no longer reads
                     return self._refused(f"Weights not resumed: {exc}")
+                finally:
+                    self.runner.memory_moved()
         raise TypeError(f"unknown control command {control!r}")
 
     def _reply(self, message: str, **fields) -> ControlReply:
@@ -365,6 +369,7 @@ class Engine:
         self.prefix_cache.flush()  # KV of the old weights serves no new request
         for update in self._held_updates:
             update.staged.install()
+            self.runner.memory_moved()
             if self.occupation is not None:
                 self.occupation.updated(update.staged)
             if update.weight_version is not None:

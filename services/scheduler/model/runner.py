@@ -10,6 +10,7 @@ leave between steps without padding, and share the pages of a common prefix.
 import logging
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.grammar import TokenMask
 from services.scheduler.sampling.logit_adjust import SlotPenalties
 from services.scheduler.step import Batch, StepResult
+
+if TYPE_CHECKING:
+    from services.scheduler.model.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,11 @@ def model_max_context(config) -> int:
 class ModelRunner:
     def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
-                 logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch"):
+                 logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
+                 cuda_graph_max_bs: int = 0):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
-        `attention_backend`: model/attention.py's BACKENDS."""
+        `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
+        replay CUDA graphs (model/cuda_graphs.py), 0: none."""
         self.logits_chunk_rows = logits_chunk_rows
         self.device = pick_device(device)
         self.attention_backend = check_backend(attention_backend, self.device)
@@ -92,31 +98,59 @@ class ModelRunner:
         self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
         self.penalties = SlotPenalties(max_running, self.vocab_size, self.device)
         self.token_mask = TokenMask(max_running, self.vocab_size, self.device)  # for structured output
+        self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
         log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d tokens (%d pages of %d, %.2f GiB, %d "
                  "bytes a token)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
                  self.max_context, (self.num_pages - 1) * page_size, self.num_pages - 1, page_size,
                  self.kv.bytes / 2**30, token_bytes)
 
+    def _decode_graphs(self, max_batch: int, hidden_size: int) -> "DecodeGraphs | None":
+        if not max_batch:
+            return None
+        if self.attention_backend != "triton":
+            raise ValueError("--enable-cuda-graph: decode graphs attend with the Triton kernel; add "
+                             "--attention-backend triton")
+        if self.expert_routing is not None:
+            raise ValueError("--enable-cuda-graph: not with --enable-return-routed-experts (its recording runs on "
+                             "the host, per step)")
+        from services.scheduler.model.cuda_graphs import DecodeGraphs  # imports triton
+
+        # Off CUDA only the interpreted kernels get here (check_backend): the tests, which run graphs eagerly.
+        return DecodeGraphs(self._decode, self.kv, hidden_size, self.dtype, self.query_group,
+                            -(-self.max_context // self.page_size), max_batch, self.device,
+                            capture=self.device.type == "cuda")
+
+    def memory_moved(self) -> None:
+        """The weights' or the KV memory's tensors were replaced (an update, a release and resume)."""
+        if self.graphs is not None:
+            self.graphs.forget()
+
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden] of flat token ids at positions [T]."""
+        out = self.decoder(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            # A mask mapping tells transformers the masks are handled (by our attention).
+            attention_mask={"full_attention": None, "sliding_attention": None},
+            use_cache=False,
+            paged_batch=paged,
+        )
+        return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def forward(self, batch: Batch, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's tokens."""
         tables = [row.request.page_table for row in batch.rows]
+        if self.graphs is not None and len(input_ids) == len(tables) and self.graphs.holds(len(tables)):
+            return self.graphs.run(input_ids, positions, tables)  # every row decodes: one token each
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)
         ends = np.array([row.end for row in batch.rows], dtype=np.int64)
         paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group)
         with self.expert_routing.recording(tables, starts, ends) if self.expert_routing else nullcontext():
-            out = self.decoder(
-                input_ids=self._tensor(input_ids).unsqueeze(0),
-                position_ids=self._tensor(positions).unsqueeze(0),
-                # A mask mapping tells transformers the masks are handled (by our attention).
-                attention_mask={"full_attention": None, "sliding_attention": None},
-                use_cache=False,
-                paged_batch=paged,
-            )
-        return out.last_hidden_state[0]
+            return self._decode(self._tensor(input_ids), self._tensor(positions), paged)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

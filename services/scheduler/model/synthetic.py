@@ -104,6 +104,9 @@ class SyntheticRunner:
         self._next_step_at = max(now, self._next_step_at) + self.step_s
         return result
 
+    def memory_moved(self) -> None:
+        """Nothing holds the stand-in's memory."""
+
     def _prompt_rows(self, row: BatchRow) -> LogprobRows[np.ndarray]:
         """Rows for the prompt positions the row computes."""
         positions = np.arange(row.prompt_positions.start, row.prompt_positions.stop)
