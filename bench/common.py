@@ -163,20 +163,25 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     versions = {}
-    for package in ("numpy", "grpcio", "protobuf", "torch", "transformers"):
+    for package in ("numpy", "grpcio", "protobuf", "torch", "transformers", "triton"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
+    torch = sys.modules.get("torch")  # imported by the benchmarks that use a device; not imported here
+    gpu = torch.cuda.get_device_name() if torch is not None and torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "os": platform.platform(), "load_average_1m": round(os.getloadavg()[0], 2), **versions}
+            "os": platform.platform(), "load_average_1m": round(os.getloadavg()[0], 2),
+            **({"gpu": gpu} if gpu else {}), **versions}
 
 
 def machine_line() -> str:
     m = machine()
-    libs = ", ".join(f"{k} {v}" for k, v in m.items() if k not in ("cpu", "cores", "os", "python", "load_average_1m"))
+    libs = ", ".join(f"{k} {v}" for k, v in m.items()
+                     if k not in ("cpu", "cores", "os", "python", "load_average_1m", "gpu"))
+    gpu = f", GPU {m['gpu']}" if "gpu" in m else ""
     # The load says how much other work shared the cores while this ran.
-    return (f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, {libs}; "
+    return (f"{m['cpu']}, {m['cores']} cores{gpu}, Python {m['python']}, {libs}; "
             f"load average {m['load_average_1m']} at the end")
 
 

@@ -106,11 +106,12 @@ class CpuMeter:
         return CpuUse({name: last[name] - first[name] for name in self.pids}, t1 - t0, peak)
 
 
-def start_up(timeout_s: float = 300.0) -> tuple[Launcher, dict[str, int]]:
-    """`flatwire up` on the default model, once it is up; and the pid of each of its services."""
+def start_up(timeout_s: float = 300.0, model: Path | None = None,
+             options: tuple[str, ...] = ()) -> tuple[Launcher, dict[str, int]]:
+    """`flatwire up` (on the default model unless `model`), once it is up; and the pid of each of its services."""
     log_dir = OUT_DIR / "e2e-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    up = Launcher(log_dir / f"up-{time.monotonic_ns()}.log")
+    up = Launcher(log_dir / f"up-{time.monotonic_ns()}.log", model, options)
     up.wait_up(timeout_s)
     pids = {name: up.child_pid(name) for name in SERVICES}
     assert all(pids.values()), pids
@@ -153,15 +154,16 @@ class Part:
 
 
 async def run(url: str, pids: dict[str, int], single_tokens: list[int], single_rounds: list[int], concurrency: int,
-              concurrent_tokens: int, progress: Progress) -> list[Part]:
+              concurrent_tokens: int, progress: Progress, modes: tuple[str, ...] = tuple(MODES)) -> list[Part]:
+    """`modes`: of MODES, k=0 among them (the tables' baseline)."""
     parts = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        await generate(client, "k=128 nested", 8)  # warm: token table, per-id pieces, first step
+        await generate(client, modes[-1], 8)  # warm: token table, per-id pieces, first step
         for tokens, rounds in zip(single_tokens, single_rounds):
             part = Part(f"one request, {tokens} tokens", tokens, 1)
             for r in range(rounds):
-                for mode in MODES:
+                for mode in modes:
                     with CpuMeter(pids) as meter:
                         seconds, body = await generate(client, mode, tokens)
                     check(body, mode, tokens)
@@ -172,7 +174,7 @@ async def run(url: str, pids: dict[str, int], single_tokens: list[int], single_r
             parts.append(part)
         part = Part(f"{concurrency} concurrent requests, {concurrent_tokens} tokens each", concurrent_tokens,
                     concurrency)
-        for mode in MODES:
+        for mode in modes:
             with CpuMeter(pids) as meter:
                 start = time.perf_counter()
                 replies = await asyncio.gather(*(generate(client, mode, concurrent_tokens)

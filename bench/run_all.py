@@ -27,6 +27,7 @@ BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "s
               "capacity_workers", "routed_experts"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
+GPU_RESULTS = ROOT / "bench" / "gpu" / "RESULTS.md"
 
 
 def run_benchmark(name: str) -> bool:
@@ -228,6 +229,16 @@ def _results(name: str) -> dict | None:
     return json.loads(path.read_text())["results"] if path.exists() else None
 
 
+def gpu_section() -> str:
+    """bench/gpu's device run (it cannot run here): its committed results, with their date and device."""
+    if GPU_RESULTS.exists():
+        return GPU_RESULTS.read_text()
+    return ("## gpu\n\nNot run yet: no GPU has been lent to this project. `bash bench/gpu/device.sh` is the prepared "
+            "device run (bench/gpu/__init__.py); its results go to bench/gpu/RESULTS.md with the date and the device. "
+            "`python -m bench.gpu --smoke` runs every part on the CPU with tiny shapes (tests/repo/test_bench_gpu.py); "
+            "its figures mean nothing.\n")
+
+
 def assemble(profiles: dict[str, str]) -> str:
     images = "\n".join(f"![{p.stem}](bench/plots/{p.name})" for p in sorted(plots.PLOTS_DIR.glob("*.png")))
     parts = [
@@ -252,6 +263,7 @@ def assemble(profiles: dict[str, str]) -> str:
         "",
     ]
     parts += [section(name) for name in BENCHMARKS]
+    parts += [gpu_section()]
     parts += ["## Profiles of the per-step stages", ""]
     for stage, text in profiles.items():
         parts += [f"### {stage}", "", text]

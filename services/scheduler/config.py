@@ -37,6 +37,8 @@ class SchedulerConfig(ServiceConfig):
     attention_backend: str = option(
         "torch", "torch: batched SDPA over gathered pages (CPU, and the reference); triton: a paged kernel that "
         "reads the pages in place (CUDA; not yet run on a GPU in this project, so not the default)")
+    load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights from its config.json "
+                              "alone (SGLang's and vLLM's name; for benchmarks of a shape whose weights are not here)")
     enable_cuda_graph: bool = option(
         False, "replay decode steps from CUDA graphs captured per batch size (model/cuda_graphs.py; needs "
         "--attention-backend triton). Off by default until a GPU run in this project has exercised it; SGLang has "
@@ -90,6 +92,8 @@ class SchedulerConfig(ServiceConfig):
             LogprobsMode.named(self.logprobs_mode)
         except ValueError as exc:
             raise ValueError(f"--logprobs-mode: {exc}") from None
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format: expected auto or dummy, not {self.load_format!r}")
         if self.engine not in ("model", "synthetic"):
             raise ValueError(f"--engine: expected model or synthetic, not {self.engine!r}")
         if not self.step_ms >= 0:  # also refuses nan

@@ -104,7 +104,8 @@ class SchedulerService:
         self._loop = asyncio.get_running_loop()
         self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream, or CUT
         self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
-        occupation = (MemoryOccupation(runner.kv, weights, runner.device, weights.model_dir)
+        source = None if config.load_format == "dummy" else weights.model_dir if weights else None
+        occupation = (MemoryOccupation(runner.kv, weights, runner.device, source)
                       if weights is not None and isinstance(runner, ModelRunner) else None)
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
                              occupation=occupation)
@@ -320,7 +321,7 @@ async def serve(config: SchedulerConfig) -> None:
             ModelRunner, model_dir, config.device, config.dtype, config.context_length, config.max_running_requests,
             config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows,
             config.enable_return_routed_experts, config.attention_backend,
-            config.cuda_graph_max_bs if config.enable_cuda_graph else 0)
+            config.cuda_graph_max_bs if config.enable_cuda_graph else 0, config.load_format)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class MemoryOccupation:
     """What of the model's memory is released now; engine thread only."""
 
-    def __init__(self, kv: KVPool, weights: ServedWeights, device: torch.device, model_dir: Path):
+    def __init__(self, kv: KVPool, weights: ServedWeights, device: torch.device, model_dir: Path | None):
+        """`model_dir`: the checkpoint the weights were read from (None: random, --load-format dummy)."""
         self.kv = kv
         self.weights = weights
         self.device = device

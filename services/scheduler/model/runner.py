@@ -66,10 +66,11 @@ class ModelRunner:
     def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
                  logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
-                 cuda_graph_max_bs: int = 0):
+                 cuda_graph_max_bs: int = 0, load_format: str = "auto"):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
         `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
-        replay CUDA graphs (model/cuda_graphs.py), 0: none."""
+        replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
+        checkpoint's config alone), else the checkpoint's."""
         self.logits_chunk_rows = logits_chunk_rows
         self.device = pick_device(device)
         self.attention_backend = check_backend(attention_backend, self.device)
@@ -79,7 +80,12 @@ class ModelRunner:
         if layer_types != {"full_attention"}:
             raise ValueError(f"{model_dir}: only full-attention models are supported, not {sorted(layer_types)}")
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
+        if load_format == "dummy":  # random weights built on the device, the config alone (benchmarks)
+            with self.device:
+                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype,
+                                                         attn_implementation=ATTENTION_NAME)
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.decoder = self.model.get_decoder()
