@@ -45,6 +45,10 @@ class SchedulerConfig(ServiceConfig):
         "them on and --disable-cuda-graph")
     cuda_graph_max_bs: int = option(256, "with --enable-cuda-graph, the largest decode batch replayed from a graph "
                                     "(at most --max-running-requests); larger ones run eagerly")
+    enable_overlap_schedule: bool = option(
+        False, "build and publish a step's output while the device computes the next one (SGLang's overlap "
+        "schedule, there on by default): pays on CUDA, where steps run asynchronously; on the CPU a step's output "
+        "would wait for the next step. Off until a GPU run in this project has measured it")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "

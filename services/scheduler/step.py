@@ -61,6 +61,23 @@ class StepResult:
     prompt: list[LogprobRows[np.ndarray]] = field(default_factory=list)
 
 
+class LaunchedStep(Protocol):
+    """A step launched on the device; `result` waits for it."""
+
+    def result(self) -> StepResult:
+        ...
+
+
+@dataclass
+class DoneStep:
+    """A step computed in full when launched (the synthetic stand-in)."""
+
+    value: StepResult
+
+    def result(self) -> StepResult:
+        return self.value
+
+
 class StepRunner(Protocol):
     """What the engine runs steps on: the model (model/runner.py) or a stand-in (model/synthetic.py)."""
 
@@ -75,6 +92,10 @@ class StepRunner(Protocol):
 
     def step(self, batch: Batch) -> StepResult:
         """One step: the KV of every row's tokens, and a token for each row that samples."""
+        ...
+
+    def launch(self, batch: Batch) -> LaunchedStep:
+        """The same step, its results waited for by the caller (the overlap schedule)."""
         ...
 
     def memory_moved(self) -> None:

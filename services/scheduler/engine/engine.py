@@ -62,7 +62,7 @@ from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.weights import WeightsRefused
 from services.scheduler.output.step_output import step_message
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.step import Batch, StepResult, StepRunner
+from services.scheduler.step import Batch, LaunchedStep, StepResult, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class _Outgoing:
     new: list[Request]  # to announce (started)
     finished: list[Finish] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)  # their pending output ships with their Finish
+    due: list[Request] = field(default_factory=list)  # running, an entry's worth of output pending
+    prompts: list[Request] = field(default_factory=list)  # their prompt logprob rows are whole: they ship
 
     def end(self, request: Request, finish: Finish) -> None:
         self.ended.append(request)
@@ -116,6 +118,7 @@ class Engine:
         self.weight_version = DEFAULT_WEIGHT_VERSION  # written by the engine thread only
         self._paused = False
         self._held_updates: list[UpdateWeights] = []  # waiting for the running requests to finish
+        self._in_flight: tuple[Batch, LaunchedStep] | None = None  # launched, not landed (the overlap schedule)
         self._stopping = False
         self.failure: BaseException | None = None  # what ended the engine thread, if not a stop
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -212,12 +215,18 @@ class Engine:
         running, waiting = self.scheduler.running, self.scheduler.waiting
         if self._held_updates and (self._paused or not running):
             return True
+        if self._in_flight is not None:  # it lands in the next iteration
+            return True
         return self._stepping and bool(running or (waiting and not self._held_updates))
 
     def _iterate(self, new: list[Request], aborts: list[AbortRequest], controls: list[Control]) -> None:
         """Aborts, control commands, admission, one model step, finishes; then one StepMessage if anything
-        happened."""
+        happened. With --enable-overlap-schedule a step lands (its tokens appended, its finishes found) in the
+        iteration after its launch, before the next one is scheduled and launched, and its message is built and
+        published while the device computes that next step; an abort or a control command lands it first."""
         out = _Outgoing(new)
+        if self._in_flight is not None and (aborts or controls or self._held_updates):
+            self._land(out)
         for uncompiled, error in self.scheduler.compiled():
             out.end(uncompiled, self._finish(uncompiled, FinishReason.ERROR,
                                              message=f"its grammar did not compile: {error}"))
@@ -230,34 +239,53 @@ class Engine:
             if (reply := self._control(control, out)) is not None:  # None: a weight update, answered once applied
                 control.done.set_result(reply)
         self._apply_held_updates(out)
+        if self._in_flight is not None:
+            self._land(out)
         # A held update waits for the running requests: none is admitted meanwhile.
         batch = self.scheduler.schedule(admit=not self._held_updates) if self._stepping else Batch([])
-        result, shipped_prompts = None, []
         if batch:
-            try:
-                result = self.runner.step(batch)
-            except Exception as exc:  # keep serving: fail this step's requests, not the process
-                log.exception("step failed")
-                out.finished += [self._finish(row.request, FinishReason.ERROR, message=f"scheduler step failed: {exc}")
-                                 for row in batch.rows]
-            else:
-                self.scheduler.computed(batch)
-                shipped_prompts = self._gather_prompt_rows(batch, result)
-                for request, finish in self._advance(batch, result):
-                    out.end(request, finish)
+            self._launch(batch, out)
+            if not self.config.enable_overlap_schedule:
+                self._land(out)
         # An ended request ships what it has left with its Finish (an aborted one too: the client gets
         # the tokens it had); the others when an entry's worth is pending.
-        shipping = [r for r in out.ended if r.pending.count] + [
-            row.request for row in batch.sampling
-            if row.request.status is RequestStatus.RUNNING and row.request.pending.due]
-        if batch:
-            self._step += 1
+        shipping = [r for r in out.ended if r.pending.count] + [r for r in out.due if r.pending.count]
         self._update_stats()  # before publishing: a subscriber never sees stats older than the step
-        if out.new or shipping or out.finished or shipped_prompts:
-            self.publish(step_message(self._step, out.new, shipping, shipped_prompts, out.finished,
+        if out.new or shipping or out.finished or out.prompts:
+            self.publish(step_message(self._step, out.new, shipping, out.prompts, out.finished,
                                       self.weight_version))
-            for request in shipped_prompts:
+            for request in out.prompts:
                 request.prompt_logprobs_sent, request.prompt_logprobs = True, None
+
+    def _launch(self, batch: Batch, out: _Outgoing) -> None:
+        try:
+            self._in_flight = (batch, self.runner.launch(batch))
+        except Exception as exc:  # keep serving: fail this step's requests, not the process
+            self._fail_step(batch, exc, out)
+
+    def _land(self, out: _Outgoing) -> None:
+        """The launched step's results: its rows computed, its tokens appended, its finishes and what it has to
+        ship into `out`."""
+        assert self._in_flight is not None
+        (batch, launched), self._in_flight = self._in_flight, None
+        try:
+            result = launched.result()
+        except Exception as exc:
+            self._fail_step(batch, exc, out)
+            return
+        self._step += 1
+        self.scheduler.computed(batch)
+        out.prompts += self._gather_prompt_rows(batch, result)
+        for request, finish in self._advance(batch, result):
+            out.end(request, finish)
+        out.due += [row.request for row in batch.sampling
+                    if row.request.status is RequestStatus.RUNNING and row.request.pending.due]
+
+    def _fail_step(self, batch: Batch, exc: Exception, out: _Outgoing) -> None:
+        log.error("step failed", exc_info=exc)
+        self._step += 1
+        out.finished += [self._finish(row.request, FinishReason.ERROR, message=f"scheduler step failed: {exc}")
+                         for row in batch.rows]
 
     def _gather_prompt_rows(self, batch: Batch, result: StepResult) -> list[Request]:
         """Copy each row's prompt logprob rows into its request's; the requests whose prompt is whole now (the row
@@ -391,7 +419,7 @@ class Engine:
         shipping = [r for r in [*out.ended, *self.scheduler.requests] if r.pending.count]  # retracted ones too
         if out.new or shipping or out.finished:
             self.publish(step_message(self._step, out.new, shipping, [], out.finished, self.weight_version))
-        out.new, out.finished, out.ended = [], [], []
+        out.new, out.finished, out.ended, out.due = [], [], [], []
 
     def _advance(self, batch: Batch, result: StepResult) -> list[tuple[Request, Finish]]:
         """Append each sampled token (to its request's output and pending entry); finish the requests that are done."""

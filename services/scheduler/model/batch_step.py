@@ -1,14 +1,16 @@
 """One model step for a scheduled batch: forward over every row's tokens, then for the rows that sample the
 logits, their adjustments and masks, the draw and the logprob rows, and for prefill rows the prompt's logprob
-rows; one host copy."""
+rows; one host copy. Launched (`launch_step`: the device's work queued, on CUDA) and then waited for
+(`LaunchedStep.result`), so that the engine can do other host work in between."""
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
 
-from services.scheduler.model.host_copy import copy_to_host
+from services.scheduler.model.host_copy import HostRows, copy_to_host
 from services.scheduler.request import Request
 from services.scheduler.sampling.grammar import ConstrainedRow, TokenMask, accept_tokens
 from services.scheduler.sampling.logit_adjust import AdjustedRow, SlotPenalties, adjust_logits
@@ -56,7 +58,21 @@ def _padded_ids(requests: list[Request], device) -> torch.Tensor:
     return torch.from_numpy(ids).to(device)
 
 
-def run_step(runner: Model, batch: Batch, chunk_rows: int) -> StepResult:
+@dataclass
+class LaunchedStep:
+    """A step whose results are on their way to the host."""
+
+    copy: HostRows
+    constrained: list[ConstrainedRow]
+
+    def result(self) -> StepResult:
+        """Waits for the copy; advances the constrained rows' grammars by their tokens (the next step's masks)."""
+        host_ids, host_output, host_prompt = self.copy.wait()
+        accept_tokens(self.constrained, host_ids)
+        return StepResult(next_ids=host_ids, output=host_output, prompt=host_prompt)
+
+
+def launch_step(runner: Model, batch: Batch, chunk_rows: int) -> LaunchedStep:
     rows = batch.rows
     counts = np.array([row.end - row.start for row in rows], dtype=np.int64)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # each row's first flat index
@@ -83,9 +99,7 @@ def run_step(runner: Model, batch: Batch, chunk_rows: int) -> StepResult:
                                   _padded_ids(requests, runner.device),
                                   ProcessedRows(processed, draw, params, adjusted) if processed else None)
         prompt = _prompt_logprobs(runner, hidden, rows, first, chunk_rows)
-        host_ids, host_output, host_prompt = copy_to_host(next_ids, output, prompt)
-        accept_tokens(constrained, host_ids)
-        return StepResult(next_ids=host_ids, output=host_output, prompt=host_prompt)
+        return LaunchedStep(copy_to_host(next_ids, output, prompt), constrained)
 
 
 def _sample_adjusted(logits: torch.Tensor, requests: list[Request], params: SamplingBatch, penalties: SlotPenalties,

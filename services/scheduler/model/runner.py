@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
-from services.scheduler.model.batch_step import run_step
+from services.scheduler.model.batch_step import LaunchedStep, launch_step
 from services.scheduler.model.kv_cache import KVPool, bytes_per_token, pool_pages
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.grammar import TokenMask
@@ -163,6 +163,9 @@ class ModelRunner:
         """float32 logits [rows, vocab] of the given hidden rows."""
         return self.lm_head(hidden).float()
 
+    def launch(self, batch: Batch) -> LaunchedStep:
+        """One model step over the batch's rows (batch_step.launch_step), its results on their way to the host."""
+        return launch_step(self, batch, self.logits_chunk_rows)
+
     def step(self, batch: Batch) -> StepResult:
-        """One model step over the batch's rows (batch_step.run_step)."""
-        return run_step(self, batch, self.logits_chunk_rows)
+        return self.launch(batch).result()

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoTokenizer
 from services.scheduler.model.kv_cache import DEFAULT_CPU_TOKENS
 from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.model.runner import model_max_context
-from services.scheduler.step import Batch, BatchRow, StepResult
+from services.scheduler.step import Batch, BatchRow, DoneStep, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,9 @@ class SyntheticRunner:
             time.sleep(self._next_step_at - now)
         self._next_step_at = max(now, self._next_step_at) + self.step_s
         return result
+
+    def launch(self, batch: Batch) -> DoneStep:
+        return DoneStep(self.step(batch))
 
     def memory_moved(self) -> None:
         """Nothing holds the stand-in's memory."""
