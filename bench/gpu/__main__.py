@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import gc
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,7 +14,7 @@ from bench.common import Progress, Table, fmt_ratio, write_results
 from bench.e2e import run as run_e2e
 from bench.e2e import start_up
 from bench.e2e import tables as e2e_tables
-from bench.gpu.engine import DeviceRates, decode_rows, prefill_rows, transformers_rows
+from bench.gpu.engine import DeviceRates, decode_rows, overlap_rows, prefill_rows, transformers_rows
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
 from services.scheduler.model.runner import ModelRunner
@@ -74,22 +75,25 @@ def main(argv: list[str] | None = None) -> None:
     progress = Progress(1 + 4 * len(args.shapes) + (rounds * len(args.single_tokens) + 1) * len(SEEDS_MODES), "gpu")
     rates = DeviceRates.measure(device, 0.01 if args.smoke else 4.0, 256 if args.smoke else 8192)
     progress.step(f"copy {rates.copy_bytes_per_s / 1e9:.0f} GB/s, matmul {rates.matmul_flops / 1e12:.3g} TFLOP/s")
-    decode, prefill, generate = [], [], []
+    decode, overlap, prefill, generate = [], [], [], []
     with tempfile.TemporaryDirectory() as scratch:
         for shape in args.shapes:
             runner = load(shape_dir(shape, Path(scratch)), max(args.batches), args.context, device)
             progress.step(f"{shape} loaded")
             decode += decode_rows(runner, shape, args.batches, args.context, args.steps, rates)
-            progress.step(f"{shape} decode")
+            overlap += overlap_rows(runner, shape, [b for b in args.batches if b > 1][-2:], args.context,
+                                    args.steps)
+            progress.step(f"{shape} decode, overlap")
             prefill += prefill_rows(runner, shape, *args.prefill)
             progress.step(f"{shape} prefill")
             generate += transformers_rows(runner, shape, args.generate_batches, args.context, args.steps)
             progress.step(f"{shape} transformers generate")
             del runner
+            gc.collect()  # the runner and its graphs refer to each other: freed by the collector, not at del
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the scheduler that flatwire up starts below needs the memory
         options = ("--load-format", "dummy", "--attention-backend", "triton", "--max-running-requests",
-                   str(max(64, args.concurrency)))
+                   str(max(64, args.concurrency)), "--max-total-tokens", str(max(64, args.concurrency) * 2048))
         if device.type == "cuda":
             options += ("--enable-cuda-graph", "--cuda-graph-max-bs", str(max(64, args.concurrency)))
         up, pids = start_up(model=shape_dir(args.serving_shape, Path(scratch)), options=options)
@@ -99,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             up.stop()
     serving_tables, serving_data = e2e_tables(serving)
-    tables = report(rates, decode, prefill, generate) + serving_tables
-    data = {"rates": vars(rates), "decode": [vars(r) for r in decode], "prefill": [vars(r) for r in prefill],
+    tables = report(rates, decode, overlap, prefill, generate) + serving_tables
+    data = {"rates": vars(rates), "decode": [vars(r) for r in decode], "overlap": [vars(r) for r in overlap],
+            "prefill": [vars(r) for r in prefill],
             "generate": [vars(r) for r in generate], "serving": serving_data}
     command = "python -m bench.gpu" + (" --smoke" if args.smoke else "")
     notes = (f"Device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'none (CPU)'}. "
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     print(write_results("gpu-smoke" if args.smoke else "gpu", command, tables, data, notes))
 
 
-def report(rates: DeviceRates, decode, prefill, generate) -> list[Table]:
+def report(rates: DeviceRates, decode, overlap, prefill, generate) -> list[Table]:
     decode_table = Table("Decode steps (the engine's whole step)", [
         "shape", "B", "k", "attention", "step ms", "tokens/s", "floor ms", "step / floor", "vs transformers"],
         f"Floor: weights and the batch's KV read once per step at the copy bandwidth measured "
@@ -119,6 +124,12 @@ def report(rates: DeviceRates, decode, prefill, generate) -> list[Table]:
         decode_table.add(row.shape, row.batch, row.k, row.mode, f"{row.step_s * 1e3:.2f}", f"{row.tokens_per_s:,.0f}",
                          f"{row.floor_s * 1e3:.2f}", fmt_ratio(row.step_s / row.floor_s),
                          fmt_ratio(row.tokens_per_s / base.tokens_per_s) if base else "-")
+    overlap_table = Table("The engine's loop, overlap schedule off and on", [
+        "shape", "B", "k", "pass ms, off", "pass ms, on", "on / off"],
+        "One pass: a decode step and its output message, built and encoded to the wire.")
+    for off, on in zip(overlap[::2], overlap[1::2]):
+        overlap_table.add(off.shape, off.batch, off.k, f"{off.step_s * 1e3:.2f}", f"{on.step_s * 1e3:.2f}",
+                          f"{on.step_s / off.step_s:.3f}")
     prefill_table = Table("Prefill steps", ["shape", "prompts x tokens", "attention", "step ms", "tokens/s",
                                             "TFLOP/s", "of the matmul rate"],
                           f"Matmul rate measured: {rates.matmul_flops / 1e12:.3g} TFLOP/s.")
@@ -130,7 +141,7 @@ def report(rates: DeviceRates, decode, prefill, generate) -> list[Table]:
                                                                                    "tokens/s"])
     for g in generate:
         generate_table.add(g.shape, g.batch, f"{g.decode_s * 1e3:.2f}", f"{g.tokens_per_s:,.0f}")
-    return [decode_table, prefill_table, generate_table, targets(decode, generate)]
+    return [decode_table, overlap_table, prefill_table, generate_table, targets(decode, generate)]
 
 
 def targets(decode, generate) -> Table:

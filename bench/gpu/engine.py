@@ -1,14 +1,20 @@
-"""The engine's step on the device: the device's rates, decode and prefill tokens/s, transformers' generate."""
+"""The engine on the device: the device's rates, decode and prefill tokens/s, the overlap schedule, and
+transformers' generate."""
 
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
+from flatwire_wire.steps import encode_step
 
 from bench.in_process import InProcessSteps, random_prompt
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine.engine import Engine
 from services.scheduler.model.attention import ATTENTION_NAME
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.submit import SubmitLimits, parse_request
 
 GIB = 1 << 30
 
@@ -182,4 +188,44 @@ def transformers_rows(runner: ModelRunner, shape: str, batches: list[int], conte
             rows.append(GenerateRow(shape, batch, (whole - first) / new_tokens))
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
+    return rows
+
+
+@dataclass
+class OverlapRow:
+    shape: str
+    batch: int
+    k: int
+    overlap: bool
+    step_s: float  # per engine pass in steady decode: one step, its output message built and encoded
+
+
+def overlap_rows(runner: ModelRunner, shape: str, batches: list[int], context: int, steps: int,
+                 k: int = 128) -> list[OverlapRow]:
+    """The engine's whole loop (engine/engine.py), stepped in line, its messages encoded to the wire as the
+    server's loop would (here on the engine thread: the host work is, if anything, larger), with and without
+    --enable-overlap-schedule."""
+    rows = []
+    for batch in batches:
+        for overlap in (False, True):
+            config = SchedulerConfig(max_running_requests=batch, page_size=runner.page_size,
+                                     max_total_tokens=(runner.num_pages - 1) * runner.page_size,
+                                     chunked_prefill_size=batch * context, enable_overlap_schedule=overlap)
+            engine = Engine(runner, config, publish=encode_step)
+            limits = SubmitLimits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), 1,
+                                  max_total_tokens=config.max_total_tokens)
+            for i in range(batch):
+                engine.submit(parse_request(TokenizedRequest(
+                    rid=f"o{i}", owner="bench", input_ids=random_prompt(i, context),
+                    sampling=SamplingParams(max_new_tokens=4 * steps, ignore_eos=True),
+                    logprob=LogprobParams(return_logprob=True, top_logprobs_num=k)), limits))
+
+            def one_pass(engine: Engine = engine) -> None:
+                engine._iterate(*engine._drain_inbox(block=False))
+
+            for _ in range(3):  # admission and prefill, the first decodes
+                one_pass()
+            rows.append(OverlapRow(shape, batch, k, overlap, timed(one_pass, runner.device, steps)))
+            while engine.scheduler.requests:
+                engine.scheduler.finish(engine.scheduler.requests[0])
     return rows

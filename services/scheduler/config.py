@@ -12,7 +12,8 @@ class SchedulerConfig(ServiceConfig):
     """flatwire scheduler: owns the model, batches requests, streams one StepOutput per step."""
 
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
-    dtype: str = option("auto", "auto (the checkpoint's dtype on CUDA, float32 on CPU), float32, bfloat16, float16")
+    dtype: str = option("auto", "auto (on CUDA the checkpoint's half-precision dtype, bfloat16 for a float32 "
+                        "checkpoint or one that names none; float32 on CPU), float32, bfloat16, float16")
     max_running_requests: int = option(64, "most requests running at once (each also holds a row of per-request "
                                        "sampling state); the KV memory admits fewer when it is short")
     context_length: int = option(0, "longest sequence (prompt + output); 0: the model's maximum. Costs nothing until "

@@ -21,6 +21,7 @@ def test_the_gpu_benchmark_runs_every_part_on_the_cpu():
     modes = {(row["batch"], row["k"], row["mode"]) for row in results["decode"]}
     assert modes == {(b, k, m) for b in (1, 3) for k in (0, 128) for m in ("torch", "triton", "triton + graphs")}
     assert all(row["step_s"] > 0 and row["floor_s"] > 0 for row in results["decode"])
+    assert [(row["batch"], row["overlap"]) for row in results["overlap"]] == [(3, False), (3, True)]
     assert {row["mode"] for row in results["prefill"]} == {"torch", "triton"}
     assert [row["batch"] for row in results["generate"]] == [2]
     served = {(row["concurrency"], row["mode"]) for row in results["serving"]["rows"]}

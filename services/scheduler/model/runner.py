@@ -46,7 +46,9 @@ def pick_dtype(name: str, device: torch.device, checkpoint_dtype) -> torch.dtype
         return torch.float32  # half precision matmuls are slow and lossy on CPU
     if isinstance(checkpoint_dtype, str):  # configs may store the name
         checkpoint_dtype = DTYPES.get(checkpoint_dtype)
-    return checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else torch.float32
+    # A half-precision checkpoint runs as stored; a float32 one, or one that says nothing, in bfloat16 (as
+    # vLLM's and SGLang's auto run float32 checkpoints in half precision).
+    return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def eos_token_ids(model) -> list[int]:
