@@ -50,6 +50,8 @@ class SchedulerConfig(ServiceConfig):
         False, "build and publish a step's output while the device computes the next one (SGLang's overlap "
         "schedule, there on by default): pays on CUDA, where steps run asynchronously; on the CPU a step's output "
         "would wait for the next step. Off until a GPU run in this project has measured it")
+    grammar_compile_timeout_s: float = option(300.0, "most seconds a structured-output request waits for its "
+                                              "grammar to compile (after its Submit answered) before it fails")
     max_top_logprobs: int = option(256, "largest top_logprobs_num a request may ask for")
     logits_chunk_rows: int = option(256, "prompt positions turned into logits at once (bounds [rows, vocab] memory)")
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "
@@ -85,6 +87,8 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError("--max-total-tokens: must be 0 (automatic) or positive")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError("--mem-fraction-static: must be in (0, 1)")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("--grammar-compile-timeout-s: must be positive")
         if not self.weights_sync_timeout_s > 0:
             raise ValueError("--weights-sync-timeout-s: must be positive")
         if self.replay_window_s < 0 or self.replay_window_mb < 0:

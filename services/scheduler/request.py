@@ -102,6 +102,7 @@ class Request:
     pending: PendingOutput  # output not shipped yet
     status: RequestStatus = RequestStatus.WAITING
     compiling: Future[xgr.GrammarMatcher] | None = None  # its grammar's matcher while COMPILING
+    compile_deadline: float = 0.0  # time.monotonic() past which a COMPILING request fails
     slot: int = -1  # its row of per-request sampling state while RUNNING
     output_ids: list[int] = field(default_factory=list)
     # KV: the pages of its sequence (prompt then output), and how many of its tokens they hold so far.

@@ -50,10 +50,10 @@ def tokenizer(model_dir):
 class Run:
     """An Engine stepped by the test, its requests' grammars compiled by HeldGrammars; what it published."""
 
-    def __init__(self, runner: ModelRunner, model_dir):
+    def __init__(self, runner: ModelRunner, model_dir, **options):
         self.published: list[StepMessage] = []
-        self.engine = Engine(runner, SchedulerConfig(max_running_requests=4, page_size=4, max_total_tokens=2048),
-                             publish=self.published.append)
+        config = SchedulerConfig(max_running_requests=4, page_size=4, max_total_tokens=2048, **options)
+        self.engine = Engine(runner, config, publish=self.published.append)
         self.grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids)
         self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 16, tuple(runner.eos_token_ids), 50)
 
@@ -122,3 +122,22 @@ def test_a_failed_compile_fails_that_request_alone(run):
 def test_a_constraint_that_does_not_parse_is_refused_at_submit(run):
     with pytest.raises(InvalidTokenizedRequest, match="Unclosed"):
         run.submit("bad", regex="[a-")
+
+
+def test_a_compile_past_its_bound_fails_that_request_alone(runner, model_dir):
+    """--grammar-compile-timeout-s: the engine wakes at the deadline by itself (no other request arrives)."""
+    run = Run(runner, model_dir, grammar_compile_timeout_s=2.0)
+    try:
+        run.submit("constrained", regex=REGEX)
+        run.submit("free", ignore_eos=True)
+        run.step()
+        assert run.finish("constrained") is None
+        run.step(20)
+        assert run.finish("free").reason is FinishReason.LENGTH
+        assert run.engine._drain_inbox(block=True) == ([], [], [])  # returns at the deadline, nothing new
+        run.step()
+        finish = run.finish("constrained")
+        assert finish.reason is FinishReason.ERROR and "not compiled within 2 s" in finish.message
+        assert not run.engine.scheduler.requests
+    finally:
+        run.grammars.go.set()

@@ -105,7 +105,8 @@ class Engine:
         self.pages = PagePool(runner.num_pages, runner.page_size)
         self.prefix_cache = PrefixCache(self.pages, enabled=not config.disable_radix_cache)
         self.scheduler = Scheduler(SlotPool(config.max_running_requests), self.pages, self.prefix_cache,
-                                   config.prefill_budget, chunked=config.chunked_prefill_size > 0)
+                                   config.prefill_budget, chunked=config.chunked_prefill_size > 0,
+                                   compile_timeout_s=config.grammar_compile_timeout_s)
         self._step = 0
         self._finished_total = 0
         self._aborted_total = 0
@@ -307,8 +308,15 @@ class Engine:
         return whole
 
     def _drain_inbox(self, block: bool) -> tuple[list[Request], list[AbortRequest], list[Control]]:
-        new, aborts, controls = [], [], []
-        item = self._inbox.get() if block else None
+        new: list[Request] = []
+        aborts: list[AbortRequest] = []
+        controls: list[Control] = []
+        item = None
+        if block:  # until something comes, or a compiling request's deadline passes
+            try:
+                item = self._inbox.get(timeout=self.scheduler.compile_wait())
+            except queue.Empty:
+                return new, aborts, controls
         while True:
             if isinstance(item, Request):
                 new.append(item)

@@ -16,6 +16,8 @@ pages, the request slots and the status in agreement.
 """
 
 import logging
+import math
+import time
 from collections import deque
 
 import numpy as np
@@ -53,8 +55,10 @@ class SlotPool:
 
 class Scheduler:
     def __init__(self, slots: SlotPool, pages: PagePool, prefix_cache: PrefixCache, prefill_budget: int,
-                 chunked: bool):
+                 chunked: bool, compile_timeout_s: float = math.inf):
+        """`compile_timeout_s`: a request COMPILING longer fails (its compile, if it has not started, is dropped)."""
         self.slots = slots
+        self.compile_timeout_s = compile_timeout_s
         self.pages = pages
         self.prefix_cache = prefix_cache
         self.prefill_budget = prefill_budget
@@ -77,14 +81,30 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """A new request, last in line (once its grammar is compiled, if it is COMPILING)."""
-        (self.compiling if request.status is RequestStatus.COMPILING else self.waiting).append(request)
+        if request.status is RequestStatus.COMPILING:
+            request.compile_deadline = time.monotonic() + self.compile_timeout_s
+            self.compiling.append(request)
+        else:
+            self.waiting.append(request)
+
+    def compile_wait(self) -> float | None:
+        """Seconds until the first compiling request's deadline (None: none compiles), for the engine's wait."""
+        if not self.compiling:
+            return None
+        return max(0.0, min(r.compile_deadline for r in self.compiling) - time.monotonic())
 
     def compiled(self) -> list[tuple[Request, BaseException]]:
         """Compiling requests whose grammar is ready get in line; those whose compile failed are returned, with
         why, for the engine to finish."""
-        failed = []
+        failed: list[tuple[Request, BaseException]] = []
+        now = time.monotonic()
         for request in list(self.compiling):
             matcher = request.compiling
+            if matcher is not None and not matcher.done() and now >= request.compile_deadline:
+                matcher.cancel()  # a compile already running ends on its own; its result is dropped
+                failed.append((request, TimeoutError(f"not compiled within {self.compile_timeout_s:g} s "
+                                                     "(--grammar-compile-timeout-s)")))
+                continue
             if matcher is None or not matcher.done():
                 continue
             if (error := matcher.exception()) is not None:
