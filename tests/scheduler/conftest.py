@@ -26,3 +26,9 @@ def gqa_model(model_dir, tmp_path_factory):
 def model(request, model_dir, gqa_model):
     path = model_dir if request.param == "default" else gqa_model
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gqa(gqa_model):
+    """The GQA model alone, for tests whose subject is not the model's shape (the engine's schedules)."""
+    return gqa_model, AutoModelForCausalLM.from_pretrained(gqa_model, dtype=torch.float32).eval()

@@ -31,10 +31,10 @@ def graph_run(path, **options) -> Run:
     return Run(path, attention_backend="triton", enable_cuda_graph=True, **options)
 
 
-def test_graph_decodes_equal_transformers(model):
+def test_graph_decodes_equal_transformers(gqa):
     """Five requests decoding together (padded to 8), then fewer as they finish (4, 2, 1), prompts across page
     boundaries; a cap of 4 rows runs the five-row steps eagerly."""
-    path, reference_model = model
+    path, reference_model = gqa
     cases = {f"r{n}": (prompt(n, 3 + 2 * n), 4 + 2 * n) for n in range(5)}
     for cap in (256, 4):
         run = graph_run(path, cuda_graph_max_bs=cap)

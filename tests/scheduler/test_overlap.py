@@ -8,8 +8,8 @@ from flatwire_wire.steps import FinishReason
 from tests.scheduler.engine_run import Run, check, prompt
 
 
-def test_outputs_equal_transformers_with_overlap(model):
-    path, reference_model = model
+def test_outputs_equal_transformers_with_overlap(gqa):
+    path, reference_model = gqa
     shared = prompt(5, 13)
     chunked = {f"r{n}": (prompt(n, 3 + 4 * n), 10, 0 if n % 2 else -1) for n in range(4)}
     chunked |= {"shared-a": (shared, 8, -1), "shared-b": (shared + prompt(6, 3), 8, -1)}
