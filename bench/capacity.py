@@ -24,11 +24,16 @@ Non-streaming rows are run at each
 --output-intervals value (50, the default, and 1: a message per token, everything
 else equal), so the same run shows what coalescing saves. --gateway-workers runs each
 configuration with that many gateway processes sharing the HTTP port (--reuse-port, as
-`flatwire up --gateway-workers N`); their CPU is summed.
+`flatwire up --gateway-workers N`); their CPU is summed. --patterns burst has the C clients
+submit together and again once every reply is in (an RL rollout's batch), measured over
+--burst-rounds rounds after a first; --clients httpx sends through httpx.AsyncClient (one
+pooled connection per client) rather than the minimal client.
 
     python -m bench.capacity                  # the full matrix: writes bench/out/capacity.{md,json}
     python -m bench.capacity --concurrency 32 --k 128 --formats flat_b64 --modes nonstream --duration 5
     python -m bench.capacity --concurrency 512 --modes stream --gateway-workers 1,2 --name capacity_workers
+    python -m bench.capacity --concurrency 512 --k 128 --formats flat_b64 --modes nonstream --output-intervals 50 \
+        --patterns spread,burst --clients raw,httpx --name capacity_bursts
     python -m bench.capacity --replot         # redraw bench/plots/capacity.png (needs matplotlib)
 """
 
@@ -38,9 +43,12 @@ import os
 import re
 import statistics
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import orjson
 
 from bench.common import OUT_DIR, Progress, Table, write_results
@@ -52,6 +60,8 @@ PROMPT_IDS = list(range(1000, 1016))  # a fixed 16-token prompt
 SERVICES = ("scheduler", "detokenizer", "gateway")
 FORMATS = ("flat_b64", "nested")
 MODES = ("nonstream", "stream")
+PATTERNS = ("spread", "burst")
+CLIENTS = ("raw", "httpx")
 FLAT_B64 = {"return_flat_raw_top_logprobs": True, "return_flat_raw_output_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True}
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
@@ -66,6 +76,8 @@ class Config:
     mode: str  # nonstream or stream
     interval: int = 50  # the scheduler's --output-interval: tokens per entry of a request that does not stream
     gateways: int = 1  # gateway processes behind the HTTP port
+    pattern: str = "spread"  # spread: each client resubmits when its request ends; burst: all at once, together
+    client: str = "raw"  # raw: Connection below; httpx: httpx.AsyncClient, as a Python user's client
 
     def body(self, tokens: int) -> bytes:
         body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
@@ -76,9 +88,10 @@ class Config:
 
 
 def configs(args) -> list[Config]:
-    return [Config(c, k, fmt, mode, interval, gateways) for gateways in args.gateway_workers
+    return [Config(c, k, fmt, mode, interval, gateways, pattern, client) for gateways in args.gateway_workers
             for interval in args.output_intervals for c in args.concurrency
             for k in args.k for fmt in (args.formats if k else ["-"]) for mode in args.modes
+            for pattern in args.patterns for client in args.clients
             if mode == "nonstream" or interval == args.output_intervals[0]]  # the interval is for nonstream
 
 
@@ -143,7 +156,28 @@ class Connection:
             self.reader = self.writer = None
 
 
-async def generate(connection: Connection, body: bytes, stream: bool) -> bytes | None:
+class HttpxConnection:
+    """The same calls through httpx (one AsyncClient shared by the clients, a pooled connection each)."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """(status, body); for an event stream, its last 64 kB (the events that carry completion_tokens)."""
+        async with self.client.stream("POST", path, content=body,
+                                      headers={"content-type": "application/json"}) as reply:
+            if not reply.headers.get("content-type", "").startswith("text/event-stream"):
+                return reply.status_code, await reply.aread()
+            tail = b""
+            async for chunk in reply.aiter_bytes():
+                tail = (tail + chunk)[-65536:]
+            return reply.status_code, tail
+
+    def close(self) -> None:
+        """The shared client keeps its pool."""
+
+
+async def generate(connection: "Connection | HttpxConnection", body: bytes, stream: bool) -> bytes | None:
     """The reply's body (streaming: its last event that carries completion_tokens); None when it failed."""
     status, content = await connection.post("/generate", body)
     if status != 200 or (stream and b'"error"' in content):
@@ -154,24 +188,44 @@ async def generate(connection: Connection, body: bytes, stream: bool) -> bytes |
     return content
 
 
-async def client_loop(address: tuple[str, int], body: bytes, stream: bool, delay: float, replies: list[Reply],
-                      first: list[bytes]) -> None:
+async def attempt(connection: "Connection | HttpxConnection", body: bytes, stream: bool, replies: list[Reply],
+                  first: list[bytes], start: float) -> None:
+    """One request, recorded in `replies` (and the first complete one in `first`)."""
+    try:
+        content = await generate(connection, body, stream)
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, httpx.HTTPError):
+        connection.close()
+        content = None
+    found = COMPLETION_TOKENS.findall(content) if content else None
+    replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1))
+    if found and not first:
+        first.append(content)
+
+
+async def client_loop(connect: Callable[[], "Connection | HttpxConnection"], body: bytes, stream: bool,
+                      delay: float, replies: list[Reply], first: list[bytes]) -> None:
     await asyncio.sleep(delay)  # clients start spread over one request's time, so completions spread too
-    connection = Connection(*address)
+    connection = connect()
+    try:
+        while True:
+            await attempt(connection, body, stream, replies, first, time.perf_counter())
+    finally:
+        connection.close()
+
+
+async def burst_rounds(connect: Callable[[], "Connection | HttpxConnection"], body: bytes, stream: bool,
+                       concurrency: int, replies: list[Reply], first: list[bytes], rounds: list[float]) -> None:
+    """Every client submits at once, and again once all of them have their reply (an RL rollout's batch);
+    `rounds` gets the time each round ends."""
+    connections = [connect() for _ in range(concurrency)]
     try:
         while True:
             start = time.perf_counter()
-            try:
-                content = await generate(connection, body, stream)
-            except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
-                connection.close()
-                content = None
-            found = COMPLETION_TOKENS.findall(content) if content else None
-            replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1))
-            if found and not first:
-                first.append(content)
+            await asyncio.gather(*(attempt(c, body, stream, replies, first, start) for c in connections))
+            rounds.append(time.perf_counter())
     finally:
-        connection.close()
+        for connection in connections:
+            connection.close()
 
 
 def snapshot(stack: Stack, pids: dict[str, list[int]]) -> tuple[float, dict[str, float], int]:
@@ -184,21 +238,46 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+@asynccontextmanager
+async def connections(config: Config, url: str) -> AsyncIterator[Callable[[], "Connection | HttpxConnection"]]:
+    """What a client opens its connection with: a raw one, or a pooled httpx one."""
+    if config.client == "raw":
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        yield lambda: Connection(host, int(port))
+        return
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        yield lambda: HttpxConnection(client)
+
+
 async def measure(stack: Stack, pids: dict[str, list[int]], config: Config, args) -> dict:
+    """spread: a window of --duration s after --warmup s; burst: --burst-rounds rounds after a first one."""
     body, stream = config.body(args.tokens), config.mode == "stream"
     replies: list[Reply] = []
     first: list[bytes] = []
-    spread = min(args.warmup, args.tokens * args.step_ms / 1e3)
-    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
-    tasks = [asyncio.create_task(client_loop((host, int(port)), body, stream, i * spread / config.concurrency,
-                                             replies, first)) for i in range(config.concurrency)]
-    await asyncio.sleep(args.warmup)
-    t0, cpu0, steps0 = snapshot(stack, pids)
-    await asyncio.sleep(args.duration)
-    t1, cpu1, steps1 = snapshot(stack, pids)
-    for task in tasks:  # requests still in flight are cut (the gateway aborts them)
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    rounds: list[float] = []
+    async with connections(config, stack.http_url) as connect:
+        if config.pattern == "burst":
+            task = asyncio.create_task(burst_rounds(connect, body, stream, config.concurrency, replies, first,
+                                                    rounds))
+            tasks = [task]
+            while not rounds:  # the first round warms up
+                await asyncio.sleep(0.01)
+            t0, cpu0, steps0 = snapshot(stack, pids)
+            while len(rounds) < 1 + args.burst_rounds and not task.done():
+                await asyncio.sleep(0.01)
+            t1, cpu1, steps1 = snapshot(stack, pids)
+        else:
+            spread = min(args.warmup, args.tokens * args.step_ms / 1e3)
+            tasks = [asyncio.create_task(client_loop(connect, body, stream, i * spread / config.concurrency, replies,
+                                                     first)) for i in range(config.concurrency)]
+            await asyncio.sleep(args.warmup)
+            t0, cpu0, steps0 = snapshot(stack, pids)
+            await asyncio.sleep(args.duration)
+            t1, cpu1, steps1 = snapshot(stack, pids)
+        for task in tasks:  # requests still in flight are cut (the gateway aborts them)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     wall = t1 - t0
     done = [r for r in replies if t0 <= r.end <= t1]
     ok = [r for r in done if r.tokens >= 0]
@@ -227,14 +306,16 @@ def wait_idle(stack: Stack, timeout: float = 120.0) -> None:
 
 
 def table(rows: list[dict], args) -> Table:
-    columns = ["C", "k", "format", "mode", "interval", "gateways", "offered tok/s", "delivered tok/s", "of offer",
+    columns = ["C", "k", "format", "mode", "interval", "gateways", "pattern", "client", "offered tok/s",
+               "delivered tok/s", "of offer",
                *(f"{s} us/tok" for s in (*SERVICES, "client")), "step ms", "p50 s", "p99 s", "errors"]
     out = Table(f"Capacity: {args.tokens}-token requests, synthetic step {args.step_ms:g} ms", columns,
                 "us/tok: CPU microseconds per delivered token of each process (client: this benchmark's HTTP "
                 "clients, on the same cores). step ms: the scheduler's measured step time in the window.")
     for r in rows:
         interval = r.get("interval", 50) if r["mode"] == "nonstream" else 1
-        head = [r["concurrency"], r["k"], r["format"], r["mode"], interval, r.get("gateways", 1)]
+        head = [r["concurrency"], r["k"], r["format"], r["mode"], interval, r.get("gateways", 1),
+                r.get("pattern", "spread"), r.get("client", "raw")]
         us = r["us_per_token"]
         out.add(*head, f"{r['offered_tok_s']:,.0f}", f"{r['delivered_tok_s']:,.0f}", f"{r['fraction']:.0%}",
                 *(f"{us[s]:.1f}" for s in (*SERVICES, "client")), f"{r['step_ms_measured']:.1f}",
@@ -304,6 +385,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the scheduler's --output-interval values to compare (non-streaming requests only)")
     parser.add_argument("--gateway-workers", type=ints, default=[1],
                         help="gateway processes sharing the HTTP port (SO_REUSEPORT), e.g. 1,2")
+    parser.add_argument("--patterns", type=names(PATTERNS), default=["spread"],
+                        help="spread: each client resubmits when its request ends; burst: all clients submit "
+                        "together, each round once every reply is in (an RL rollout's batch)")
+    parser.add_argument("--burst-rounds", type=int, default=3, help="measured rounds of a burst configuration, "
+                        "after a first one")
+    parser.add_argument("--clients", type=names(CLIENTS), default=["raw"],
+                        help="raw: a minimal HTTP/1.1 client; httpx: httpx.AsyncClient")
     parser.add_argument("--name", default="capacity", help="results as bench/out/NAME.{md,json}")
     parser.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default model)")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from bench/out/capacity.json")

@@ -2,7 +2,7 @@
 min_new_tokens), grammar constraints (structured output) and logprobs of the sampling distribution
 (logprobs_mode processed_logprobs against raw_logprobs).
 
-One decode step of the default model over B running requests (scheduler's batch_step.run_step, the real
+One decode step of the default model over B running requests (scheduler's batch_step.launch_step, the real
 ModelRunner on this machine's device): plain, with every row adjusted (repetition, frequency and
 presence penalties, a 16-token logit_bias, min_new_tokens), and with every row constrained (an EBNF
 grammar that never completes, so every measured step is a constrained one), timed interleaved. Then the

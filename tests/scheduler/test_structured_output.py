@@ -23,7 +23,7 @@ from harness.http import generate, post
 from services.scheduler.cache.pages import PagePool
 from services.scheduler.cache.prefix_cache import PrefixCache
 from services.scheduler.engine.scheduler import Scheduler, SlotPool
-from services.scheduler.model.batch_step import run_step
+from services.scheduler.model.batch_step import launch_step
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.request import RequestStatus
 from services.scheduler.sampling.grammar import Grammars, TokenMask
@@ -134,7 +134,7 @@ def test_logprobs_stay_raw(model_dir, grammars):
             assert request.status is RequestStatus.COMPILING
             request.compiling.result()
             assert scheduler.compiled() == [] and request.status is RequestStatus.WAITING
-    result = run_step(runner, scheduler.schedule(), 256)
+    result = launch_step(runner, scheduler.schedule(), 256).result()
     rows = result.output
     assert rows is not None
     assert np.array_equal(rows.topk_ids[0], rows.topk_ids[1])
