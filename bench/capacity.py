@@ -100,6 +100,7 @@ class Reply:
     start: float
     end: float
     tokens: int  # completion_tokens of its last event; -1: an error
+    error: str = ""  # what the error was
 
 
 def check(body: bytes, config: Config, tokens: int) -> str:
@@ -177,14 +178,20 @@ class HttpxConnection:
         """The shared client keeps its pool."""
 
 
-async def generate(connection: "Connection | HttpxConnection", body: bytes, stream: bool) -> bytes | None:
-    """The reply's body (streaming: its last event that carries completion_tokens); None when it failed."""
+class Failed(Exception):
+    """A reply that is not a complete generation: its status, or its error event."""
+
+
+async def generate(connection: "Connection | HttpxConnection", body: bytes, stream: bool) -> bytes:
+    """The reply's body (streaming: its last event that carries completion_tokens)."""
     status, content = await connection.post("/generate", body)
     if status != 200 or (stream and b'"error"' in content):
-        return None
+        raise Failed(f"HTTP {status}: {content[:200]!r}")
     if stream:  # the chunk's last complete data event
         events = [e for e in content.split(b"data: ") if COMPLETION_TOKENS.search(e)]
-        return events[-1].strip() if events else None
+        if not events:
+            raise Failed("no event with completion_tokens")
+        return events[-1].strip()
     return content
 
 
@@ -193,11 +200,13 @@ async def attempt(connection: "Connection | HttpxConnection", body: bytes, strea
     """One request, recorded in `replies` (and the first complete one in `first`)."""
     try:
         content = await generate(connection, body, stream)
-    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, httpx.HTTPError):
+    except (Failed, OSError, ValueError, IndexError, asyncio.IncompleteReadError, httpx.HTTPError) as exc:
         connection.close()
-        content = None
-    found = COMPLETION_TOKENS.findall(content) if content else None
-    replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1))
+        replies.append(Reply(start, time.perf_counter(), -1, f"{type(exc).__name__}: {exc}"[:200]))
+        return
+    found = COMPLETION_TOKENS.findall(content)
+    replies.append(Reply(start, time.perf_counter(), int(found[-1]) if found else -1,
+                         "" if found else "no completion_tokens"))
     if found and not first:
         first.append(content)
 
@@ -287,6 +296,7 @@ async def measure(stack: Stack, pids: dict[str, list[int]], config: Config, args
     return {
         **config.__dict__, "offered_tok_s": offered, "delivered_tok_s": delivered,
         "fraction": delivered / offered, "requests": len(ok), "errors": len(done) - len(ok),
+        "error_kinds": sorted({r.error for r in done if r.tokens < 0}),
         "check": check(first[0], config, args.tokens) if first else "no complete reply",
         "cpu_s": {name: cpu1[name] - cpu0[name] for name in pids}, "wall_s": wall,
         "us_per_token": {name: (cpu1[name] - cpu0[name]) * 1e6 / max(1.0, delivered * wall) for name in pids},
@@ -320,7 +330,8 @@ def table(rows: list[dict], args) -> Table:
         out.add(*head, f"{r['offered_tok_s']:,.0f}", f"{r['delivered_tok_s']:,.0f}", f"{r['fraction']:.0%}",
                 *(f"{us[s]:.1f}" for s in (*SERVICES, "client")), f"{r['step_ms_measured']:.1f}",
                 f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
-                f"{r['errors']}" + (f" (check: {r['check']})" if r["check"] else ""))
+                f"{r['errors']}" + (f" (check: {r['check']})" if r["check"] else "")
+                + (f" ({'; '.join(r['error_kinds'])})" if r.get("error_kinds") else ""))
     return out
 
 

@@ -133,10 +133,14 @@ class Scheduler:
                 break
             chunks.append(row)
             budget -= row.end - row.start
+        # Pages the running requests may need for their next DECODE_RESERVE_TOKENS: kept free by admission
+        # (summed once, then per admitted request: admitting hundreds at once stays linear).
+        reserve = sum(map(self._reserve, self.running)) if admit and self.waiting else 0
         while admit and self.waiting and self.slots.free and budget > 0:
-            row = self._admit(self.waiting[0], budget, alone=not chunks, batch=chunks)
+            row = self._admit(self.waiting[0], budget, alone=not chunks, batch=chunks, reserve=reserve)
             if row is None:
                 break
+            reserve += self._reserve(row.request)
             chunks.append(row)
             budget -= row.end - row.start
         self.prefill_tokens += sum(r.end - r.start for r in chunks)
@@ -168,9 +172,10 @@ class Scheduler:
         self._grow(request, end)
         return BatchRow(request, request.computed, end)
 
-    def _admit(self, request: Request, budget: int, alone: bool, batch: list[BatchRow]) -> BatchRow | None:
-        """Start the first request in line from its longest cached prefix, if its first chunk fits; None when it
-        has to wait."""
+    def _admit(self, request: Request, budget: int, alone: bool, batch: list[BatchRow],
+               reserve: int) -> BatchRow | None:
+        """Start the first request in line from its longest cached prefix, if its first chunk fits and leaves
+        the running requests' `reserve` of pages free; None when it has to wait."""
         sequence = request.sequence()
         # At least one token is computed (its logits give the next one), and every prompt position that gets a
         # logprob row needs the hidden state before it.
@@ -183,8 +188,6 @@ class Scheduler:
             self._unadmit(request)
             return None
         row = self._chunk(request, budget, alone)
-        reserve = sum(self._new_pages(r, min(r.length + DECODE_RESERVE_TOKENS, r.prompt_len + r.max_new_tokens))
-                      for r in self.running)
         if row is None or reserve > self.available_pages:
             self._unadmit(request)
             return None
@@ -241,6 +244,11 @@ class Scheduler:
                 self._commit(row.request)
 
     # -- pages --
+
+    def _reserve(self, request: Request) -> int:
+        """Pages a running request needs beyond its own for its next DECODE_RESERVE_TOKENS tokens."""
+        return self._new_pages(request, min(request.length + DECODE_RESERVE_TOKENS,
+                                            request.prompt_len + request.max_new_tokens))
 
     def _new_pages(self, request: Request, end: int) -> int:
         """Pages `request` needs beyond its own to hold positions [0, end)."""
