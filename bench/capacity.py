@@ -442,7 +442,12 @@ def main(argv: list[str] | None = None) -> None:
              "measured. Offered: C x 1000 / step ms. Delivered counts the requests that completed in the window, "
              "some of whose tokens came before it: it can pass the offer by a few percent. interval: output "
              "tokens per message of a non-streaming request (the scheduler's --output-interval); streaming "
-             "requests ship every token.")
+             "requests ship every token."
+             + (f" burst: the C clients submit together and again once every reply is in, measured over "
+                f"{args.burst_rounds} rounds after a first (the window is those rounds)." if "burst" in args.patterns
+                else "")
+             + (" httpx: one httpx.AsyncClient, a pooled connection per client." if "httpx" in args.clients
+                else ""))
     print(write_results(args.name, command, [table(rows, args)],
                         {"step_ms": args.step_ms, "tokens": args.tokens, "duration_s": args.duration,
                          "warmup_s": args.warmup, "rows": rows}, notes))

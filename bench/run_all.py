@@ -125,6 +125,12 @@ ANALYSIS = """\
   format), which is quadratic in the length: the streaming rows at k=128 nested show it. Flat formats
   stream each event's own rows (bench.stream: bytes and gateway CPU of a streamed response against the
   same response whole).
+- **Bursts** (bench.capacity_bursts: 512 clients that submit together, as an RL rollout does): each round
+  loses what the spread pattern hides. The 512 submits reach the scheduler over about half a second (the
+  gateway's request path and a Submit RPC each, on two cores shared with the clients and the scheduler's
+  steps), and the 512 responses are rendered together at the end, in one gateway process (two gateway
+  processes take part of it: `--gateway-workers 2`). httpx as the client costs 45 to 55 us of client CPU per
+  delivered token at k=128 (the minimal client: 1.3), on the same two cores: the httpx rows measure it.
 - **Streaming is a message per token, and that is what misses the streaming targets.** A streaming
   request is woken, rendered and sent once per token: a few tenths of a ms of gateway CPU per event for a
   request streaming alone (bench.stream: a 1000-token response costs over 10x its whole rendering; this
