@@ -17,7 +17,8 @@ class GatewayConfig(ServiceConfig):
     reuse_port: bool = option(False, "bind the HTTP and public gRPC ports with SO_REUSEPORT, so that several gateway "
                               "processes on one host share them and the kernel spreads connections across them "
                               "(flatwire up --gateway-workers); each is an ordinary gateway, with its own admission "
-                              "limits. Off, a second server on a taken port fails to start")
+                              "limits, that listens once its path to a scheduler works (30 s at most). Off, a second "
+                              "server on a taken port fails to start")
     schedulers: list[str] = option(["127.0.0.1:30010"], "scheduler addresses host:port; a DNS name that resolves "
                                    "to several addresses counts as one replica each")
     detokenizers: list[str] = option(["127.0.0.1:30020"], "detokenizer addresses host:port; a DNS name that "

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import socket
+import time
 
 import uvicorn
 from grpc_health.v1 import health_pb2
@@ -24,6 +25,7 @@ from services.gateway.http.guards import with_timeouts
 log = logging.getLogger("flatwire.gateway")
 # After a drain, how long uvicorn may still take to close its connections before it cuts what is left on them.
 SHUTDOWN_AFTER_DRAIN_S = 1  # uvicorn takes whole seconds
+REUSE_PORT_JOIN_WAIT_S = 30  # a --reuse-port worker waits this long at most for its path before it listens
 
 
 async def _report_health(engine: EngineClient, servicer) -> None:
@@ -39,6 +41,14 @@ async def _report_health(engine: EngineClient, servicer) -> None:
         await asyncio.sleep(0.25)
 
 
+async def _until_healthy(engine: EngineClient, most_s: float) -> None:
+    """Until some scheduler's whole path to this gateway works, or `most_s` passed (then it serves anyway, and
+    says it is unhealthy as any gateway would)."""
+    deadline = time.monotonic() + most_s
+    while not engine.healthy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def serve(config: GatewayConfig) -> None:
     resolve_internal_secret(config, log, internal_server=False)
     if not config.api_key and not is_loopback(config.host):
@@ -47,6 +57,8 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
     engine = EngineClient(config, tokenizer)
     await engine.start()
+    if config.reuse_port:  # the kernel hands connections to every listener on the port: join once this one serves
+        await _until_healthy(engine, REUSE_PORT_JOIN_WAIT_S)
 
     grpc_server = create_server(config.max_message_mb, config.keepalive_s,
                                 access=AccessKeys(config.api_key, config.admin_api_key), admin_methods=ADMIN_METHODS,
