@@ -180,7 +180,7 @@ class SchedulerService:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"rid: no running request {request.rid!r}")
         return EMPTY
 
-    async def stream_steps(self, request: Empty, context):
+    async def stream_steps(self, request: Empty, context) -> None:
         queue: asyncio.Queue = asyncio.Queue()
         for message in self.journal.replay():
             queue.put_nowait(message)
@@ -192,7 +192,14 @@ class SchedulerService:
                 if message is CUT:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "this subscriber fell behind for longer than "
                                         "--stall-timeout-s; resubscribe to be replayed what it missed")
-                yield message
+                try:
+                    await context.write(message)
+                except Exception as exc:  # grpc's own ExecuteBatchError, which grpc does not export
+                    # Its connection broke mid-write (a peer killed, a cut): the subscriber resubscribes and is
+                    # replayed what it missed. Written here, rather than yielded, so that it is not grpc's traceback.
+                    log.info("a step subscriber's stream broke while a step was written to it (%s)",
+                             type(exc).__name__)
+                    return
         finally:
             self._unsubscribe(queue)
 
