@@ -17,7 +17,8 @@ vocabulary, as Qwen3.5's; `--load-format dummy`, so no weights travel), it repor
     python -m bench.gpu --smoke               # here, on the CPU: tiny shapes, every part once (the CI test)
 
 On this workplace's device tool, from the session's own checkout: `run(command="bash bench/gpu/device.sh",
-carry=[".whl"], timeout_s=600)`; the run should take 5 to 7 minutes (two shapes' loads with random weights,
-24 decode rows each, the serving table's 1000-token requests). Results go to bench/out/gpu.{md,json} (and to
+carry=[".whl"], timeout_s=600)`. It is sized for 5 to 7 minutes by estimate (it has never run on a GPU): two
+shapes' loads with random weights, 24 decode rows each, the serving table's 1000-token requests; `--rounds 1`
+or `--shapes qwen3-8b` trim it. Results go to bench/out/gpu.{md,json} (and to
 $OUT there); bench/gpu/RESULTS.md takes them, with the date and the device, and BENCHMARKS.md includes it.
 """

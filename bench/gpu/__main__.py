@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import gc
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -63,15 +64,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--generate-batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--serving-shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--single-tokens", type=int, nargs="+", default=[160, 1000])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the single requests (their median)")
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args(argv)
     if args.smoke:
         args.shapes, args.serving_shape, args.batches, args.context, args.steps = ["smoke"], "smoke", [1, 3], 24, 2
         args.prefill, args.generate_batches, args.single_tokens, args.concurrency = [2, 20], [2], [6], 2
+        args.rounds = 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         keep_big_blocks()
-    rounds = 1 if args.smoke else 3
+    rounds = args.rounds
     progress = Progress(1 + 4 * len(args.shapes) + (rounds * len(args.single_tokens) + 1) * len(SEEDS_MODES), "gpu")
     rates = DeviceRates.measure(device, 0.01 if args.smoke else 4.0, 256 if args.smoke else 8192)
     progress.step(f"copy {rates.copy_bytes_per_s / 1e9:.0f} GB/s, matmul {rates.matmul_flops / 1e12:.3g} TFLOP/s")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     data = {"rates": vars(rates), "decode": [vars(r) for r in decode], "overlap": [vars(r) for r in overlap],
             "prefill": [vars(r) for r in prefill],
             "generate": [vars(r) for r in generate], "serving": serving_data}
-    command = "python -m bench.gpu" + (" --smoke" if args.smoke else "")
+    command = " ".join(["python -m bench.gpu", *(sys.argv[1:] if argv is None else argv)])
     notes = (f"Device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'none (CPU)'}. "
              "Random weights (--load-format dummy); decode requests placed at their context with zero KV.")
     print(write_results("gpu-smoke" if args.smoke else "gpu", command, tables, data, notes))
