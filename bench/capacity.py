@@ -61,6 +61,7 @@ SERVICES = ("scheduler", "detokenizer", "gateway")
 FORMATS = ("flat_b64", "nested")
 MODES = ("nonstream", "stream")
 PATTERNS = ("spread", "burst")
+ROUND_TIMEOUT_S = 120  # one burst round (a request's whole generation), at most
 CLIENTS = ("raw", "httpx")
 FLAT_B64 = {"return_flat_raw_top_logprobs": True, "return_flat_raw_output_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True}
@@ -247,6 +248,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+async def rounds_done(rounds: list[float], count: int, task: asyncio.Task) -> None:
+    """Until `count` burst rounds have ended; TimeoutError when a round takes ROUND_TIMEOUT_S, and what stopped
+    the rounds if they stopped."""
+    seen, deadline = len(rounds), time.monotonic() + ROUND_TIMEOUT_S
+    while len(rounds) < count:
+        if task.done():
+            task.result()
+            raise RuntimeError("the burst rounds ended early")
+        if len(rounds) > seen:  # a round ended: the next one gets its own time
+            seen, deadline = len(rounds), time.monotonic() + ROUND_TIMEOUT_S
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a burst round took more than {ROUND_TIMEOUT_S} s")
+        await asyncio.sleep(0.01)
+
+
 @asynccontextmanager
 async def connections(config: Config, url: str) -> AsyncIterator[Callable[[], "Connection | HttpxConnection"]]:
     """What a client opens its connection with: a raw one, or a pooled httpx one."""
@@ -270,11 +286,9 @@ async def measure(stack: Stack, pids: dict[str, list[int]], config: Config, args
             task = asyncio.create_task(burst_rounds(connect, body, stream, config.concurrency, replies, first,
                                                     rounds))
             tasks = [task]
-            while not rounds:  # the first round warms up
-                await asyncio.sleep(0.01)
+            await rounds_done(rounds, 1, task)  # the first round warms up
             t0, cpu0, steps0 = snapshot(stack, pids)
-            while len(rounds) < 1 + args.burst_rounds and not task.done():
-                await asyncio.sleep(0.01)
+            await rounds_done(rounds, 1 + args.burst_rounds, task)
             t1, cpu1, steps1 = snapshot(stack, pids)
         else:
             spread = min(args.warmup, args.tokens * args.step_ms / 1e3)

@@ -73,10 +73,6 @@ def weight_bytes(runner: ModelRunner) -> int:
     return total
 
 
-def kv_bytes_per_token(runner: ModelRunner) -> int:
-    return sum(t[0, 0].numel() * t.element_size() for t in (*runner.kv.keys, *runner.kv.values))
-
-
 @dataclass
 class DecodeRow:
     shape: str
@@ -105,7 +101,7 @@ def decode_rows(runner: ModelRunner, shape: str, batches: list[int], context: in
     graphs = runner.graphs
     modes = ["torch", "triton"] + (["triton + graphs"] if graphs is not None else [])
     rows = []
-    weights, per_token = weight_bytes(runner), kv_bytes_per_token(runner)
+    weights, per_token = weight_bytes(runner), runner.kv_token_bytes
     for batch in batches:
         for k in (0, 128):
             for mode in modes:
@@ -114,7 +110,8 @@ def decode_rows(runner: ModelRunner, shape: str, batches: list[int], context: in
                 for i in range(batch):
                     engine.place(engine.request(f"r{i}", random_prompt(i, context), steps + 8, top_k=k))
                 seconds = timed(engine.step, runner.device, steps)
-                floor = (weights + batch * (context + steps) * per_token) / rates.copy_bytes_per_s
+                # the weights once, and each row's KV at its mean context over the timed steps
+                floor = (weights + batch * (context + steps // 2) * per_token) / rates.copy_bytes_per_s
                 rows.append(DecodeRow(shape, batch, k, mode, seconds, floor))
     set_mode(runner, modes[-1], graphs)
     return rows

@@ -98,7 +98,7 @@ class ModelRunner:
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads
         self.query_group = text_config.num_attention_heads // kv_heads
-        token_bytes = bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        self.kv_token_bytes = token_bytes = bytes_per_token(layers, kv_heads, head_dim, self.dtype)
         self.page_size = page_size
         self.num_pages = pool_pages(max_total_tokens, page_size, token_bytes, self.device, mem_fraction_static)
         self.kv = KVPool(layers, self.num_pages, page_size, kv_heads, head_dim, self.dtype, self.device,
