@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
                           "--max-running-requests", str(concurrency), "--output-interval", str(interval))
         with running(model_dir, log_dir, scheduler_args=scheduler_args, gateway_workers=gateways) as stack:
             stack.wait_ready()
+            stack.wait_warm()
             pids = {kind: [stack.procs[name].proc.pid for name, service in stack.services.items()
                            if service.kind == kind] for kind in SERVICES} | {"client": [os.getpid()]}
             for config in (c for c in todo if (c.interval, c.concurrency, c.gateways) == (interval, concurrency,

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         with running(resolve_model(None), log_dir, scheduler_args=scheduler_args,
                      gateway_args=gateway_args) as stack:
             stack.wait_ready()
+            stack.wait_warm()
             pid = stack.procs["gateway"].proc.pid
             with httpx.Client(base_url=stack.http_url, timeout=600) as http:
                 for fmt in FORMATS:  # untimed: the gateway warms its renderers in the background at start

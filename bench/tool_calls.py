@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     with running(resolve_model(None), log_dir, scheduler_args=("--max-running-requests", "16"),
                  gateway_args=("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")) as stack:
         stack.wait_ready()
+        stack.wait_warm()
         url = stack.http_url
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         gateway = stack.procs["gateway"].proc.pid

@@ -85,6 +85,7 @@ class Stack:
         for i in range(detokenizers):
             self.add("detokenizer", *detokenizer_args, env=detokenizer_env,
                      schedulers=replicas if detokenizers == 1 else [replicas[i]])
+        self.gateway_workers = gateway_workers  # processes behind the first gateway's ports
         shared = ("--reuse-port",) if gateway_workers > 1 else ()  # flatwire up --gateway-workers
         first = self.add("gateway", *gateway_args, *shared, env=gateway_env)
         for _ in range(gateway_workers - 1):
@@ -207,6 +208,21 @@ class Stack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{gateway} did not become healthy in {timeout:g} s")
             time.sleep(0.2)
+
+    def wait_warm(self, timeout: float = 120, gateway: str = "gateway") -> None:
+        """Until every gateway process behind `gateway`'s port has built its renderers (/server_info
+        renderers_ready), so that a measurement does not share the CPU with that startup thread."""
+        url, workers = self.services[gateway].http_url, self.gateway_workers
+        deadline, ready = time.monotonic() + timeout, set()
+        while len(ready) < workers:
+            with httpx.Client(timeout=5) as client:  # a new connection each round: the kernel picks a worker
+                info = client.get(f"{url}/server_info").json()
+            if info["renderers_ready"]:
+                ready.add(info["gateway_id"])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{workers - len(ready)} of {gateway}'s processes did not build their "
+                                   f"renderers in {timeout:g} s")
+            time.sleep(0.1)
 
     def stats(self, name: str = "scheduler") -> SchedulerStats:
         """A scheduler's GetStats."""

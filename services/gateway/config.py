@@ -54,6 +54,10 @@ class GatewayConfig(ServiceConfig):
         "--reasoning-parser): qwen3 (the model opens the block) or deepseek-r1 (the prompt opens it)")
     stream_interval: int = option(1, "output tokens per message of a streaming request (SGLang's --stream-interval): "
                                   "1 sends each token as it is generated; more sends fewer, larger chunks")
+    stream_coalesce_ms: float = option(
+        50.0, "a streaming request whose tokens this gateway got to more than 5 ms late (it is behind: more streams "
+              "than it renders an event per token for) waits as long again, at most this long, before its next event, "
+              "which then carries several steps' tokens: under load events grow instead of latency; 0: never")
     incremental_streaming_output: bool = option(
         False, "/generate streams send each event's new text, output_ids and output logprobs only (SGLang's "
                "--incremental-streaming-output), not everything so far: linear bytes for long streams")
@@ -94,8 +98,9 @@ class GatewayConfig(ServiceConfig):
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
                                 "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s",
                                 "control_timeout_s", "health_failure_threshold", "http_write_timeout_s"))
-        if not self.drain_timeout_s >= 0:  # also refuses nan
-            raise ValueError("--drain-timeout-s: must not be negative")
+        for name in ("drain_timeout_s", "stream_coalesce_ms"):
+            if not getattr(self, name) >= 0:  # also refuses nan
+                raise ValueError(f"--{name.replace('_', '-')}: must not be negative")
         if self.max_outstanding_requests < 0:
             raise ValueError("--max-outstanding-requests: must be 0 (automatic) or positive")
         if 0 < self.max_outstanding_requests < self.max_batch_size:

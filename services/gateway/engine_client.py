@@ -35,6 +35,7 @@ from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams
 from services.gateway.protocol.parse import rename_field
+from services.gateway.read_delay import ReadDelay
 from services.gateway.result import RequestResult
 from services.gateway.schedulers import SchedulerPool
 
@@ -46,6 +47,9 @@ GRPC_TO_STATUS = {
     grpc.StatusCode.ALREADY_EXISTS: "invalid_argument",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",  # every scheduler's waiting list is full
 }
+# A streaming generator that gets to its tokens this late (this gateway is behind: its event loop, or the messages
+# waiting to be read) waits as long again, at most --stream-coalesce-ms, before it takes them.
+COALESCE_AFTER_S = 0.005
 # The automatic admission limit: this many generations per running slot of the schedulers in rotation
 # (one running, seven waiting), and never below --max-batch-size (a batch must fit an idle gateway).
 ADMISSION_FACTOR = 8
@@ -107,6 +111,7 @@ class GenerationState:
     failure: str | None = None  # why the request failed (a server-side fault)
     abort_requested: bool = False  # by EngineClient.abort: stopped in its scheduler as soon as it has one
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    woken_at: float = 0.0  # when wakeup was last set while the generator waited on it (less how late its message was)
 
     @property
     def ended(self) -> bool:
@@ -133,6 +138,7 @@ class EngineClient:
         self.model_info: ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, GenerationState] = {}
+        self._read_delay = ReadDelay()
         self._reserved = 0  # generations admitted (EngineClient.admit) that have not started yet
         # Refusals by admission control: requests past this gateway's limit, submits a scheduler refused.
         self.rejected = {"gateway": 0, "scheduler": 0}
@@ -209,12 +215,17 @@ class EngineClient:
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0,
             return_routed_experts=inp.return_routed_experts, routed_experts_start_len=inp.routed_experts_start_len)
+        coalesce_s = self.config.stream_coalesce_ms / 1000
         try:
             state.scheduler = await self._submit(request, inp)
             if state.abort_requested:  # aborted while it was being submitted
                 self.schedulers.abort(state.scheduler, rid)
             while True:
-                await state.wakeup.wait()
+                if not state.wakeup.is_set():
+                    await state.wakeup.wait()
+                    late = time.perf_counter() - state.woken_at
+                    if late > COALESCE_AFTER_S and coalesce_s and state.inp.stream and not state.ended:
+                        await asyncio.sleep(min(late, coalesce_s))  # the next messages' tokens join this chunk
                 state.wakeup.clear()
                 if state.failure is not None:
                     raise RequestError("unavailable", None, state.failure)
@@ -281,14 +292,16 @@ class EngineClient:
     def _dispatch(self, step: StepMessage) -> None:
         """Work per message and per request in it; the arrays are copied with numpy, entry by entry."""
         woken: set[str] = set()
-        texts = step.texts or [""] * len(step.rids)
-        for i, (rid, position, text) in enumerate(zip(step.rids, step.positions, texts)):
+        rids, token_ids, output, version = list(step.rids), list(step.token_ids), step.output, step.weight_version
+        texts = list(step.texts) or [""] * len(rids)
+        end = 0
+        for i, (rid, position, count) in enumerate(zip(rids, step.positions, step.counts)):
+            start, end = end, end + count
             state = self._requests.get(rid)
             if state is None or state.ended:
                 continue
             try:
-                if (state.outputs.add(position, step.entry_tokens(i), text, step.output, i, step.weight_version)
-                        and state.inp.stream):
+                if state.outputs.add(position, token_ids[start:end], texts[i], output, i, version) and state.inp.stream:
                     woken.add(rid)
             except OutputLost as exc:
                 self._fail(state, str(exc))
@@ -303,8 +316,13 @@ class EngineClient:
             if state is not None and not state.ended:
                 self._finish(state, finish, step.weight_version)
                 woken.add(finish.rid)
+        # As if woken when the message came in on time: a late message counts as much as a late wakeup.
+        woken_at = time.perf_counter() - self._read_delay.behind(step.made_at_unix_us, time.time())
         for rid in woken:
-            self._requests[rid].wakeup.set()
+            state = self._requests[rid]
+            if not state.wakeup.is_set():
+                state.woken_at = woken_at
+                state.wakeup.set()
 
     def _finish(self, state: GenerationState, finish: Finish, weight_version: str) -> None:
         """`weight_version`: of the message that brought the finish, the version in force when the request ended."""

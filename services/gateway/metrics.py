@@ -101,8 +101,9 @@ class TokenTimer:
     """Time to first token and inter-token latency of one generation."""
 
     def __init__(self, metrics: GatewayMetrics, endpoint: str, started: float):
-        self._metrics = metrics
-        self._endpoint = endpoint
+        self._first_token = metrics.time_to_first_token.labels(endpoint)
+        self._inter_token = metrics.inter_token_latency.labels(endpoint)
+        self._generated = metrics.generated_tokens
         self._last = started
         self._first = True
 
@@ -111,9 +112,9 @@ class TokenTimer:
             return
         gap = now - self._last
         if self._first:
-            self._metrics.time_to_first_token.labels(self._endpoint).observe(gap)
+            self._first_token.observe(gap)
             self._first = False
         else:
-            self._metrics.inter_token_latency.labels(self._endpoint).observe(gap / count)
+            self._inter_token.observe(gap / count)
         self._last = now
-        self._metrics.generated_tokens.inc(count)
+        self._generated.inc(count)

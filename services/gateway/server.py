@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from services.common.auth import AccessKeys, is_loopback, resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
-from services.common.memory import use_mmap_for_big_blocks
+from services.common.memory import freeze_heap, use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
 from services.common.rpc import add_health_and_reflection, create_server, listen
 from services.gateway.config import GatewayConfig
@@ -57,6 +57,7 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
     engine = EngineClient(config, tokenizer)
     await engine.start()
+    freeze_heap()  # the tokenizer's and the libraries' objects, kept for good: out of the collector's sight
     if config.reuse_port:  # the kernel hands connections to every listener on the port: join once this one serves
         await _until_healthy(engine, REUSE_PORT_JOIN_WAIT_S)
 

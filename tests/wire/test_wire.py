@@ -223,7 +223,8 @@ def test_the_step_message_view_holds_every_field():
     message = steps.StepMessage(step=9, started=[start], rids=["a", "b"], token_ids=[1, 2, 3],
                                 output=constructed_block(), prompt_rids=["a"], prompt=constructed_block().select([1]),
                                 finished=[_filled(steps.Finish)], texts=["x", "y"], positions=[0, 4], counts=[1, 2],
-                                resumed=[_filled(steps.RequestResume)], weight_version="v")
+                                resumed=[_filled(steps.RequestResume)], weight_version="v",
+                                made_at_unix_us=1_700_000_000_000_000)
     back = steps.decode_step(message.encoded)
     for name in steps.STEP_FIELDS:
         assert _comparable(_listed(getattr(back, name))) == _comparable(_listed(getattr(message, name))), name

@@ -9,6 +9,7 @@ from fastapi import Request
 from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 
 from services.common.auth import AccessKeys
+from services.common.memory import freeze_heap
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient
 from services.gateway.metrics import GatewayMetrics
@@ -26,6 +27,7 @@ class Gateway:
     config: GatewayConfig
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    renderers_ready: bool = False  # warm_renderers has run (/server_info says so)
 
     @cached_property
     def access(self) -> AccessKeys:
@@ -52,6 +54,8 @@ class Gateway:
             result = RequestResult(rid="", prompt_tokens=1, output_ids=[0], text="", finish_reason=None, output=row,
                                    token_ids_logprob=[0])
             logprob_meta_info(result, LogprobFormat(return_text_in_logprobs=with_text), self.table)
+        freeze_heap()  # the table and the pieces stay for the process's life
+        self.renderers_ready = True
 
 
 def gateway_of(request: Request) -> Gateway:

@@ -177,9 +177,10 @@ class _StreamState:
 async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, started: float):
     states = [_StreamState(len(inp.input_ids), list(inp.logprob.token_ids_logprob) or None)
               for inp in gens.inputs]
+    indexed = req.returns_list
     async for i, chunk in gens.merged():
         payload = states[i].payload(gateway, req, chunk, started)
-        if req.returns_list:
+        if indexed:
             payload["index"] = i
         yield event(payload)
     yield DONE

@@ -122,6 +122,8 @@ async def server_info(request: Request) -> Response:
         "logprobs_mode": info.logprobs_mode.api_name,
         "routing_policy": config.routing_policy.value,
         "gateway_id": engine.owner,  # this gateway process's (one of several behind one port: --reuse-port)
+        # Its token table and per-format pieces are built (a thread at startup that shares the CPU until then).
+        "renderers_ready": gateway.renderers_ready,
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
     })

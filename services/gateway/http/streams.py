@@ -75,6 +75,10 @@ class Generations:
 
     async def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
         """(index, chunk) pairs of all generations as they arrive, until each has its result."""
+        if len(self._iterators) == 1:  # the common case, and a stream's every event: no task per chunk
+            async for chunk in self._one():
+                yield 0, chunk
+            return
         pending: dict[asyncio.Future, int] = {}
         try:
             for i, first in enumerate(self._firsts):
@@ -94,6 +98,18 @@ class Generations:
             for future in pending:
                 future.cancel()
             await _close(self._iterators, list(pending))
+
+    async def _one(self) -> AsyncIterator[Chunk]:
+        """The single generation's chunks, read in the caller's task."""
+        iterator, timer = self._iterators[0], self._timers[0]
+        try:
+            yield self._firsts[0]
+            if self._firsts[0].result is None:
+                async for chunk in iterator:
+                    timer.tokens(len(chunk.token_ids), time.perf_counter())
+                    yield chunk
+        finally:
+            await _close(self._iterators)
 
     async def results(self) -> list[RequestResult]:
         """Every generation's finished result, in input order."""

@@ -1,5 +1,7 @@
 """Builds a step's StepMessage: the entries of the requests that ship, and the step's prompt rows."""
 
+import time
+
 from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.steps import Finish, RequestStart, StepMessage
 
@@ -28,6 +30,7 @@ def step_message(step: int, new: list[Request], shipping: list[Request], prompt_
     message = StepMessage(
         step=step,
         weight_version=weight_version,
+        made_at_unix_us=time.time_ns() // 1000,
         started=[started(r) for r in new],
         rids=[r.rid for r in shipping],
         token_ids=[token for r in shipping for token in r.pending.token_ids],

@@ -108,13 +108,14 @@ class StepMessage:
                  token_ids: Sequence[int] = (), output: LogprobBlock | None = None, prompt_rids: Sequence[str] = (),
                  prompt: LogprobBlock | None = None, finished: Sequence[Finish] = (), texts: Sequence[str] = (),
                  positions: Sequence[int] = (), resumed: Sequence[RequestResume] = (), counts: Sequence[int] = (),
-                 weight_version: str = ""):
+                 weight_version: str = "", made_at_unix_us: int = 0):
         """Fields as scheduler.proto's StepOutput; entry i (of rids, positions, counts, texts) carries counts[i]
         tokens from output position positions[i] on, and its rows are request i of `output`."""
         self._message = scheduler_pb2.StepOutput(
             step=step, started=[to_proto(s) for s in started], rids=rids, token_ids=token_ids, prompt_rids=prompt_rids,
             finished=[to_proto(f) for f in finished], texts=texts, positions=positions,
-            resumed=[to_proto(r) for r in resumed], counts=counts, weight_version=weight_version)
+            resumed=[to_proto(r) for r in resumed], counts=counts, weight_version=weight_version,
+            made_at_unix_us=made_at_unix_us)
         if output is not None:
             write_block(self._message.output, output)
         if prompt is not None:
@@ -141,7 +142,8 @@ class StepMessage:
         m = self._message
         every = keep == list(range(len(m.rids)))
         sliced = scheduler_pb2.StepOutput(
-            step=m.step, weight_version=m.weight_version, started=[to_proto(s) for s in started],
+            step=m.step, weight_version=m.weight_version, made_at_unix_us=m.made_at_unix_us,
+            started=[to_proto(s) for s in started],
             finished=[to_proto(f) for f in finished], texts=texts,
             rids=m.rids if every else [m.rids[i] for i in keep],
             positions=m.positions if every else [m.positions[i] for i in keep],
@@ -198,6 +200,10 @@ class StepMessage:
         rebuilt from a RequestResume."""
         return self._message.weight_version
 
+    @property
+    def made_at_unix_us(self) -> int:  # when the scheduler made it (its clock); 0: not stamped
+        return self._message.made_at_unix_us
+
     @lazy
     def started(self) -> list[RequestStart]:
         return [from_proto(RequestStart, s) for s in self._message.started]
@@ -243,8 +249,9 @@ class StepMessage:
         return f"StepMessage({str(self._message).strip()!r})"
 
 
+# StepMessage's, which its test checks
 STEP_FIELDS = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts",
-               "positions", "resumed", "counts", "weight_version")  # StepMessage's, which its test checks
+               "positions", "resumed", "counts", "weight_version", "made_at_unix_us")
 
 
 def decode_step(data: bytes) -> StepMessage:

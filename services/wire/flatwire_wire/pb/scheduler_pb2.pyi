@@ -179,7 +179,7 @@ class Finish(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version")
+    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version", "made_at_unix_us")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class StepOutput(_message.Message):
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MADE_AT_UNIX_US_FIELD_NUMBER: _ClassVar[int]
     step: int
     started: _containers.RepeatedCompositeFieldContainer[RequestStart]
     rids: _containers.RepeatedScalarFieldContainer[str]
@@ -206,7 +207,8 @@ class StepOutput(_message.Message):
     resumed: _containers.RepeatedCompositeFieldContainer[RequestResume]
     counts: _containers.RepeatedScalarFieldContainer[int]
     weight_version: str
-    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    made_at_unix_us: int
+    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ..., made_at_unix_us: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
