@@ -131,12 +131,17 @@ ANALYSIS = """\
   steps), and the 512 responses are rendered together at the end, in one gateway process (two gateway
   processes take part of it: `--gateway-workers 2`). httpx as the client costs 45 to 55 us of client CPU per
   delivered token at k=128 (the minimal client: 1.3), on the same two cores: the httpx rows measure it.
-- **Streaming is a message per token, and that is what misses the streaming targets.** A streaming
-  request is woken, rendered and sent once per token: a few tenths of a ms of gateway CPU per event for a
-  request streaming alone (bench.stream: a 1000-token response costs over 10x its whole rendering; this
-  run's ratios are in the headlines above), far less per token when many requests share each message (the
-  capacity table's streaming rows). So "streamed CPU within 2x of whole" and "<= 25 us per streamed token"
-  are missed; `--stream-interval N` (N tokens per event) divides the per-event part. Bytes: with
+- **Streaming is a message per token until the gateway falls behind.** A streaming request is woken,
+  rendered and sent once per token while the gateway keeps up: a few tenths of a ms of gateway CPU per
+  event for a request streaming alone (bench.stream: a 1000-token response costs over 10x its whole
+  rendering; this run's ratios are in the headlines above), far less per token when many requests share
+  each message (the capacity table's streaming rows). Once the gateway is behind (a stream gets to its
+  tokens more than 5 ms late: its messages read late against the scheduler's stamp, or its event loop
+  busy), each stream waits as long again, at most `--stream-coalesce-ms` (50), and its next event carries
+  several steps' tokens: at C=512 k=0 that takes streaming from about a third of the offer to 91%, at k=128
+  flat base64 from about a quarter to 38% (bench.capacity_workers' rows are after it; the capacity table's
+  streaming rows predate it). So "streamed CPU within 2x of whole" is missed for a stream alone; `--stream-interval N`
+  (N tokens per event) divides the per-event part. Bytes: with
   `--incremental-streaming-output` a flat base64 stream is about 1.5x the whole body; the arrays are the
   same bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id, counts, its
   output_token_logprobs row). SGLang's cumulative default re-sends text, output_ids and the output lists

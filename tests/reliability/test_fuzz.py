@@ -10,7 +10,7 @@ from harness.stack import running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
-CASES = 40
+CASES = 20
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ class _StreamState:
         self.text = ""
         self.output_ids: list[int] = []
         self.prompt_fields: dict = {}
-        self.output_items: dict[str, list[bytes]] = {}  # each output list's elements so far, as JSON
+        self.output_items: dict[str, bytearray] = {}  # each output list's elements so far, as JSON: "e1,e2,..."
         self.rows_sent = 0  # flat output rows sent in earlier events
 
     def payload(self, gateway: Gateway, req: GenerateRequest, chunk: Chunk, started: float) -> dict:
@@ -153,9 +153,10 @@ class _StreamState:
             if flat_output and key.startswith("output_top_logprobs_"):  # this event's rows only
                 meta[key] = value
             elif key.startswith("output_"):
-                elements = orjson.dumps(value)[1:-1]
-                self.output_items.setdefault(key, []).extend([elements] if elements else [])
-                meta[key] = orjson.Fragment(b"[" + b",".join(self.output_items[key]) + b"]")
+                elements, items = orjson.dumps(value)[1:-1], self.output_items.setdefault(key, bytearray())
+                if elements:  # appended, never joined again: an event's work does not grow with the output so far
+                    items += b"," + elements if items else elements
+                meta[key] = orjson.Fragment(b"[" + items + b"]")
             elif flat_prompt and key.startswith("input_top_logprobs_"):  # once, with the prompt
                 if chunk.prompt is not None:
                     meta[key] = value
@@ -165,7 +166,7 @@ class _StreamState:
             meta["output_top_logprobs_offset"] = self.rows_sent
             self.rows_sent += len(chunk.output.token_logprobs)
         for key, items in self.output_items.items():  # an event without new rows (an abort's last) repeats them
-            meta.setdefault(key, orjson.Fragment(b"[" + b",".join(items) + b"]"))
+            meta.setdefault(key, orjson.Fragment(b"[" + items + b"]"))
         meta |= self.prompt_fields
         if req.return_logprob:
             meta["output_token_logprobs_length"] = len(self.output_ids)  # all told, in both modes (as SGLang)

@@ -13,8 +13,16 @@ from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 from services.gateway.render.pieces import id_texts, json_array, token_texts, value_texts
 from services.gateway.token_table import TokenTable
 
+# Up to this many rows without a null prefix (a streamed event's), triples are joined in Python: less than the
+# [rows, pieces] grid costs to set up.
+FEW_ROWS = 32
+
 
 def token_logprobs(track: RequestLogprobs, table: TokenTable, with_text: bool) -> orjson.Fragment:
+    if not track.null_prefix and len(track.token_ids) <= FEW_ROWS:
+        closes = _tails(table, with_text)[0][track.token_ids].tolist()
+        values = value_texts(track.token_logprobs).tolist()
+        return orjson.Fragment(b"[" + b",".join([b"[" + v + c for v, c in zip(values, closes)]) + b"]")
     ids = np.concatenate([track.null_token_ids, track.token_ids]).astype(I32, copy=False)
     values = np.concatenate([np.full(track.null_prefix, np.nan, dtype=F32), track.token_logprobs])
     closes, _ = _tails(table, with_text)
