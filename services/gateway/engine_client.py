@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -138,7 +139,7 @@ class EngineClient:
         self.model_info: ModelInfo | None = None
         self.model_name = config.served_model_name or ""
         self._requests: dict[str, GenerationState] = {}
-        self._read_delay = ReadDelay()
+        self._read_delays: defaultdict[str, ReadDelay] = defaultdict(ReadDelay)  # per scheduler replica: its clock
         self._reserved = 0  # generations admitted (EngineClient.admit) that have not started yet
         # Refusals by admission control: requests past this gateway's limit, submits a scheduler refused.
         self.rejected = {"gateway": 0, "scheduler": 0}
@@ -316,13 +317,21 @@ class EngineClient:
             if state is not None and not state.ended:
                 self._finish(state, finish, step.weight_version)
                 woken.add(finish.rid)
+        if not woken:
+            return
         # As if woken when the message came in on time: a late message counts as much as a late wakeup.
-        woken_at = time.perf_counter() - self._read_delay.behind(step.made_at_unix_us, time.time())
+        woken_at = time.perf_counter() - self._read_late(step, woken)
         for rid in woken:
             state = self._requests[rid]
             if not state.wakeup.is_set():
                 state.woken_at = woken_at
                 state.wakeup.set()
+
+    def _read_late(self, step: StepMessage, rids: set[str]) -> float:
+        """Seconds `step` waited to be read here, against the least delay of its own scheduler's messages
+        (replicas on other hosts have clocks of their own); `rids`: requests of the step that are held here."""
+        scheduler = next((state.scheduler for rid in rids if (state := self._requests[rid]).scheduler), "")
+        return self._read_delays[scheduler].behind(step.made_at_unix_us, time.time())
 
     def _finish(self, state: GenerationState, finish: Finish, weight_version: str) -> None:
         """`weight_version`: of the message that brought the finish, the version in force when the request ended."""

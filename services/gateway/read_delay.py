@@ -1,10 +1,10 @@
-"""How far behind the schedulers this gateway reads its messages.
+"""How far behind a scheduler this gateway reads its messages (one ReadDelay per scheduler replica).
 
 Each StepMessage carries the scheduler's wall clock when it was made. Its delay here (this clock minus
 that stamp) is the two clocks' offset, the path's own latency, and the time the message waited because
 this gateway was busy; the least delay seen lately stands for the first two, so a message's delay beyond
 it is how far behind this gateway is. The least creeps up by DRIFT seconds per second, so that an offset
-that changes (a clock stepped by NTP, another scheduler) is learnt again.
+that changes (a clock stepped by NTP) is learnt again.
 """
 
 import math

@@ -14,7 +14,14 @@ from flatwire_wire.logprobs import F32, I32, RequestLogprobs
 from flatwire_wire.steps import FinishReason
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from services.gateway.render import LogprobFormat, chat_logprobs, completion_logprobs, dumps, logprob_meta_info
+from services.gateway.render import (
+    LogprobFormat,
+    chat_logprobs,
+    completion_logprobs,
+    dumps,
+    logprob_meta_info,
+    sglang_nested,
+)
 from services.gateway.result import RequestResult
 from services.gateway.token_table import TokenTable
 
@@ -156,6 +163,20 @@ def test_token_logprobs_with_null_prefix_and_text(result, table):
     assert top_triple[2] == table.tokenizer.decode([top_triple[1]])
     plain = _client(logprob_meta_info(result, LogprobFormat(), table))
     assert {row[2] for row in plain["output_token_logprobs"]} == {None}
+
+
+@pytest.mark.parametrize("with_text", [False, True])
+def test_few_token_rows_render_as_the_rows_of_many(table, byte_ids, with_text):
+    """A streamed event's few rows (joined in Python) are the same JSON as those rows of a long output (the
+    grid), -inf and byte tokens included."""
+    rng = np.random.default_rng(3)
+    pool = np.concatenate([rng.integers(0, table.size, 40), list(byte_ids.values())]).astype(I32)
+    many = _track(rng, sglang_nested.FEW_ROWS + 8, pool)
+    many.token_logprobs[[1, 5]] = -np.inf
+    whole = orjson.loads(orjson.dumps(sglang_nested.token_logprobs(many, table, with_text)))
+    for start, end in ((0, 1), (3, 7), (0, sglang_nested.FEW_ROWS)):
+        few = many.view(start, end, many.token_ids[start:end])
+        assert orjson.loads(orjson.dumps(sglang_nested.token_logprobs(few, table, with_text))) == whole[start:end]
 
 
 def test_token_ids_logprobs(result, table):
