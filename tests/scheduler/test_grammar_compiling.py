@@ -6,6 +6,7 @@ Grammars that compile for real once the test lets them (HeldGrammars)."""
 
 import re
 import threading
+import time
 
 import pytest
 from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams, TokenizedRequest
@@ -94,6 +95,20 @@ def test_others_run_while_a_grammar_compiles(run, tokenizer):
     run.step(20)
     assert run.finish("constrained").reason is FinishReason.STOP_TOKEN
     assert re.fullmatch(REGEX, tokenizer.decode(run.output("constrained")[:-1]))
+
+
+def test_the_vocabulary_is_read_outside_the_server_process(runner, model_dir):
+    """The first compile reads the tokenizer; parsing tokenizer.json holds the GIL for seconds, and in this
+    process the scheduler would answer nothing meanwhile (on a busy host: out of rotation). Here a thread
+    that wakes every 10 ms is never held up for long."""
+    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
+    compiling = grammars.matcher_later(Grammars.parse("regex", REGEX), frozenset(runner.eos_token_ids))
+    longest_wait, last = 0.0, time.perf_counter()
+    while not compiling.done():
+        time.sleep(0.01)
+        now = time.perf_counter()
+        longest_wait, last = max(longest_wait, now - last), now
+    assert compiling.result().accept_string("abc-12") and longest_wait < 0.75, longest_wait
 
 
 def test_an_abort_while_compiling_ends_it(run):

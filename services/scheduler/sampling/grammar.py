@@ -3,9 +3,10 @@ samples tokens that keep its output within the grammar's language, with xgrammar
 vLLM use).
 
 - Grammars (the server, in a worker thread: compiling blocks): compiles a constraint against the model's
-  vocabulary and gives the request its matcher. The tokenizer is read on the first constrained request
-  (seconds, for a 250k-token vocabulary); xgrammar caches compiled grammars by their text, up to
-  CACHE_BYTES.
+  vocabulary and gives the request its matcher. The tokenizer is read on the first constrained request, in a
+  process of its own (seconds for a 250k-token vocabulary, and parsing tokenizer.json holds the GIL for all
+  of them: in this process the server would not answer meanwhile); xgrammar caches compiled grammars by their
+  text, up to CACHE_BYTES.
 - xgrammar's GrammarMatcher (Request.grammar): the request's position in its grammar, advanced by each token
   it samples (accept_tokens). Its stop tokens are the request's (eos and stop_token_ids), so once the output
   is complete only those remain and the engine ends the request on one, as on any stop token.
@@ -16,6 +17,8 @@ vLLM use).
 
 import logging
 import re
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -56,9 +59,12 @@ class Grammars:
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._loading:
             if self._compiler is None:
-                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_token_ids or None)
+                command = [sys.executable, "-m", __name__, str(self.model_dir), str(self.vocab_size),
+                           *map(str, self.eos_token_ids)]
+                reader = subprocess.run(command, capture_output=True, text=True)
+                if reader.returncode:
+                    raise RuntimeError(f"reading {self.model_dir}'s vocabulary failed: {reader.stderr.strip()[-2000:]}")
+                info = xgr.TokenizerInfo.deserialize_json(reader.stdout)  # tens of milliseconds
                 self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
                 log.info("structured output: %s's vocabulary read for grammar compilation", self.model_dir)
             return self._compiler
@@ -123,3 +129,14 @@ def accept_tokens(rows: list[ConstrainedRow], next_ids: np.ndarray) -> None:
             # The mask allows only tokens it accepts: a sampler that picks a masked token (every allowed one
             # scored 0) leaves the matcher where it was, so the rest of the output still follows the grammar.
             log.error("sampled token %d is outside its request's grammar; the output will not match it", token)
+
+
+def read_tokenizer_info(model_dir: Path, vocab_size: int, eos_token_ids: list[int]) -> str:
+    """The model's vocabulary as xgrammar reads it, serialized (Grammars runs this as a process of its own)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or None)
+    return info.serialize_json()
+
+
+if __name__ == "__main__":  # python -m services.scheduler.sampling.grammar MODEL_DIR VOCAB_SIZE [EOS_ID...]
+    sys.stdout.write(read_tokenizer_info(Path(sys.argv[1]), int(sys.argv[2]), [int(i) for i in sys.argv[3:]]))
