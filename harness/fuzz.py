@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,6 +48,7 @@ GOOD = {"text": "The good request", "sampling_params": {"max_new_tokens": 4, "te
 ENDPOINTS = ("/generate", "/v1/chat/completions", "/v1/completions")
 # Fields whose value sets how much work an accepted request is: kept small.
 WORK_FIELDS = {"max_new_tokens": 2, "max_tokens": 2, "max_completion_tokens": 2, "n": 2}
+CORPUS_CLIENTS = 8  # the hostile corpus's concurrent senders
 GRPC_FIELD = re.compile(r"^[a-z_][a-z_.\[\]0-9]*: ")
 
 
@@ -55,11 +57,13 @@ class Tally:
     name: str
     counts: Counter = field(default_factory=lambda: Counter({outcome: 0 for outcome in OUTCOMES}))
     examples: dict[str, str] = field(default_factory=dict)
+    _adding: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the corpus's clients share one
 
     def add(self, outcome: str, example: str) -> None:
-        self.counts[outcome] += 1
-        if outcome not in ("accepted", "refused naming the field"):
-            self.examples.setdefault(outcome, example[:160])
+        with self._adding:
+            self.counts[outcome] += 1
+            if outcome not in ("accepted", "refused naming the field"):
+                self.examples.setdefault(outcome, example[:160])
 
 
 class GoodRequests:
@@ -293,8 +297,11 @@ def run(stack: Stack, cases: int, seed: int = 0, api_key: str = "", secret: str 
     rows = []
     with httpx.Client(base_url=stack.http_url, timeout=CASE_TIMEOUT_S, headers=headers) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
-        sections = [("HTTP hostile corpus", lambda tally: [send_http(client, tally, path, body)
-                                                           for path, body in hostile_corpus(model)])]
+        def corpus(tally: Tally) -> None:  # concurrently, as clients send (and the engine batches them)
+            with ThreadPoolExecutor(CORPUS_CLIENTS) as pool:
+                list(pool.map(lambda case: send_http(client, tally, *case), hostile_corpus(model)))
+
+        sections = [("HTTP hostile corpus", corpus)]
         for path, schema in request_schemas().items():
             sections.append((f"HTTP schema fuzz {path}",
                              lambda tally, p=path, s=schema: schema_fuzz(client, p, s, cases, tally, model)))

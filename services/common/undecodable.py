@@ -123,7 +123,7 @@ def guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class RefuseUndecodable(grpc.aio.ServerInterceptor):
     """Every method's handler, guarded (see guard); each guarded copy is made once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._guarded: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):

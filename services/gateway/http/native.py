@@ -102,6 +102,7 @@ async def server_info(request: Request) -> Response:
         "port": config.port,
         "grpc_port": config.grpc_port,
         "api_key_required": bool(config.api_key),
+        "stream_interval": config.stream_interval,
         "device": info.device,
         "dtype": info.dtype,
         "context_length": info.max_context,
