@@ -138,9 +138,9 @@ ANALYSIS = """\
   each message (the capacity table's streaming rows). Once the gateway is behind (a stream gets to its
   tokens more than 5 ms late: its messages read late against the scheduler's stamp, or its event loop
   busy), each stream waits as long again, at most `--stream-coalesce-ms` (50), and its next event carries
-  several steps' tokens: at C=512 k=0 that takes streaming from about a third of the offer to 91%, at k=128
-  flat base64 from about a quarter to 38% (bench.capacity_workers' rows are after it; the capacity table's
-  streaming rows predate it). So "streamed CPU within 2x of whole" is missed for a stream alone; `--stream-interval N`
+  several steps' tokens: at C=512 k=0 that takes streaming from about a third of the offer to 87-91%, at
+  k=128 flat base64 from about a quarter to 38-49%, and nested rows at C=128 from 26% to 99% (the capacity
+  table and bench.capacity_workers are after it). So "streamed CPU within 2x of whole" is missed for a stream alone; `--stream-interval N`
   (N tokens per event) divides the per-event part. Bytes: with
   `--incremental-streaming-output` a flat base64 stream is about 1.5x the whole body; the arrays are the
   same bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id, counts, its
