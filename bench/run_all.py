@@ -140,8 +140,8 @@ ANALYSIS = """\
   busy), each stream waits as long again, at most `--stream-coalesce-ms` (50), and its next event carries
   several steps' tokens: at C=512 k=0 that takes streaming from about a third of the offer to 87-91%, at
   k=128 flat base64 from about a quarter to 38-49%, and nested rows at C=128 from 26% to 99% (the capacity
-  table and bench.capacity_workers are after it). So "streamed CPU within 2x of whole" is missed for a stream alone; `--stream-interval N`
-  (N tokens per event) divides the per-event part. Bytes: with
+  table and bench.capacity_workers are after it). So "streamed CPU within 2x of whole" is missed for a
+  stream alone; `--stream-interval N` (N tokens per event) divides the per-event part. Bytes: with
   `--incremental-streaming-output` a flat base64 stream is about 1.5x the whole body; the arrays are the
   same bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id, counts, its
   output_token_logprobs row). SGLang's cumulative default re-sends text, output_ids and the output lists

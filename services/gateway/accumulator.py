@@ -53,7 +53,7 @@ class Accumulator:
                                  "retained")
             if position + count > self._rows.n:
                 raise OutputLost(f"more output tokens than the {self._rows.n} asked for arrived")
-            self._rows.put(position, rows.request(i))
+            rows.copy_request(i, self._rows, position)
         self.token_ids.extend(token_ids)
         self._texts.append(text)
         version_spans(self.weight_versions, weight_version, position, count)

@@ -118,6 +118,20 @@ def test_block_slices_per_request_and_per_owner():
     assert logprobs.null_prefix == 1 and logprobs.token_ids.tolist() == [4, 5]
 
 
+def test_a_request_s_rows_copy_into_its_buffer_as_its_views_do():
+    """copy_request (the gateway's per-message copy, flat slices) puts the bits request(i)'s views hold."""
+    block = constructed_block()
+    for i in range(len(block)):
+        rows = block.request(i)
+        into = RequestLogprobs.allocate(5, rows.k, rows.m)
+        for array in into.arrays:
+            array.view("<u4")[...] = 0xDEADBEEF
+        block.copy_request(i, into, 2)
+        for held, sent in zip(into.arrays, rows.arrays):
+            np.testing.assert_array_equal(held[2:2 + rows.n].view("<u4"), sent.view("<u4"))
+            assert (held[:2].view("<u4") == 0xDEADBEEF).all() and (held[2 + rows.n:].view("<u4") == 0xDEADBEEF).all()
+
+
 @pytest.mark.parametrize("direction", ["packed-to-typed", "typed-to-packed"])
 def test_generate_response_twins(direction):
     block = constructed_block().select([0])

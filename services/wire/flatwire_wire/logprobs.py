@@ -108,6 +108,11 @@ class LogprobRows(Generic[A]):
         self.topk_ids[at] = source.topk_ids[row, :k]  # type: ignore[index]
         self.ids_logprobs[at] = source.ids_logprobs[row, :m]  # type: ignore[index]
 
+    @lazy
+    def flat(self) -> tuple[A, A, A, A]:
+        """The arrays as flat views (row-major, one element per value), for copies of flat slices."""
+        return tuple(array.reshape(-1) for array in self.arrays)  # type: ignore[attr-defined,return-value]
+
     def rows(self, start: int, end: int) -> "LogprobRows[A]":
         """Rows start..end-1 (views)."""
         return LogprobRows(self.token_logprobs[start:end], self.topk_values[start:end],  # type: ignore[index]
@@ -235,6 +240,25 @@ class LogprobBlock:
         n, k, m = self.rows[i], self.topk[i], self.id_counts[i]
         return LogprobRows(token_logprobs[rows[i]:rows[i + 1]], topk_values[topk[i]:topk[i + 1]].reshape(n, k),
                            topk_ids[topk[i]:topk[i + 1]].reshape(n, k), ids_logprobs[ids[i]:ids[i + 1]].reshape(n, m))
+
+    @lazy
+    def _starts(self) -> tuple[list[int], list[int], list[int]]:
+        """_offsets as Python ints: slicing by them is several times cheaper than by numpy scalars."""
+        rows, topk, ids = self._offsets
+        return rows.tolist(), topk.tolist(), ids.tolist()
+
+    def copy_request(self, i: int, into: LogprobRows[np.ndarray], at: int) -> None:
+        """Request i's rows copied into `into` (of its widths) from row `at` on: flat slice to flat slice, no
+        view of the rows built (a gateway does this once per request per message)."""
+        rows, topk, ids = self._starts
+        token_logprobs, topk_values, topk_ids, ids_logprobs = self._arrays
+        into_logprobs, into_values, into_ids, into_id_logprobs = into.flat
+        k, m = self.topk[i], self.id_counts[i]
+        into_logprobs[at:at + rows[i + 1] - rows[i]] = token_logprobs[rows[i]:rows[i + 1]]
+        into_values[at * k:at * k + topk[i + 1] - topk[i]] = topk_values[topk[i]:topk[i + 1]]
+        into_ids[at * k:at * k + topk[i + 1] - topk[i]] = topk_ids[topk[i]:topk[i + 1]]
+        if m:
+            into_id_logprobs[at * m:at * m + ids[i + 1] - ids[i]] = ids_logprobs[ids[i]:ids[i + 1]]
 
     def request_logprobs(self, i: int, token_ids: np.ndarray) -> RequestLogprobs:
         """Request i's rows with the tokens they are for."""
