@@ -34,6 +34,7 @@ CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept for reuse (a small JSO
 # Whitespace characters allowed between two JSON elements: room to indent 7 levels by 4, not to loop on
 # whitespace (which xgrammar's default, unbounded, lets a model do until max_new_tokens).
 JSON_MAX_WHITESPACE = 32
+VOCABULARY_READ_TIMEOUT_S = 300  # the reader child takes seconds; a hung one must not hold constrained requests
 MAX_ERROR_CHARS = 400  # xgrammar's parse errors quote the whole input
 # xgrammar's errors start with where in its C++ sources they were raised.
 _ERROR_ORIGIN = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -61,7 +62,12 @@ class Grammars:
             if self._compiler is None:
                 command = [sys.executable, "-m", __name__, str(self.model_dir), str(self.vocab_size),
                            *map(str, self.eos_token_ids)]
-                reader = subprocess.run(command, capture_output=True, text=True)
+                try:
+                    reader = subprocess.run(command, capture_output=True, text=True,
+                                            timeout=VOCABULARY_READ_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"reading {self.model_dir}'s vocabulary took over "
+                                       f"{VOCABULARY_READ_TIMEOUT_S} s") from None
                 if reader.returncode:
                     raise RuntimeError(f"reading {self.model_dir}'s vocabulary failed: {reader.stderr.strip()[-2000:]}")
                 info = xgr.TokenizerInfo.deserialize_json(reader.stdout)  # tens of milliseconds

@@ -16,7 +16,9 @@ Rows travel as:
 """
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -209,17 +211,15 @@ class LogprobBlock:
         return len(self.rows)
 
     @lazy
-    def _offsets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Element offsets of each request's slice (n + 1 each, from 0): rows, top-k elements, id elements."""
-        rows = np.asarray(self.rows, dtype=np.int64)
+    def _offsets(self) -> tuple[list[int], list[int], list[int]]:
+        """Element offsets of each request's slice (n + 1 each, from 0): rows, top-k elements, id elements. Python
+        ints: slicing by them is several times cheaper than by numpy scalars."""
 
-        def starts(per_request: np.ndarray) -> np.ndarray:
-            out = np.zeros(len(per_request) + 1, dtype=np.int64)
-            np.cumsum(per_request, out=out[1:])
-            return out
+        def starts(per_request: Iterable[int]) -> list[int]:
+            return [0, *accumulate(per_request)]
 
-        return (starts(rows), starts(rows * np.asarray(self.topk, dtype=np.int64)),
-                starts(rows * np.asarray(self.id_counts, dtype=np.int64)))
+        return (starts(self.rows), starts(n * k for n, k in zip(self.rows, self.topk)),
+                starts(n * m for n, m in zip(self.rows, self.id_counts)))
 
     @lazy
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -241,16 +241,10 @@ class LogprobBlock:
         return LogprobRows(token_logprobs[rows[i]:rows[i + 1]], topk_values[topk[i]:topk[i + 1]].reshape(n, k),
                            topk_ids[topk[i]:topk[i + 1]].reshape(n, k), ids_logprobs[ids[i]:ids[i + 1]].reshape(n, m))
 
-    @lazy
-    def _starts(self) -> tuple[list[int], list[int], list[int]]:
-        """_offsets as Python ints: slicing by them is several times cheaper than by numpy scalars."""
-        rows, topk, ids = self._offsets
-        return rows.tolist(), topk.tolist(), ids.tolist()
-
     def copy_request(self, i: int, into: LogprobRows[np.ndarray], at: int) -> None:
         """Request i's rows copied into `into` (of its widths) from row `at` on: flat slice to flat slice, no
         view of the rows built (a gateway does this once per request per message)."""
-        rows, topk, ids = self._starts
+        rows, topk, ids = self._offsets
         token_logprobs, topk_values, topk_ids, ids_logprobs = self._arrays
         into_logprobs, into_values, into_ids, into_id_logprobs = into.flat
         k, m = self.topk[i], self.id_counts[i]
@@ -270,7 +264,7 @@ class LogprobBlock:
             return self
         rows, topk, ids = self._offsets
 
-        def take(data: bytes, starts: np.ndarray) -> bytes:
+        def take(data: bytes, starts: list[int]) -> bytes:
             view = memoryview(data)
             return b"".join(view[starts[i] * 4:starts[i + 1] * 4] for i in keep)
 
