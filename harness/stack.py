@@ -152,21 +152,36 @@ class Stack:
     # -- processes ------------------------------------------------------------------------------------------
 
     def start(self, *names: str) -> "Stack":
-        """Start the named services (none given: every one not running), kind after kind as compose orders
-        them; the replicas of a kind start together, and each is waited for until its gRPC health answers."""
+        """Start the named services (none given: every one not running) all at once, as `flatwire up` does
+        (each waits for the hops it follows), then wait until each one's gRPC health answers, kind after kind.
+        A whole stack of several schedulers is waited for until the gateway has every one in rotation."""
         chosen = [self.services[name] for name in names] if names else [
             service for service in self.services.values() if not service.running]
+        for service in chosen:
+            if service.running:
+                raise RuntimeError(f"{service.name} is running")
+            if service.proc is not None:
+                service.proc.stop()  # an exited one: closes its log
+            service.proc = ServiceProcess(service.kind, [*service.args, *service.extra], self.log_dir, service.env)
         for kind in KINDS:
-            batch = [service for service in chosen if service.kind == kind]
-            for service in batch:
-                if service.running:
-                    raise RuntimeError(f"{service.name} is running")
-                if service.proc is not None:
-                    service.proc.stop()  # an exited one: closes its log
-                service.proc = ServiceProcess(kind, [*service.args, *service.extra], self.log_dir, service.env)
-            for service in batch:
-                self._proc(service.name).wait_healthy(service.address)
+            for service in chosen:
+                if service.kind == kind:
+                    self._proc(service.name).wait_healthy(service.address)
+        if not names and len(self._of("scheduler")) > 1:
+            self._wait_rotation()
         return self
+
+    def _wait_rotation(self, timeout: float = 60) -> None:
+        """Until the gateway's /health has every scheduler in rotation (a replica joins at a health round of
+        its own, after the gateway's gRPC health answers for the first one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            replicas = httpx.get(f"{self.http_url}/health", timeout=5).json()["schedulers"]
+            if all(replica["in_rotation"] for replica in replicas.values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"schedulers not in rotation after {timeout:g} s: {replicas}")
+            time.sleep(0.1)
 
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` to the service's process (SIGKILL: and reap it)."""

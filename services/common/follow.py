@@ -5,7 +5,8 @@ outputs the same way: subscribe, handle every message, and when the stream ends 
 breaks, subscribe again after a backoff. A handler that raises (a bug) fails what
 that one message concerned (`on_failure`) and the stream goes on: one bad message
 must not end a consumer, and with it every request behind it, for good. An outage is logged
-once when it starts and once when the stream is back, not at every retry.
+once when it starts and once when the stream is back, not at every retry; a server not up yet when the
+consumer starts (compose and `flatwire up` start every service at once) is waited for, not warned about.
 """
 
 import asyncio
@@ -30,14 +31,17 @@ async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextM
     cannot); its exit runs however the stream ended, so it keeps the consumer's connected state."""
     backoff = FIRST_BACKOFF_S
     down_since: float | None = None  # when the stream last broke, while it stays down
+    ever_up = False
     loop = asyncio.get_running_loop()
     while True:
         try:
             async with subscribe() as messages:
                 backoff = FIRST_BACKOFF_S
-                if down_since is not None:
+                if not ever_up:
+                    log.info("%s stream is up", name)
+                elif down_since is not None:
                     log.info("%s stream is back after %.1fs", name, loop.time() - down_since)
-                    down_since = None
+                ever_up, down_since = True, None
                 async for message in messages:
                     try:
                         await handle(message)
@@ -46,7 +50,9 @@ async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextM
                         on_failure(message)
                 log.warning("%s ended its stream", name)
         except grpc.aio.AioRpcError as exc:
-            if down_since is None:
+            if not ever_up and down_since is None:
+                log.info("%s is not up yet (%s); waiting for it", name, exc.code())
+            elif down_since is None:
                 log.warning("%s stream: %s %s; retrying until it is back", name, exc.code(), exc.details())
             else:
                 log.debug("%s stream: %s %s", name, exc.code(), exc.details())
