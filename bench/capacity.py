@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import os
 import re
+import shlex
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
@@ -410,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the scheduler's --output-interval values to compare (non-streaming requests only)")
     parser.add_argument("--gateway-workers", type=ints, default=[1],
                         help="gateway processes sharing the HTTP port (SO_REUSEPORT), e.g. 1,2")
+    parser.add_argument("--gateway-args", default="", help="more gateway flags, e.g. '--http h11 --loop asyncio'")
     parser.add_argument("--patterns", type=names(PATTERNS), default=["spread"],
                         help="spread: each client resubmits when its request ends; burst: all clients submit "
                         "together, each round once every reply is in (an RL rollout's batch)")
@@ -433,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     for interval, concurrency, gateways in dict.fromkeys((c.interval, c.concurrency, c.gateways) for c in todo):
         scheduler_args = ("--engine", "synthetic", "--step-ms", str(args.step_ms),
                           "--max-running-requests", str(concurrency), "--output-interval", str(interval))
-        with running(model_dir, log_dir, scheduler_args=scheduler_args, gateway_workers=gateways) as stack:
+        with running(model_dir, log_dir, scheduler_args=scheduler_args, gateway_workers=gateways,
+                     gateway_args=args.gateway_args.split()) as stack:
             stack.wait_ready()
             stack.wait_warm()
             pids = {kind: [stack.procs[name].proc.pid for name, service in stack.services.items()
@@ -447,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
                               f"gateway {r['us_per_token']['gateway']:.1f} us/tok, errors {r['errors']}"
                               + (f", check: {r['check']}" if r["check"] else ""))
     command = "python -m bench.capacity" + "".join(
-        f" --{name.replace('_', '-')} {','.join(map(str, value)) if isinstance(value, list) else value}"
+        f" --{name.replace('_', '-')} "
+        f"{','.join(map(str, value)) if isinstance(value, list) else shlex.quote(str(value))}"
         for name, value in vars(args).items() if value != parser.get_default(name) and name != "name")
     notes = (f"Synthetic scheduler (`--engine synthetic --step-ms {args.step_ms:g}`, --max-running-requests C) "
              f"and the real detokenizer and gateway (gateways: processes sharing the HTTP port), on "

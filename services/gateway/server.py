@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from services.common.auth import AccessKeys, is_loopback, resolve_internal_secret
 from services.common.config import parse_config
+from services.common.event_loop import run
 from services.common.logs import setup_logging
 from services.common.memory import freeze_heap, use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
@@ -71,7 +72,7 @@ async def serve(config: GatewayConfig) -> None:
     health_task = asyncio.create_task(_report_health(engine, health))
 
     app = Draining(create_app(engine, config))
-    protocol = with_timeouts(config.http_header_timeout_s, config.http_write_timeout_s)
+    protocol = with_timeouts(config.http, config.http_header_timeout_s, config.http_write_timeout_s)
     http = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                                      access_log=False, http=protocol,
                                      timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
@@ -101,4 +102,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     config = parse_config(GatewayConfig, argv, prog)
     setup_logging(config.log_level, "gateway")
     use_mmap_for_big_blocks()  # big request buffers go back to the OS when freed (services/common/memory.py)
-    asyncio.run(serve(config))
+    run(serve(config), config.loop)

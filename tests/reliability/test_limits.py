@@ -28,6 +28,7 @@ from harness.http import post
 from harness.stack import Stack, another_gateway
 from services.common.rpc import message_options
 from services.gateway.config import GatewayConfig
+from services.gateway.http.parsers import MAX_HEAD_BYTES
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -217,6 +218,33 @@ def test_half_sent_requests_are_cut_off(tight):
     assert all(data == b"" for data in cut)
     assert elapsed < opened + 1 + 8  # the 1 s timeout, and slack for a loaded 2-core machine
     assert httpx.get(tight.http_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("where", ["url", "headers"])
+def test_a_request_head_past_the_bound_is_refused_and_closed(stack, where):
+    """httptools (the default parser) keeps every header line it is sent: the gateway bounds the head as h11
+    does, so a client sending header after header is answered 400 and cut once past the bound, not buffered."""
+    filler = "a" * 1024
+    if where == "url":
+        head = f"GET /health?{filler * (MAX_HEAD_BYTES // 1024 + 1)} HTTP/1.1\r\nHost: t\r\n"
+    else:
+        head = "GET /health HTTP/1.1\r\nHost: t\r\n" + "".join(
+            f"x-filler-{i}: {filler}\r\n" for i in range(MAX_HEAD_BYTES // 1024 + 1))
+    with socket.create_connection(host_port(stack.http_url), timeout=10) as sock:
+        sock.sendall(head.encode())  # never finished: the gateway answers as soon as the bound is passed
+        data = _read_to_close(sock)
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert httpx.get(stack.http_url + "/health", timeout=10).status_code == 200
+
+
+def test_a_gateway_on_h11_and_asyncio_serves_as_the_default_does(stack):
+    """--http h11 --loop asyncio: the pure-Python fallbacks, with the same limits."""
+    with another_gateway(stack, "--http", "h11", "--loop", "asyncio") as client:
+        reply = client.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["meta_info"]["completion_tokens"] == 4
+        too_long = client.post("/generate", content=b"{}", headers={"x-filler": "a" * (MAX_HEAD_BYTES + 1)})
+        assert too_long.status_code in (400, 431), too_long.text
 
 
 # -- stop strings -----------------------------------------------------------------------------------------

@@ -6,11 +6,11 @@
   fully arrived --http-body-timeout-s after its headers gets 408. Both close the connection
   (the client may still be sending). After a large body or response, freed memory goes back to
   the OS (services/common/memory.py).
-- TimeoutsH11Protocol, uvicorn's h11 protocol plus two timers: a connection that has not
-  sent a complete request head --http-header-timeout-s after it opened (or after its
-  previous response) is closed. uvicorn itself bounds the head's size (h11, 16 KiB) and the
-  idle time between requests (timeout_keep_alive, 5 s), but not how long a request head or
-  body may take to arrive: a half-sent request would hold its connection forever. And a
+- with_timeouts: uvicorn's HTTP protocol (http/parsers.py: httptools or h11, --http) plus two timers:
+  a connection that has not sent a complete request head --http-header-timeout-s after it opened (or after
+  its previous response) is closed. The head's size is bounded (h11: 16 KiB; httptools: parsers.py), and
+  uvicorn bounds the idle time between requests (timeout_keep_alive, 5 s), but not how long a request head
+  or body may take to arrive: a half-sent request would hold its connection forever. And a
   connection whose client has taken none of its response for --http-write-timeout-s while the
   transport's buffer was full (asyncio paused writing) is cut, its buffered response dropped
   and a stream still running aborted: a client that never reads cannot pin its response in
@@ -22,13 +22,13 @@ import asyncio
 import fcntl
 import struct
 import termios
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
 from services.gateway.http.errors import error_response
+from services.gateway.http.parsers import PROTOCOLS, HttpParser
 from services.gateway.protocol.parse import ModelLimits, parse_body
 
 M = TypeVar("M", bound=BaseModel)
@@ -128,9 +128,15 @@ class RequestLimits:
         await response(scope, receive, send)
 
 
-class TimeoutsH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections whose request head does not arrive in time, and cutting
-    those whose client stops reading."""
+if TYPE_CHECKING:  # the mixin goes before one of them, whose attributes it uses
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _Protocol
+else:
+    _Protocol = object
+
+
+class TimeoutsMixin(_Protocol):
+    """Before one of uvicorn's HTTP protocols: closes connections whose request head does not arrive in time,
+    and cuts those whose client stops reading (both protocols keep the same cycle, transport and flow control)."""
 
     header_timeout_s = 10.0  # set per server by with_timeouts
     write_timeout_s = 30.0
@@ -200,7 +206,8 @@ class TimeoutsH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def with_timeouts(header_timeout_s: float, write_timeout_s: float) -> type[TimeoutsH11Protocol]:
+def with_timeouts(parser: HttpParser, header_timeout_s: float, write_timeout_s: float) -> type:
     """The protocol class to give uvicorn.Config(http=...)."""
-    return type("TimeoutsH11Protocol", (TimeoutsH11Protocol,),
+    base = PROTOCOLS[parser]
+    return type(f"Timeouts{base.__name__}", (TimeoutsMixin, base),
                 {"header_timeout_s": header_timeout_s, "write_timeout_s": write_timeout_s})
