@@ -106,7 +106,9 @@ def test_metrics_show_each_replica_kv_memory(http, stack):
                 if label in line and not line.startswith("#")}
 
     counted = f"flatwire_cached_prompt_tokens_total{label}"
-    before = replica_metrics().get(counted, 0)
+    # The scheduler's own count, not /metrics': that is as of the last health round, which may predate an
+    # earlier test's requests (and a flushed cache), and would let the wait below end before this test's.
+    before = stack.stats().cached_prompt_tokens
     prompt = fresh_prompt()
     generate(http, prompt)
     cached = cacheable(generate(http, prompt)["meta_info"]["prompt_tokens"])
