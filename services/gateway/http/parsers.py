@@ -17,29 +17,27 @@ class HttpParser(StrEnum):
 MAX_HEAD_BYTES = 64 * 1024  # a request line and headers, h11's bound (16 KiB) with room for long tokens
 
 
-class _HeadTooLarge(Exception):
-    """Raised in httptools' callback: its parser fails, and uvicorn answers 400 and closes."""
-
-
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """httptools, whose parser keeps every header line it is sent, with h11's bound on a request head's size."""
+    """httptools, which keeps a request head's bytes (one header value whole, however long) until the head ends,
+    with h11's kind of bound on them: counted as they arrive, not per parsed header."""
 
-    def on_message_begin(self) -> None:
-        self._head_bytes = 0
-        super().on_message_begin()
+    _in_head = True  # the bytes arriving belong to a request head (until it completes; again after the response)
+    _head_bytes = 0
 
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        super().on_url(url)
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():  # all of it was head: the head has not ended
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.send_400_response(f"Request head larger than {MAX_HEAD_BYTES} bytes.")
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
-        super().on_header(name, value)
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
 
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise _HeadTooLarge
+    def on_response_complete(self) -> None:
+        self._in_head, self._head_bytes = True, 0
+        super().on_response_complete()
 
 
 PROTOCOLS = {HttpParser.HTTPTOOLS: BoundedHttpToolsProtocol, HttpParser.H11: H11Protocol}
