@@ -26,14 +26,15 @@ else equal), so the same run shows what coalescing saves. --gateway-workers runs
 configuration with that many gateway processes sharing the HTTP port (--reuse-port, as
 `flatwire up --gateway-workers N`); their CPU is summed. --patterns burst has the C clients
 submit together and again once every reply is in (an RL rollout's batch), measured over
---burst-rounds rounds after a first; --clients httpx sends through httpx.AsyncClient (one
-pooled connection per client) rather than the minimal client.
+--burst-rounds rounds after a first; --clients httpx sends through an httpx.AsyncClient per
+client (its own connection), httpx-pool through one AsyncClient shared by all (a pooled
+connection each), rather than the minimal client.
 
     python -m bench.capacity                  # the full matrix: writes bench/out/capacity.{md,json}
     python -m bench.capacity --concurrency 32 --k 128 --formats flat_b64 --modes nonstream --duration 5
     python -m bench.capacity --concurrency 512 --modes stream --gateway-workers 1,2 --name capacity_workers
     python -m bench.capacity --concurrency 512 --k 128 --formats flat_b64 --modes nonstream --output-intervals 50 \
-        --patterns spread,burst --clients raw,httpx --name capacity_bursts
+        --patterns spread,burst --clients raw,httpx,httpx-pool --name capacity_bursts
     python -m bench.capacity --replot         # redraw bench/plots/capacity.png (needs matplotlib)
 """
 
@@ -42,10 +43,11 @@ import asyncio
 import os
 import re
 import shlex
+import ssl
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +65,7 @@ FORMATS = ("flat_b64", "nested")
 MODES = ("nonstream", "stream")
 PATTERNS = ("spread", "burst")
 ROUND_TIMEOUT_S = 120  # one burst round (a request's whole generation), at most
-CLIENTS = ("raw", "httpx")
+CLIENTS = ("raw", "httpx", "httpx-pool")
 FLAT_B64 = {"return_flat_raw_top_logprobs": True, "return_flat_raw_output_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True}
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
@@ -79,7 +81,7 @@ class Config:
     interval: int = 50  # the scheduler's --output-interval: tokens per entry of a request that does not stream
     gateways: int = 1  # gateway processes behind the HTTP port
     pattern: str = "spread"  # spread: each client resubmits when its request ends; burst: all at once, together
-    client: str = "raw"  # raw: Connection below; httpx: httpx.AsyncClient, as a Python user's client
+    client: str = "raw"  # raw: Connection below; httpx, httpx-pool: httpx.AsyncClient, as a Python user's client
 
     def body(self, tokens: int) -> bytes:
         body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
@@ -160,7 +162,7 @@ class Connection:
 
 
 class HttpxConnection:
-    """The same calls through httpx (one AsyncClient shared by the clients, a pooled connection each)."""
+    """The same calls through an httpx.AsyncClient (the client's own, or one shared)."""
 
     def __init__(self, client: httpx.AsyncClient):
         self.client = client
@@ -177,7 +179,7 @@ class HttpxConnection:
             return reply.status_code, tail
 
     def close(self) -> None:
-        """The shared client keeps its pool."""
+        """httpx drops a broken connection itself; connections() closes the clients."""
 
 
 class Failed(Exception):
@@ -266,10 +268,20 @@ async def rounds_done(rounds: list[float], count: int, task: asyncio.Task) -> No
 
 @asynccontextmanager
 async def connections(config: Config, url: str) -> AsyncIterator[Callable[[], "Connection | HttpxConnection"]]:
-    """What a client opens its connection with: a raw one, or a pooled httpx one."""
+    """What a client opens its connection with: a raw one, an httpx client of its own, or the shared httpx pool.
+
+    A shared pool costs its process O(connections) per request event (httpcore scans every pooled connection to
+    assign each request): at C=512 that is several ms of client CPU per request, so httpx-pool measures the pool
+    as much as the server."""
     if config.client == "raw":
         host, port = url.removeprefix("http://").rsplit(":", 1)
         yield lambda: Connection(host, int(port))
+        return
+    if config.client == "httpx":  # one TLS context for all: each client building its own takes ~50 ms of CPU
+        tls = ssl.create_default_context()
+        async with AsyncExitStack() as owned:
+            yield lambda: HttpxConnection(owned.push_async_exit(httpx.AsyncClient(base_url=url, timeout=None,
+                                                                                  verify=tls)))
         return
     limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
@@ -418,7 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burst-rounds", type=int, default=3, help="measured rounds of a burst configuration, "
                         "after a first one")
     parser.add_argument("--clients", type=names(CLIENTS), default=["raw"],
-                        help="raw: a minimal HTTP/1.1 client; httpx: httpx.AsyncClient")
+                        help="raw: a minimal HTTP/1.1 client; httpx: an httpx.AsyncClient per client; httpx-pool: "
+                        "one httpx.AsyncClient shared by the clients")
     parser.add_argument("--name", default="capacity", help="results as bench/out/NAME.{md,json}")
     parser.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default model)")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from bench/out/capacity.json")
@@ -465,8 +478,9 @@ def main(argv: list[str] | None = None) -> None:
              + (f" burst: the C clients submit together and again once every reply is in, measured over "
                 f"{args.burst_rounds} rounds after a first (the window is those rounds)." if "burst" in args.patterns
                 else "")
-             + (" httpx: one httpx.AsyncClient, a pooled connection per client." if "httpx" in args.clients
-                else ""))
+             + (" httpx: an httpx.AsyncClient per client." if "httpx" in args.clients else "")
+             + (" httpx-pool: one httpx.AsyncClient shared by the clients, a pooled connection each."
+                if "httpx-pool" in args.clients else ""))
     print(write_results(args.name, command, [table(rows, args)],
                         {"step_ms": args.step_ms, "tokens": args.tokens, "duration_s": args.duration,
                          "warmup_s": args.warmup, "rows": rows}, notes))
