@@ -129,8 +129,14 @@ ANALYSIS = """\
   loses what the spread pattern hides. The 512 submits reach the scheduler over about half a second (the
   gateway's request path and a Submit RPC each, on two cores shared with the clients and the scheduler's
   steps), and the 512 responses are rendered together at the end, in one gateway process (two gateway
-  processes take part of it: `--gateway-workers 2`). httpx as the client costs 45 to 55 us of client CPU per
-  delivered token at k=128 (the minimal client: 1.3), on the same two cores: the httpx rows measure it.
+  processes take part of it: `--gateway-workers 2`). The client shares the two cores: one httpx.AsyncClient
+  shared by the 512 clients (httpx-pool) costs 50 to 60 us of client CPU per delivered token at k=128,
+  because httpcore's pool scans every pooled connection on each request event (O(C) per request); an
+  AsyncClient per client (httpx) costs 12 to 16, the minimal client 3 (this host, 2026-12-02, ran the
+  services about twice as slow as the earlier tables' host: the scheduler's own us/tok doubled). An
+  AsyncClient per client must share one TLS context: building its own costs about 56 ms of CPU each, which
+  stalls the client's loop for seconds at C=512. A shared pool that lags also loses the keep-alive race now
+  and then (2 ReadErrors in its spread row: a pooled connection reused as the gateway closed it idle).
 - **Streaming is a message per token until the gateway falls behind.** A streaming request is woken,
   rendered and sent once per token while the gateway keeps up: a few tenths of a ms of gateway CPU per
   event for a request streaming alone (bench.stream: a 1000-token response costs over 10x its whole
