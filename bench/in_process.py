@@ -60,7 +60,7 @@ class InProcessSteps:
         self.policy.computed(batch)
         for row, token in zip(batch.sampling, result.next_ids.tolist()):
             request = row.request
-            request.output_ids.append(token)
+            request.append_output(token)
             if len(request.output_ids) >= request.max_new_tokens:
                 self.policy.finish(request)
         return result

@@ -78,7 +78,8 @@ class SchedulerClient:
         deadline = time.monotonic() + timeout
         while len(self.requests[rid].token_ids) < count:
             if self.requests[rid].done.is_set() or time.monotonic() > deadline:
-                raise TimeoutError(f"{rid}: {len(self.requests[rid].token_ids)} of {count} tokens")
+                collected = self.requests[rid]
+                raise TimeoutError(f"{rid}: {len(collected.token_ids)} of {count} tokens (finish: {collected.finish})")
             time.sleep(0.005)
 
     def stats(self) -> SchedulerStats:

@@ -1,4 +1,5 @@
-"""A request while the scheduler holds it: its validated options, its state, and its output not shipped yet."""
+"""A request while the scheduler holds it: its validated options, its state, and its output not shipped yet
+(output/pending.py)."""
 
 import enum
 from concurrent.futures import Future
@@ -10,6 +11,7 @@ import xgrammar as xgr
 from flatwire_wire.logprobs import LogprobRows
 from flatwire_wire.steps import DetokenizeParams
 
+from services.scheduler.output.pending import PendingOutput
 from services.scheduler.sampling.logit_adjust import LogitAdjustment
 
 
@@ -32,49 +34,6 @@ ALLOWED = {
     RequestStatus.RETRACTED: {RequestStatus.RUNNING, RequestStatus.FINISHED},
     RequestStatus.FINISHED: set(),
 }
-
-
-class PendingOutput:
-    """A request's output since it last shipped: what its next StepMessage entry carries.
-
-    A request ships its tokens every `interval` tokens (1 while streaming) and when it ends, so a client that
-    waits for the whole output costs the hops one entry per interval instead of one per token. Logprob rows are
-    copied out of each step's host arrays into the request's own rows (room for one interval), so no step's
-    arrays outlive the step.
-    """
-
-    def __init__(self, interval: int, rows: LogprobRows | None):
-        self.interval = interval
-        self.rows = rows  # room for `interval` rows of the request's width; None without logprobs
-        self._widths = (rows.k, rows.m) if rows is not None else (0, 0)
-        self.first_position = 0  # of token_ids[0] in the request's output
-        self.token_ids: list[int] = []
-
-    @property
-    def count(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def due(self) -> bool:
-        return len(self.token_ids) >= self.interval
-
-    def add(self, token: int, step_rows: LogprobRows | None, row: int) -> None:
-        """The token of the step's row `row`, with its logprob row when the request asked for logprobs."""
-        if self.rows is not None:
-            assert step_rows is not None, "a step with a logprob request computes rows"
-            self.rows.put_row(len(self.token_ids), step_rows, row, *self._widths)
-        self.token_ids.append(token)
-
-    def shipped_rows(self) -> LogprobRows | None:
-        """The rows of the tokens held (views, valid until the next add)."""
-        if self.rows is None or len(self.token_ids) == self.interval:
-            return self.rows
-        return self.rows.rows(0, len(self.token_ids))
-
-    def shipped(self) -> None:
-        """Its entry was built: start the next one."""
-        self.first_position += len(self.token_ids)
-        self.token_ids = []
 
 
 @dataclass
@@ -104,7 +63,7 @@ class Request:
     compiling: Future[xgr.GrammarMatcher] | None = None  # its grammar's matcher while COMPILING
     compile_deadline: float = 0.0  # time.monotonic() past which a COMPILING request fails
     slot: int = -1  # its row of per-request sampling state while RUNNING
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # appended through append_output
     # KV: the pages of its sequence (prompt then output), and how many of its tokens they hold so far.
     page_table: list[int] = field(default_factory=list)
     computed: int = 0
@@ -115,16 +74,15 @@ class Request:
     sampling_ready: bool = False  # its per-slot sampling state was set since it took its slot
     prompt_logprobs: LogprobRows | None = None  # the prompt's rows, gathered chunk by chunk until they ship
     prompt_logprobs_sent: bool = False  # a request prefilled again (after a retract) does not send them twice
+    length: int = field(init=False)  # tokens in the sequence so far (prompt + generated): read every step
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self.length = len(self.input_ids) + len(self.output_ids)
 
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
-
-    @property
-    def length(self) -> int:
-        """Tokens in the sequence so far (prompt + generated)."""
-        return len(self.input_ids) + len(self.output_ids)
 
     @property
     def owes_prompt_logprobs(self) -> bool:
@@ -135,6 +93,10 @@ class Request:
     def decoding(self) -> bool:
         """Its KV holds every token but the last: its next row is one token."""
         return self.computed == self.length - 1
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.length += 1
 
     def sequence(self) -> np.ndarray:
         """Its tokens: the prompt, then the output so far."""

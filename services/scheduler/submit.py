@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import xgrammar as xgr
-from flatwire_wire.logprobs import LogprobRows, LogprobsMode
+from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
-from services.scheduler.request import PendingOutput, Request, RequestStatus
+from services.scheduler.output.pending import PendingOutput
+from services.scheduler.request import Request, RequestStatus
 from services.scheduler.sampling.grammar import Grammars, InvalidGrammar
 from services.scheduler.sampling.logit_adjust import LogitAdjustment
 
@@ -136,7 +137,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         grammar=None,
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
-        pending=PendingOutput(interval, LogprobRows.allocate(interval, top_k, len(ids)) if wants else None),
+        pending=PendingOutput(interval, (top_k, len(ids)) if wants else None),
     )
 
 

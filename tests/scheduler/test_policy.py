@@ -71,7 +71,7 @@ def _step(scheduler: Scheduler) -> list[tuple[int, int, int]]:
     batch = scheduler.schedule()
     scheduler.computed(batch)
     for row in batch.sampling:
-        row.request.output_ids.append(1)
+        row.request.append_output(1)
     return [(row.request.prompt_len, row.start, row.end) for row in batch.rows if row.end - row.start > 1]
 
 

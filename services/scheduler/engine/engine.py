@@ -4,8 +4,8 @@ Each iteration takes new requests, aborts and control commands from the inbox, e
 aborted requests, lets the scheduling policy (scheduler.py) choose the step's rows (every
 decoding request, prefill chunks, newly admitted requests) within the KV memory, runs one
 step over them, and publishes a StepMessage with what ships (requests that stream every
-step; the others every --output-interval tokens and when they end: request.py
-PendingOutput), the prompt logprobs of prefills that ended, and what started and finished.
+step; the others every --output-interval tokens and when they end: output/pending.py),
+the prompt logprobs of prefills that ended, and what started and finished.
 Requests join and leave between steps. The thread blocks while there is no work.
 
 Rollout control (RL trainers, control.py) goes through the same inbox, so that the engine
@@ -60,6 +60,7 @@ from services.scheduler.engine.control import (
 from services.scheduler.engine.scheduler import Scheduler, SlotPool
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.weights import WeightsRefused
+from services.scheduler.output.pending import PendingStores
 from services.scheduler.output.step_output import step_message
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import Batch, LaunchedStep, StepResult, StepRunner
@@ -103,6 +104,7 @@ class Engine:
         self.publish = publish
         self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
         self.pages = PagePool(runner.num_pages, runner.page_size)
+        self.pending_rows = PendingStores()
         self.prefix_cache = PrefixCache(self.pages, enabled=not config.disable_radix_cache)
         self.scheduler = Scheduler(SlotPool(config.max_running_requests), self.pages, self.prefix_cache,
                                    config.prefill_budget, chunked=config.chunked_prefill_size > 0,
@@ -285,8 +287,9 @@ class Engine:
     def _fail_step(self, batch: Batch, exc: Exception, out: _Outgoing) -> None:
         log.error("step failed", exc_info=exc)
         self._step += 1
-        out.finished += [self._finish(row.request, FinishReason.ERROR, message=f"scheduler step failed: {exc}")
-                         for row in batch.rows]
+        for row in batch.rows:
+            row.request.pending.release_lane()  # its Finish is an error: its pending output never ships
+            out.finished.append(self._finish(row.request, FinishReason.ERROR, message=f"scheduler step failed: {exc}"))
 
     def _gather_prompt_rows(self, batch: Batch, result: StepResult) -> list[Request]:
         """Copy each row's prompt logprob rows into its request's; the requests whose prompt is whole now (the row
@@ -430,19 +433,28 @@ class Engine:
         out.new, out.finished, out.ended, out.due = [], [], [], []
 
     def _advance(self, batch: Batch, result: StepResult) -> list[tuple[Request, Finish]]:
-        """Append each sampled token (to its request's output and pending entry); finish the requests that are done."""
+        """Append each sampled token (to its request's output and pending entry, its logprob row to the entry's
+        rows); finish the requests that are done."""
         done = []
+        with_rows, sources = [], []  # the pending entries that take a logprob row, and its row in the step's
+        max_context = self.runner.max_context
         for row, (sampled, token) in enumerate(zip(batch.sampling, result.next_ids.tolist())):
             request = sampled.request
             if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
                 done.append((request, self._finish(request, FinishReason.LENGTH)))
                 continue
-            request.output_ids.append(token)
-            request.pending.add(token, result.output, row)
+            request.append_output(token)
+            request.pending.add(token)
+            if request.return_logprob:
+                with_rows.append(request.pending)
+                sources.append(row)
             if token in request.stop_ids:
                 done.append((request, self._finish(request, FinishReason.STOP_TOKEN, matched_token=token)))
-            elif len(request.output_ids) >= request.max_new_tokens or request.length >= self.runner.max_context:
+            elif len(request.output_ids) >= request.max_new_tokens or request.length >= max_context:
                 done.append((request, self._finish(request, FinishReason.LENGTH)))
+        if with_rows:
+            assert result.output is not None, "a step with a logprob request computes rows"
+            self.pending_rows.put(with_rows, sources, result.output)
         return done
 
     def _finish(self, request: Request, reason: FinishReason, matched_token: int = 0, matched_stop: str = "",

@@ -150,13 +150,21 @@ class Scheduler:
         """A row per decoding request, each with a slot for its next token: retracting the newest requests when
         pages run short."""
         decoding = [r for r in self.running if r.decoding]
-        while decoding and (needed := sum(self._new_pages(r, r.length) for r in decoding)) > self.available_pages:
+        # Those whose next token starts a page (one each: every token before it has its slot).
+        page_tokens = self.pages.page_size
+        starting = [r for r in decoding if r.length > len(r.page_table) * page_tokens]
+        while len(starting) > self.available_pages:
             victim = self.running[-1]
-            self._preempt(victim, f"short by {needed - self.available_pages} pages for the decoding requests")
+            self._preempt(victim, f"short by {len(starting) - self.available_pages} pages for the decoding requests")
             if victim in decoding:
                 decoding.remove(victim)
-        for request in decoding:
-            self._grow(request, request.length)
+                if victim in starting:
+                    starting.remove(victim)
+        if starting:
+            if len(starting) > self.pages.free:
+                self.prefix_cache.evict(len(starting) - self.pages.free)
+            for request, page in zip(starting, self.pages.allocate(len(starting))):
+                request.page_table.append(page)
         return [BatchRow(r, r.length - 1, r.length) for r in decoding]
 
     def _chunk(self, request: Request, budget: int, alone: bool) -> BatchRow | None:

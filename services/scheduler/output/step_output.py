@@ -5,6 +5,7 @@ import time
 from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.steps import Finish, RequestStart, StepMessage
 
+from services.scheduler.output.pending import shipped_block
 from services.scheduler.request import Request
 
 NO_ROWS: LogprobRows = LogprobRows.allocate(0, 0, 0)  # the part of a request without logprobs in a block
@@ -22,7 +23,8 @@ def step_message(step: int, new: list[Request], shipping: list[Request], prompt_
     reached the end of the prompt) ship the prompt logprob rows they gathered."""
     output = None
     if any(r.return_logprob for r in shipping):
-        output = LogprobBlock.of_rows([r.pending.shipped_rows() or NO_ROWS for r in shipping])
+        order, output = shipped_block([r.pending for r in shipping])
+        shipping = [shipping[i] for i in order]
     prompt = None
     if prompt_requests:
         prompt = LogprobBlock.of_rows([r.prompt_logprobs or NO_ROWS for r in prompt_requests],

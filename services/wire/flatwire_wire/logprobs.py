@@ -29,6 +29,7 @@ from flatwire_wire.pb import arrays_pb2
 
 F32 = np.dtype("<f4")
 I32 = np.dtype("<i4")
+DTYPES = (F32, F32, I32, F32)  # of a row's arrays: token logprob, top-k values, top-k ids, requested ids' logprobs
 A = TypeVar("A")  # an array type: numpy.ndarray on the host, torch.Tensor on a device
 
 
@@ -103,13 +104,6 @@ class LogprobRows(Generic[A]):
         self.topk_ids[at:end] = rows.topk_ids  # type: ignore[index]
         self.ids_logprobs[at:end] = rows.ids_logprobs  # type: ignore[index]
 
-    def put_row(self, at: int, source: "LogprobRows", row: int, k: int, m: int) -> None:
-        """Copy row `row` of `source`, cut to this width (k, m: this width, which the caller knows), to row `at`."""
-        self.token_logprobs[at] = source.token_logprobs[row]  # type: ignore[index]
-        self.topk_values[at] = source.topk_values[row, :k]  # type: ignore[index]
-        self.topk_ids[at] = source.topk_ids[row, :k]  # type: ignore[index]
-        self.ids_logprobs[at] = source.ids_logprobs[row, :m]  # type: ignore[index]
-
     @lazy
     def flat(self) -> tuple[A, A, A, A]:
         """The arrays as flat views (row-major, one element per value), for copies of flat slices."""
@@ -179,28 +173,28 @@ class LogprobBlock:
 
     @classmethod
     def of_rows(cls, parts: list[LogprobRows[np.ndarray]], null_prefix: list[int] | None = None) -> "LogprobBlock":
-        """One request per part, in order (one pass over the parts, one concatenation per array)."""
+        """One request per part, in order."""
         rows, topk, id_counts = [], [], []
         for part in parts:
             n, k = part.topk_values.shape
             rows.append(n)
             topk.append(k)
             id_counts.append(part.ids_logprobs.shape[1])
-        same_k, same_m = len(set(topk)) <= 1, len(set(id_counts)) <= 1
+        pieces = [tuple(np.ascontiguousarray(array, dtype) for array, dtype in zip(part.arrays, DTYPES))
+                  for part in parts]
+        return cls.of_pieces(rows, topk, id_counts, pieces, null_prefix)  # type: ignore[arg-type]
 
-        def joined(arrays: list[np.ndarray], dtype: np.dtype, same_width: bool) -> bytes:
-            if len(arrays) == 1:  # one copy, not two
-                return np.ascontiguousarray(arrays[0], dtype).tobytes()
-            if not arrays:
-                return b""
-            flat = np.concatenate(arrays if same_width else [a.reshape(-1) for a in arrays])
-            return np.ascontiguousarray(flat, dtype).tobytes()
-
-        return cls(rows=rows, null_prefix=null_prefix or [0] * len(parts), topk=topk, id_counts=id_counts,
-                   token_logprobs=joined([p.token_logprobs for p in parts], F32, True),
-                   topk_values=joined([p.topk_values for p in parts], F32, same_k),
-                   topk_ids=joined([p.topk_ids for p in parts], I32, same_k),
-                   ids_logprobs=joined([p.ids_logprobs for p in parts], F32, same_m))
+    @classmethod
+    def of_pieces(cls, rows: list[int], topk: list[int], id_counts: list[int], pieces: list[tuple[Any, Any, Any, Any]],
+                  null_prefix: list[int] | None = None) -> "LogprobBlock":
+        """The requests' shapes, and pieces that hold their rows in order: each the four arrays' bytes (contiguous
+        F32, F32, I32, F32 buffers) of one request's rows, or of several consecutive requests' of one width. One
+        copy per array, straight into the block's bytes (a concatenation, then tobytes, copies twice)."""
+        token_logprobs, topk_values, topk_ids, ids_logprobs = (b"".join(buffers) for buffers in zip(*pieces)) \
+            if pieces else (b"", b"", b"", b"")
+        return cls(rows=rows, null_prefix=null_prefix or [0] * len(rows), topk=topk, id_counts=id_counts,
+                   token_logprobs=token_logprobs, topk_values=topk_values, topk_ids=topk_ids,
+                   ids_logprobs=ids_logprobs)
 
     @classmethod
     def of_request(cls, logprobs: RequestLogprobs) -> "LogprobBlock":
