@@ -279,10 +279,7 @@ class Engine:
         self._step += 1
         self.scheduler.computed(batch)
         out.prompts += self._gather_prompt_rows(batch, result)
-        for request, finish in self._advance(batch, result):
-            out.end(request, finish)
-        out.due += [row.request for row in batch.sampling
-                    if row.request.status is RequestStatus.RUNNING and row.request.pending.due]
+        self._advance(batch, result, out)
 
     def _fail_step(self, batch: Batch, exc: Exception, out: _Outgoing) -> None:
         log.error("step failed", exc_info=exc)
@@ -432,30 +429,31 @@ class Engine:
             self.publish(step_message(self._step, out.new, shipping, [], out.finished, self.weight_version))
         out.new, out.finished, out.ended, out.due = [], [], [], []
 
-    def _advance(self, batch: Batch, result: StepResult) -> list[tuple[Request, Finish]]:
+    def _advance(self, batch: Batch, result: StepResult, out: _Outgoing) -> None:
         """Append each sampled token (to its request's output and pending entry, its logprob row to the entry's
-        rows); finish the requests that are done."""
-        done = []
+        rows); end the requests that are done, and mark those with an entry's worth pending due."""
         with_rows, sources = [], []  # the pending entries that take a logprob row, and its row in the step's
         max_context = self.runner.max_context
         for row, (sampled, token) in enumerate(zip(batch.sampling, result.next_ids.tolist())):
             request = sampled.request
             if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
-                done.append((request, self._finish(request, FinishReason.LENGTH)))
+                out.end(request, self._finish(request, FinishReason.LENGTH))
                 continue
             request.append_output(token)
-            request.pending.add(token)
+            pending = request.pending
+            pending.add(token)
             if request.return_logprob:
-                with_rows.append(request.pending)
+                with_rows.append(pending)
                 sources.append(row)
             if token in request.stop_ids:
-                done.append((request, self._finish(request, FinishReason.STOP_TOKEN, matched_token=token)))
+                out.end(request, self._finish(request, FinishReason.STOP_TOKEN, matched_token=token))
             elif len(request.output_ids) >= request.max_new_tokens or request.length >= max_context:
-                done.append((request, self._finish(request, FinishReason.LENGTH)))
+                out.end(request, self._finish(request, FinishReason.LENGTH))
+            elif pending.due and request.status is RequestStatus.RUNNING:  # not retracted since it launched
+                out.due.append(request)
         if with_rows:
             assert result.output is not None, "a step with a logprob request computes rows"
             self.pending_rows.put(with_rows, sources, result.output)
-        return done
 
     def _finish(self, request: Request, reason: FinishReason, matched_token: int = 0, matched_stop: str = "",
                 message: str = "") -> Finish:

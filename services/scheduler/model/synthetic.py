@@ -78,12 +78,15 @@ class SyntheticRunner:
         self.candidates = np.concatenate([unique[order], others[:missing]]).astype(np.int32)
         self.text = rank[inverse]  # the paragraph as indices into candidates
         self.values = (-0.25 - np.log(np.arange(1, max_top_logprobs + 2))).astype(np.float32)  # best first
+        # Row i: the k + 1 candidates from candidate i on (a view, no copy), so that a step's ids are one row gather.
+        doubled = np.concatenate([self.candidates, self.candidates])
+        self.windows = np.lib.stride_tricks.sliding_window_view(doubled, len(self.values))[:len(self.candidates)]
         log.info("synthetic engine (no weights) for %s: %g ms per step, vocab %d, context %d, %d KV pages of %d",
                  model_dir, step_ms, self.vocab_size, self.max_context, self.num_pages - 1, page_size)
 
     def _ids(self, first: np.ndarray, k: int) -> np.ndarray:
         """[len(first), k] distinct candidate ids, row i starting at candidate first[i]."""
-        return self.candidates[(first[:, None] + np.arange(k)) % len(self.candidates)]
+        return self.windows[first % len(self.candidates), :k]
 
     def step(self, batch: Batch) -> StepResult:
         rows = [row.request for row in batch.sampling]
@@ -95,9 +98,10 @@ class SyntheticRunner:
         if any(r.return_logprob for r in rows):
             k = max(r.top_logprobs_num for r in rows)
             m = max(len(r.token_ids_logprob) for r in rows)
-            result.output = LogprobRows(np.full(len(rows), self.values[0], dtype=np.float32),
-                                        np.tile(self.values[:k], (len(rows), 1)), self._ids(chosen, k),
-                                        np.full((len(rows), m), OTHER_LOGPROB, dtype=np.float32))
+            # Constant rows as read-only broadcast views: the engine copies what it keeps of a step's rows.
+            result.output = LogprobRows(np.broadcast_to(self.values[0], len(rows)),
+                                        np.broadcast_to(self.values[:k], (len(rows), k)), self._ids(chosen, k),
+                                        np.broadcast_to(np.float32(OTHER_LOGPROB), (len(rows), m)))
         now = time.perf_counter()
         if self._next_step_at > now:
             time.sleep(self._next_step_at - now)
