@@ -25,8 +25,6 @@ from grpc_reflection.v1alpha import reflection
 from services.common import auth
 from services.common.undecodable import RefuseUndecodable
 
-# Trailing metadata of an INVALID_ARGUMENT between the services: the field it refuses, in the callee's names.
-FIELD_METADATA = "flatwire-field"
 DEFAULT_MAX_MESSAGE_MB = 1024
 DEFAULT_KEEPALIVE_S = 20.0
 # Calls a server has received that no handler has taken yet. Past the soft limit gRPC cancels new

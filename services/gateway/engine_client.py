@@ -31,7 +31,7 @@ from flatwire_wire.public import WeightVersionSpan
 from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, StepMessage
 
-from services.common.rpc import FIELD_METADATA
+from flatwire_wire.rpc import FIELD_METADATA
 from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams

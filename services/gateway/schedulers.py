@@ -294,7 +294,8 @@ class SchedulerPool:
                 seen.add(address)
                 if address not in self.replicas:
                     channel = internal_channel(address, self.config, host_of(entry))
-                    self.replicas[address] = Replica(address, channel, SchedulerClient(channel))
+                    client = SchedulerClient(channel, orphaned=lambda rid, at=address: self.abort(at, rid))
+                    self.replicas[address] = Replica(address, channel, client)
         for address in set(self.replicas) - seen:
             replica = self.replicas.pop(address)
             self._lose(replica, f"scheduler {address} no longer resolves")

@@ -38,7 +38,17 @@ from flatwire_wire.control import (
     UpdateWeightVersionRequest,
 )
 from flatwire_wire.logprobs import LogprobsMode
-from flatwire_wire.scheduler import SCHEDULER, AbortRequest, ModelInfo, SchedulerStats, TokenizedRequest
+from flatwire_wire.rpc import FIELD_METADATA, STATUS_CODES
+from flatwire_wire.scheduler import (
+    SCHEDULER,
+    AbortRequest,
+    ModelInfo,
+    SchedulerStats,
+    SubmitBatchReply,
+    SubmitBatchRequest,
+    SubmitResult,
+    TokenizedRequest,
+)
 from flatwire_wire.steps import FinishReason, StepMessage
 
 from services.common.auth import resolve_internal_secret
@@ -46,7 +56,7 @@ from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import keep_big_blocks
 from services.common.model_store import model_name, resolve_model
-from services.common.rpc import FIELD_METADATA, add_health, create_server, listen, mark_serving
+from services.common.rpc import add_health, create_server, listen, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import (
@@ -155,22 +165,32 @@ class SchedulerService:
         """Finish every StepOutput stream with OK (shutdown), rather than cutting it."""
         self._broadcast(None)
 
-    async def submit(self, request: TokenizedRequest, context) -> Empty:
+    def _accept(self, request: TokenizedRequest) -> SubmitResult:
+        """Queue `request`, or say why not: the status a Submit of it answers."""
         try:  # (a grammar is parsed here and compiled after the answer: Grammars.matcher_later)
             parsed = parse_request(request, self.limits, self.grammars)
         except InvalidTokenizedRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
-                                trailing_metadata=((FIELD_METADATA, exc.field),))
+            return SubmitResult(grpc.StatusCode.INVALID_ARGUMENT.value[0], str(exc), exc.field)
         try:
             accepted = self.engine.submit(parsed)
         except QueueFull as exc:  # the gateway answers 429 (or tries another replica)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return SubmitResult(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], str(exc))
         except MemoryReleased as exc:  # the gateway tries another replica, else answers 503
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return SubmitResult(grpc.StatusCode.FAILED_PRECONDITION.value[0], str(exc))
         if not accepted:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"rid: {request.rid!r} is already running",
-                                trailing_metadata=((FIELD_METADATA, "rid"),))
+            return SubmitResult(grpc.StatusCode.ALREADY_EXISTS.value[0], f"rid: {request.rid!r} is already running",
+                                "rid")
+        return SubmitResult()
+
+    async def submit(self, request: TokenizedRequest, context) -> Empty:
+        result = self._accept(request)
+        if result.code:
+            await context.abort(STATUS_CODES[result.code], result.details,
+                                trailing_metadata=((FIELD_METADATA, result.field),) if result.field else None)
         return EMPTY
+
+    async def submit_batch(self, batch: SubmitBatchRequest, context) -> SubmitBatchReply:
+        return SubmitBatchReply([self._accept(request) for request in batch.requests])
 
     async def abort(self, request: AbortRequest, context) -> Empty:
         if request.reason not in (FinishReason.UNSPECIFIED, FinishReason.ABORT, FinishReason.STOP_STRING,

@@ -19,7 +19,7 @@ from flatwire_client import FlatwireClient
 from flatwire_wire.control import EMPTY
 from flatwire_wire.detokenizer import DETOKENIZER, StreamOutputsRequest
 from flatwire_wire.rpc import ServiceSpec
-from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, TokenizedRequest
+from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, SubmitBatchRequest, TokenizedRequest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -79,6 +79,7 @@ def scheduler_calls(owner: str, rid: str):
     request = TokenizedRequest(rid=rid, owner=owner, input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2))
     return {
         "Submit": lambda address, md: unary(address, SCHEDULER, "Submit", request, md),
+        "SubmitBatch": lambda address, md: unary(address, SCHEDULER, "SubmitBatch", SubmitBatchRequest([request]), md),
         "Abort": lambda address, md: unary(address, SCHEDULER, "Abort", AbortRequest(rid=rid), md),
         "StreamSteps": lambda address, md: first_of_stream(address, SCHEDULER, "StreamSteps", EMPTY, md),
         "GetModelInfo": lambda address, md: unary(address, SCHEDULER, "GetModelInfo", EMPTY, md),
@@ -90,7 +91,7 @@ def stream_outputs(address: str, metadata, owner: str = "someone-else"):
     return first_of_stream(address, DETOKENIZER, "StreamOutputs", StreamOutputsRequest(owner=owner), metadata)
 
 
-@pytest.mark.parametrize("method", ["Submit", "Abort", "StreamSteps", "GetModelInfo", "GetStats"])
+@pytest.mark.parametrize("method", ["Submit", "SubmitBatch", "Abort", "StreamSteps", "GetModelInfo", "GetStats"])
 def test_scheduler_refuses_calls_without_the_secret(stack, method):
     call = scheduler_calls("intruder", f"auth-{uuid.uuid4().hex}")[method]
     for metadata in WRONG:

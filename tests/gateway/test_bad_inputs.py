@@ -14,7 +14,7 @@ from flatwire_wire.rpc import ServiceSpec
 from flatwire_wire.scheduler import SCHEDULER, LogprobParams, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import DetokenizeParams
 
-from services.common.rpc import FIELD_METADATA
+from flatwire_wire.rpc import FIELD_METADATA
 from services.gateway.engine_client import EngineClient, GenerateInput, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field

@@ -20,6 +20,10 @@ from google.protobuf.message import Message
 
 from flatwire_wire.codec import decoder, encoder
 
+# Trailing metadata of an INVALID_ARGUMENT between the services: the field it refuses, in the callee's names.
+FIELD_METADATA = "flatwire-field"
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a status code's number -> grpc.StatusCode
+
 
 def messages_of(*modules: Any) -> dict[str, type[Message]]:
     """The message classes of generated *_pb2 modules, by full name."""

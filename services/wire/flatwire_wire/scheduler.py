@@ -1,7 +1,7 @@
 """The scheduler's internal API (flatwire/internal/v1/scheduler.proto): what gateways submit, what the scheduler
 reports, and the typed client of its service. scheduler.proto documents each field."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.pb import arrays_pb2, scheduler_pb2
 from flatwire_wire.rpc import ServiceSpec, messages_of
 from flatwire_wire.steps import DetokenizeParams, FinishReason, StepMessage
+from flatwire_wire.submit_batch import SubmitBatcher
 
 
 @twin(scheduler_pb2.SamplingParams)
@@ -85,6 +86,29 @@ class TokenizedRequest:
     routed_experts_start_len: int = 0  # from this sequence position on
 
 
+@twin(scheduler_pb2.SubmitBatchRequest)
+@dataclass
+class SubmitBatchRequest:
+    requests: list[TokenizedRequest] = field(default_factory=list)
+
+
+@twin(scheduler_pb2.SubmitResult)
+@dataclass
+class SubmitResult:
+    """What Submit would have answered one request of a batch: code 0 (OK) or the status it would have failed
+    with."""
+
+    code: int = 0
+    details: str = ""
+    field: str = ""  # the request field at fault, if Submit would have named it (FIELD_METADATA)
+
+
+@twin(scheduler_pb2.SubmitBatchReply)
+@dataclass
+class SubmitBatchReply:
+    results: list[SubmitResult] = field(default_factory=list)
+
+
 @twin(scheduler_pb2.AbortRequest)
 @dataclass
 class AbortRequest:
@@ -133,7 +157,8 @@ class SchedulerStats:
 
 SCHEDULER = ServiceSpec(
     scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"], messages_of(scheduler_pb2, arrays_pb2),
-    twins={"Submit": (TokenizedRequest, Empty), "Abort": (AbortRequest, Empty), "StreamSteps": (Empty, StepMessage),
+    twins={"Submit": (TokenizedRequest, Empty), "SubmitBatch": (SubmitBatchRequest, SubmitBatchReply),
+           "Abort": (AbortRequest, Empty), "StreamSteps": (Empty, StepMessage),
            "GetModelInfo": (Empty, ModelInfo), "GetStats": (Empty, SchedulerStats),
            "UpdateWeightsFromDisk": (UpdateWeightsFromDiskRequest, ControlReply),
            "PushWeights": (WeightsChunk, ControlReply), "PauseGeneration": (PauseGenerationRequest, ControlReply),
@@ -148,6 +173,7 @@ class SchedulerServicer(Protocol):
     """What a scheduler implements (SCHEDULER.add_to(server, it)); `context` is gRPC's."""
 
     async def submit(self, request: TokenizedRequest, context: Any) -> Empty: ...
+    async def submit_batch(self, request: SubmitBatchRequest, context: Any) -> SubmitBatchReply: ...
     async def abort(self, request: AbortRequest, context: Any) -> Empty: ...
     def stream_steps(self, request: Empty, context: Any) -> AsyncIterator[StepMessage]: ...
     async def get_model_info(self, request: Empty, context: Any) -> ModelInfo: ...
@@ -172,11 +198,21 @@ class SchedulerServicer(Protocol):
 class SchedulerClient:
     """A scheduler's service over an asyncio channel, in twins."""
 
-    def __init__(self, channel: grpc.aio.Channel):
+    def __init__(self, channel: grpc.aio.Channel, orphaned: Callable[[str], None] = lambda rid: None):
+        """`orphaned(rid)`: a submit accepted after its caller was cancelled (the caller's to abort)."""
         self._calls = SCHEDULER.calls(channel)
+        self._submits: SubmitBatcher[TokenizedRequest] = SubmitBatcher(
+            self._submit_batch, lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
+            lambda request: orphaned(request.rid))
+
+    async def _submit_batch(self, requests: list[TokenizedRequest], timeout: float | None) -> list[SubmitResult]:
+        reply: SubmitBatchReply = await self._calls["SubmitBatch"](SubmitBatchRequest(requests), timeout=timeout)
+        return reply.results
 
     async def submit(self, request: TokenizedRequest, timeout: float | None = None) -> None:
-        await self._calls["Submit"](request, timeout=timeout)
+        """Submit `request`, in a batch with those submitted while the previous batch is in flight (submit_batch.py);
+        raises the grpc.aio.AioRpcError that a Submit of it alone would have raised."""
+        await self._submits.submit(request, timeout)
 
     async def abort(self, request: AbortRequest, timeout: float | None = None) -> None:
         await self._calls["Abort"](request, timeout=timeout)

@@ -116,6 +116,28 @@ class SubmitReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SubmitBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[TokenizedRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[TokenizedRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitResult(_message.Message):
+    __slots__ = ("code", "details", "field")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    field: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class SubmitBatchReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SubmitResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SubmitResult, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("rid", "reason", "matched_stop", "message")
     RID_FIELD_NUMBER: _ClassVar[int]

@@ -43,6 +43,11 @@ class SchedulerStub:
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.TokenizedRequest.SerializeToString,
                 response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SubmitBatch = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/SubmitBatch',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitBatchRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitBatchReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/flatwire.internal.v1.Scheduler/Abort',
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -134,6 +139,15 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitBatch(self, request, context):
+        """Several requests in one call: a gateway sends those that queue while its previous call is in
+        flight, so that a burst of submits costs a call per batch instead of one each. Each request
+        gets the answer Submit would have given it, in order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -251,6 +265,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.TokenizedRequest.FromString,
                     response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitReply.SerializeToString,
             ),
+            'SubmitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitBatch,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitBatchRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitBatchReply.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.AbortRequest.FromString,
@@ -363,6 +382,33 @@ class Scheduler:
             '/flatwire.internal.v1.Scheduler/Submit',
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.TokenizedRequest.SerializeToString,
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/SubmitBatch',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitBatchRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.SubmitBatchReply.FromString,
             options,
             channel_credentials,
             insecure,
