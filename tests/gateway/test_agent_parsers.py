@@ -1,9 +1,12 @@
 """The assistant turn's parsers (services/gateway/agents/) on text alone: reasoning, tool calls in each format,
-the forced calls of tool_choice, and the rule that a stream, cut anywhere, says what the unary response says."""
+the forced calls of tool_choice, and the rule that a stream, cut anywhere, says what the unary response says,
+its calls' arguments streamed piece by piece."""
 
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.gateway.agents.reasoning import ReasoningParserName, ThinkBlock
 from services.gateway.agents.tool_calls import ForcedCalls, JsonCalls, TaggedCalls
@@ -12,17 +15,30 @@ from services.gateway.agents.turn import AssistantTurn
 
 
 def run(make_turn, text: str, piece: int) -> tuple[str, str, list[tuple[int, str, dict]]]:
-    """(reasoning, content, calls) of `text` fed `piece` characters at a time, then ended."""
+    """(reasoning, content, calls) of `text` fed `piece` characters at a time, then ended; each call's fragments
+    joined as a client joins them."""
     turn = make_turn()
     pieces = [turn.feed(text[i:i + piece]) for i in range(0, len(text), piece)] + [turn.end()]
-    calls = [(c.index, c.call.name, json.loads(c.call.arguments)) for p in pieces for c in p.calls]
-    return "".join(p.reasoning for p in pieces), "".join(p.content for p in pieces), calls
+    return "".join(p.reasoning for p in pieces), "".join(p.content for p in pieces), joined_calls(pieces)
 
 
-def same_at_every_cut(make_turn, text: str):
+def joined_calls(pieces) -> list[tuple[int, str, dict]]:
+    calls: dict[int, list] = {}
+    for delta in (c for p in pieces for c in p.calls):
+        if delta.id is not None:
+            assert delta.index not in calls and delta.id.startswith("call_")
+            calls[delta.index] = [delta.name, delta.arguments]
+        else:
+            calls[delta.index][1] += delta.arguments
+    return [(index, name, json.loads(arguments)) for index, (name, arguments) in sorted(calls.items())]
+
+
+def same_at_every_cut(make_turn, text: str, streamed_turn=None):
+    """The unary parse (make_turn); the streamed one (streamed_turn, when given) says the same at every cut."""
     whole = run(make_turn, text, len(text) or 1)
-    for piece in (1, 2, 3, 5, 8, 13):
-        assert run(make_turn, text, piece) == whole, piece
+    for make in (make_turn, streamed_turn or make_turn):
+        for piece in (1, 2, 3, 5, 8, 13):
+            assert run(make, text, piece) == whole, piece
     return whole
 
 
@@ -33,7 +49,8 @@ QWEN_CALLS = ('<think>\nThe user wants the weather.\n</think>\n\nLet me look.\n<
 
 def test_qwen_reasoning_content_and_two_calls():
     assert same_at_every_cut(lambda: AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls()),
-                             QWEN_CALLS) == (
+                             QWEN_CALLS,
+                             lambda: AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls(True))) == (
         "The user wants the weather.", "Let me look.",
         [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {"zone": "CET"})])
 
@@ -83,7 +100,9 @@ def test_llama3_json_calls():
     ("get_weather", '{"city": "Ro', []),  # cut short (length): the text, as content
 ])
 def test_forced_calls(function, text, calls):
-    reasoning, content, parsed = same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(function)), text)
+    reasoning, content, parsed = same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(function)), text,
+                                                   (lambda: AssistantTurn(None, ForcedCalls(function, True)))
+                                                   if calls else None)
     assert (parsed, content) == (calls, "" if calls else text)
 
 
@@ -93,3 +112,65 @@ def test_required_schema_lists_every_tool_and_bounds_the_calls():
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
     assert (schema["minItems"], schema["maxItems"]) == (1, 1)
     assert "maxItems" not in json.loads(required_calls_schema({"a": None}, True))  # parallel_tool_calls
+
+
+def fragments(make_turn, text: str, piece: int = 3):
+    turn = make_turn()
+    return [c for p in [turn.feed(text[i:i + piece]) for i in range(0, len(text), piece)] + [turn.end()]
+            for c in p.calls]
+
+
+@pytest.mark.parametrize("parser", [lambda: TaggedCalls(True), lambda: ForcedCalls(None, True),
+                                    lambda: ForcedCalls("get_weather", True)])
+def test_streamed_arguments_arrive_in_pieces_before_the_call_ends(parser):
+    arguments = {"city": "Paris, \"the\" capital", "days": [1, 2.5, -3e2], "units": {"t": "C"}, "ok": True,
+                 "note": None, "ünïcode": "日本"}
+    if isinstance(parser(), TaggedCalls):
+        text = f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+    elif parser()._function is None:
+        text = json.dumps([{"name": "get_weather", "parameters": arguments}])
+    else:
+        text = json.dumps(arguments)
+    streamed = fragments(lambda: AssistantTurn(None, parser()), text)
+    assert streamed[0].name == "get_weather" and streamed[0].id is not None
+    assert all(f.id is None and f.name is None for f in streamed[1:])
+    assert len([f for f in streamed if f.arguments]) > 10  # piece by piece, not whole at the end
+    assert "".join(f.arguments for f in streamed) == json.dumps(arguments, ensure_ascii=False)
+
+
+def test_a_streamed_call_goes_out_once_its_name_is_complete():
+    turn = AssistantTurn(None, TaggedCalls(True))
+    assert turn.feed('<tool_call>\n{"name": "get_wea').calls == []  # half a name: nothing yet
+    [first] = turn.feed('ther", "arguments": {"ci').calls
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "{")
+    [more] = turn.feed('ty": "Pa').calls
+    assert (more.id, more.arguments) == (None, '"city": "Pa')
+
+
+def test_a_streamed_call_that_breaks_after_its_name_stays_a_call():
+    """The stream cannot take back what it sent: unary, the same text is content."""
+    broken = '<tool_call>\n{"name": "f", "arguments": {"a": 1, oops}}\n</tool_call>'
+    cut = '<tool_call>\n{"name": "f", "arguments": {"a": "Ro'
+    for text, streamed_arguments in ((broken, '{"a": 1'), (cut, '{"a": "Ro')):
+        assert run(lambda: AssistantTurn(None, TaggedCalls()), text, 4) == ("", text, [])
+        streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(True)), text)
+        assert streamed[0].name == "f"
+        assert "".join(f.arguments for f in streamed) == streamed_arguments
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(arguments=st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=5), piece=st.integers(1, 9),
+       indent=st.sampled_from([None, 2]))
+def test_streamed_arguments_join_to_the_unary_arguments(arguments, piece, indent):
+    """Any arguments object, written compact or indented, cut anywhere: the pieces join to what unary gives."""
+    text = f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(arguments, indent=indent)}}}\n</tool_call>'
+    unary = run(lambda: AssistantTurn(None, TaggedCalls()), text, len(text))
+    assert unary == ("", "", [(0, "f", arguments)])
+    streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(True)), text, piece)
+    assert "".join(f.arguments for f in streamed) == json.dumps(arguments, ensure_ascii=False)

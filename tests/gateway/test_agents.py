@@ -56,8 +56,12 @@ def chat(client, model, stream=False, **fields):
         content += delta.content or ""
         reasoning += getattr(delta, "reasoning_content", None) or ""
         for call in delta.tool_calls or []:
-            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": "",
+                                                  "pieces": 0})
+            if entry["pieces"]:  # OpenAI's later fragments: index and arguments only
+                assert call.id is None and call.function.name is None
             entry["arguments"] += call.function.arguments or ""
+            entry["pieces"] += 1
         finish = choice.finish_reason or finish
     return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)], "finish": finish}
 
@@ -74,6 +78,15 @@ def test_auto_tool_call_parsed_unary_and_streamed(agent, model):
     streamed = chat(agent, model, stream=True, tools=[WEATHER, TIME], regex=exact_regex(CALL_TEXT))
     assert streamed["finish"] == "tool_calls" and streamed["content"] == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == [("get_weather", {"city": "Paris"})]
+    assert streamed["calls"][0]["id"].startswith("call_")
+    assert streamed["calls"][0]["pieces"] > 2  # the name first, then the arguments as the model writes them
+    # The openai package's own stream accumulator merges the fragments into the unary message's call.
+    with agent.chat.completions.stream(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=512,
+                                       temperature=0, extra_body={"regex": exact_regex(CALL_TEXT)}) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.id[:5], c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        ("call_", "get_weather", call.function.arguments)]
 
 
 def test_parallel_calls_and_content_around_them(agent, model):

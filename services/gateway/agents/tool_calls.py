@@ -8,9 +8,13 @@
 With `tool_choice` required or naming a function, the output is JSON that the grammar forced
 (tool_choice.py), whatever the model's format: ForcedCalls reads it.
 
-A parser is fed the text piece by piece (a stream) and then ended; it hands on content as soon as it
-cannot be the start of a call, and each call once it is complete. A call it cannot read is content:
-malformed model output never fails the request.
+A parser is fed the text piece by piece and then ended; it hands on content as soon as it cannot be the
+start of a call, and calls as fragments (call_stream.py). Unary (`stream=False`), each call goes out whole once
+complete, and a call it cannot read, or one cut short, is content: malformed model output never fails the
+request. Streamed, a call goes out from the moment its name is complete, its arguments piece by piece (as
+OpenAI streams them); one that breaks after that stays a call, with the arguments that went out (a stream
+cannot take back what it sent). llama3's calls go out when the output ends, in either mode: only the whole
+output tells whether it is calls.
 """
 
 import json
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from services.gateway.agents.call_stream import CallFragment, StreamedCall, ToolCall, partial_json
 from services.gateway.agents.text_scan import split_at_marker
 
 PYTHON_TAG = "<|python_tag|>"
@@ -30,16 +35,10 @@ class ToolCallParserName(StrEnum):
     LLAMA3 = "llama3"
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object's text
-
-
 @dataclass
 class Parsed:
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[CallFragment] = field(default_factory=list)
 
 
 class ToolCallParser(Protocol):
@@ -71,35 +70,54 @@ class TaggedCalls:
     """qwen25 / hermes: `<tool_call>{json}</tool_call>` blocks among content."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    ARGUMENT_KEYS = ("arguments", "parameters")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: bool = False) -> None:
+        self._stream = stream
         self._held = ""
-        self._inside = False
+        self._open: StreamedCall | None = None  # the block being read
+        self._calls = 0
 
     def feed(self, text: str) -> Parsed:
         parsed, pending = Parsed(), self._held + text
         while True:
-            if not self._inside:
+            if self._open is None:
                 before, opened, pending = split_at_marker(pending, self.OPEN)
                 parsed.content += before
                 if opened is None:
                     break
-                self._inside = True
+                self._open = StreamedCall(self._calls)
             body, closed, rest = split_at_marker(pending, self.CLOSE)
-            if closed is None:
-                break  # the call is not complete yet: all of it is held
-            call = _call_of(_json(body.strip()), ("arguments", "parameters"))
-            if call is None:
+            if closed is None:  # the call is not complete yet: all of it is held
+                if self._stream:
+                    parsed.calls += self._update(body)
+                break
+            call = _call_of(_json(body.strip()), self.ARGUMENT_KEYS)
+            if call is not None:
+                parsed.calls += self._open.finish(call)
+            elif not self._open.named:
                 parsed.content += self.OPEN + body + self.CLOSE
-            else:
-                parsed.calls.append(call)
-            pending, self._inside = rest, False
+            self._calls += self._open.named
+            pending, self._open = rest, None
         self._held = pending
         return parsed
 
+    def _update(self, body: str) -> list[CallFragment]:
+        assert self._open is not None
+        value = partial_json(body.lstrip())
+        if not isinstance(value, dict):
+            return []
+        named = None if self._open.named else partial_json(body.lstrip(), complete_strings=True)
+        name = named.get("name") if isinstance(named, dict) else None
+        arguments = next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
+        return self._open.update(name, arguments)
+
     def end(self) -> Parsed:
         held, self._held = self._held, ""
-        return Parsed((self.OPEN if self._inside else "") + held)  # a call cut short is content
+        cut, self._open = self._open, None
+        if cut is not None and cut.named:  # cut short after its name went out: it stays a call
+            return Parsed()
+        return Parsed((self.OPEN if cut is not None else "") + held)  # a call cut short is content
 
 
 class JsonCalls:
@@ -126,7 +144,9 @@ class JsonCalls:
     def end(self) -> Parsed:
         text, self._text = self._text, ""
         calls = _json_sequence(text.strip().removeprefix(PYTHON_TAG)) if self._calls else None
-        return Parsed(calls=calls) if calls else Parsed(text)
+        if not calls:
+            return Parsed(text)
+        return Parsed(calls=[fragment for i, call in enumerate(calls) for fragment in StreamedCall(i).finish(call)])
 
 
 def _json_sequence(text: str) -> list[ToolCall] | None:
@@ -150,27 +170,49 @@ def _json_sequence(text: str) -> list[ToolCall] | None:
 
 class ForcedCalls:
     """tool_choice required (a JSON array of {"name", "parameters"}) or a named function (its arguments'
-    JSON object): read when the output ends."""
+    JSON object): the grammar makes the output that JSON, so the calls stream from it (with `stream`)."""
 
-    def __init__(self, function: str | None):
+    def __init__(self, function: str | None, stream: bool = False):
         self._function = function
+        self._stream = stream
         self._text = ""
+        self._calls: list[StreamedCall] = []
 
     def feed(self, text: str) -> Parsed:
         self._text += text
-        return Parsed()
+        return Parsed(calls=self._update()) if self._stream else Parsed()
+
+    def _update(self) -> list[CallFragment]:
+        value = partial_json(self._text)
+        if self._function is not None:
+            return self._call(0).update(self._function, value)
+        if not isinstance(value, list):
+            return []
+        named = partial_json(self._text, complete_strings=True)
+        names = [item.get("name") if isinstance(item, dict) else None for item in named] if isinstance(
+            named, list) else []
+        return [fragment for i, item in enumerate(value) if isinstance(item, dict)
+                for fragment in self._call(i).update(names[i] if i < len(names) else None, item.get("parameters"))]
+
+    def _call(self, i: int) -> StreamedCall:
+        while len(self._calls) <= i:
+            self._calls.append(StreamedCall(len(self._calls)))
+        return self._calls[i]
 
     def end(self) -> Parsed:
         text, self._text = self._text, ""
         value = _json(text)
         if self._function is not None:
-            call = _call_of({"name": self._function, "arguments": value}, ("arguments",))
-            return Parsed(calls=[call]) if call else Parsed(text)
-        calls = [_call_of(item, ("parameters",)) for item in value] if isinstance(value, list) else []
+            calls = [_call_of({"name": self._function, "arguments": value}, ("arguments",))]
+        else:
+            calls = [_call_of(item, ("parameters",)) for item in value] if isinstance(value, list) else []
         if calls and all(calls):
-            return Parsed(calls=[call for call in calls if call is not None])
+            return Parsed(calls=[fragment for i, call in enumerate(calls) if call is not None
+                                 for fragment in self._call(i).finish(call)])
+        if any(call.named for call in self._calls):  # cut short after a name went out: the calls stay
+            return Parsed()
         return Parsed(text)
 
 
-def tool_call_parser(name: ToolCallParserName) -> ToolCallParser:
-    return JsonCalls() if name is ToolCallParserName.LLAMA3 else TaggedCalls()
+def tool_call_parser(name: ToolCallParserName, stream: bool = False) -> ToolCallParser:
+    return JsonCalls() if name is ToolCallParserName.LLAMA3 else TaggedCalls(stream)

@@ -1,27 +1,32 @@
 """One choice's assistant turn: the model's text, piece by piece, split into reasoning, content and tool
-calls by the parsers the request and the server chose. The unary response is the stream's pieces merged,
-so both say the same thing."""
+calls by the parsers the request and the server chose. The unary response is its pieces merged (a call's
+fragments joined), so a stream and the unary response say the same thing, except for a call that breaks after
+its name was streamed (tool_calls.py)."""
 
 import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.agents.reasoning import ThinkBlock
 from services.gateway.agents.text_scan import TrimmedStream
-from services.gateway.agents.tool_calls import Parsed, ToolCall, ToolCallParser
+from services.gateway.agents.tool_calls import Parsed, ToolCallParser
 
 
 @dataclass(frozen=True)
-class NumberedCall:
-    index: int  # the call's place in the turn (OpenAI's tool_calls[].index)
-    id: str
-    call: ToolCall
+class CallDelta:
+    """A piece of the turn's `index`-th call (OpenAI's tool_calls[].index): the first has its id and name, each a
+    piece of its arguments' JSON text."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
 
 
 @dataclass
 class TurnPiece:
     reasoning: str = ""
     content: str = ""
-    calls: list[NumberedCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
 
     def extend(self, other: "TurnPiece") -> None:
         self.reasoning += other.reasoning
@@ -45,7 +50,7 @@ class AssistantTurn:
         self._held_reasoning = ""
         self._max_calls = max_calls
         self._content = TrimmedStream(strip_leading=False) if tools is not None else None
-        self.calls: list[NumberedCall] = []
+        self.calls = 0  # calls started
 
     @property
     def separates_reasoning(self) -> bool:
@@ -87,11 +92,13 @@ class AssistantTurn:
         assert self._content is not None
         content = self._content.feed(parsed.content)
         calls = []
-        for call in parsed.calls:
-            if self._max_calls is None or len(self.calls) < self._max_calls:
-                numbered = NumberedCall(len(self.calls), call_id(), call)
-                self.calls.append(numbered)
-                calls.append(numbered)
+        for fragment in parsed.calls:
+            if self._max_calls is not None and fragment.call >= self._max_calls:
+                continue
+            if fragment.name is not None:
+                self.calls += 1
+            calls.append(CallDelta(fragment.call, call_id() if fragment.name is not None else None, fragment.name,
+                                   fragment.arguments))
         if end:  # whitespace around calls is not content
             content += self._content.end(keep_trailing=not self.calls)
         return TurnPiece(content=content, calls=calls)

@@ -91,14 +91,15 @@ def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogpro
 
 def _turn(gateway: Gateway, req: ChatCompletionRequest) -> AssistantTurn:
     """A choice's parsers: the server's reasoning parser unless the request keeps reasoning in the content,
-    and with tools the server's tool-call parser (auto) or the forced calls' JSON (required, a function)."""
+    and with tools the server's tool-call parser (auto) or the forced calls' JSON (required, a function); calls
+    stream piece by piece when the request streams."""
     config = gateway.config
     think = ThinkBlock(config.reasoning_parser) if config.reasoning_parser and req.separate_reasoning else None
     tools: ToolCallParser | None = None
     if req.tool_choice_name in ("required", "function"):
-        tools = ForcedCalls(req.forced_function)
+        tools = ForcedCalls(req.forced_function, stream=req.stream)
     elif req.tool_choice_name == "auto" and config.tool_call_parser is not None:
-        tools = tool_call_parser(config.tool_call_parser)
+        tools = tool_call_parser(config.tool_call_parser, stream=req.stream)
     return AssistantTurn(think, tools, stream_reasoning=req.stream_reasoning,
                          max_calls=None if req.parallel_tool_calls else 1)
 

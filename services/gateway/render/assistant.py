@@ -1,11 +1,18 @@
 """OpenAI's shapes of an assistant turn (agents/turn.py): the unary `message` and the streamed `delta`."""
 
-from services.gateway.agents.turn import NumberedCall, TurnPiece
+from services.gateway.agents.turn import CallDelta, TurnPiece
 
 
-def _call(numbered: NumberedCall) -> dict:
-    return {"id": numbered.id, "type": "function",
-            "function": {"name": numbered.call.name, "arguments": numbered.call.arguments}}
+def _calls(deltas: list[CallDelta]) -> list[dict]:
+    """Each call whole: its fragments joined."""
+    calls: dict[int, dict] = {}
+    for piece in deltas:
+        if piece.id is not None:
+            calls[piece.index] = {"id": piece.id, "type": "function",
+                                  "function": {"name": piece.name, "arguments": piece.arguments}}
+        else:
+            calls[piece.index]["function"]["arguments"] += piece.arguments
+    return [calls[index] for index in sorted(calls)]
 
 
 def message(turn: TurnPiece, with_reasoning: bool) -> dict:
@@ -14,20 +21,28 @@ def message(turn: TurnPiece, with_reasoning: bool) -> dict:
     if with_reasoning:
         out["reasoning_content"] = turn.reasoning or None
     if turn.calls:
-        out["tool_calls"] = [_call(numbered) for numbered in turn.calls]
+        out["tool_calls"] = _calls(turn.calls)
     return out
 
 
+def _call_delta(piece: CallDelta) -> dict:
+    """A call's first fragment: index, id, type, name and arguments so far; the next: index and more arguments
+    (as OpenAI streams them)."""
+    if piece.id is None:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"index": piece.index, "id": piece.id, "type": "function",
+            "function": {"name": piece.name, "arguments": piece.arguments}}
+
+
 def delta(piece: TurnPiece) -> dict:
-    """One stream chunk's part of the turn. A complete call travels in one entry (id, name and all its
-    arguments), which OpenAI's clients merge as they merge its fragments."""
+    """One stream chunk's part of the turn."""
     out: dict = {}
     if piece.reasoning:
         out["reasoning_content"] = piece.reasoning
     if piece.content or not (piece.reasoning or piece.calls):
         out["content"] = piece.content
     if piece.calls:
-        out["tool_calls"] = [{"index": numbered.index, **_call(numbered)} for numbered in piece.calls]
+        out["tool_calls"] = [_call_delta(call) for call in piece.calls]
     return out
 
 
