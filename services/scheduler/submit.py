@@ -5,6 +5,7 @@ gateway renames it to the client's), and the server answers it with INVALID_ARGU
 """
 
 import math
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -111,6 +112,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
     interval = max(1, min(interval, max_new_tokens))
+    # A whole-output request's first entry is staggered by its rid (output/pending.py): nobody waits for it.
+    first_interval = interval - zlib.crc32(msg.rid.encode()) % interval if not msg.stream_interval else interval
     top_k = logprob.top_logprobs_num if wants else 0
     ids = list(logprob.token_ids_logprob) if wants else []
     return Request(
@@ -137,7 +140,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         grammar=None,
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
-        pending=PendingOutput(interval, (top_k, len(ids)) if wants else None),
+        pending=PendingOutput(interval, (top_k, len(ids)) if wants else None, first_interval),
     )
 
 

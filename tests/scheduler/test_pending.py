@@ -68,6 +68,21 @@ def test_rows_ship_as_they_were_produced_across_widths_intervals_and_requests_wi
     assert _run(requests, steps=30, seed=1, end_early=0.1) > 0
 
 
+def test_staggered_first_entries_ship_early_then_every_interval(monkeypatch):
+    requests = [PendingOutput(7, (K, M), first_interval=1 + i % 7) for i in range(21)]
+    shipped_at: list[list[int]] = [[] for _ in requests]  # per request: its output length at each ship
+    ship = PendingOutput.shipped
+
+    def recording(self):
+        shipped_at[requests.index(self)].append(self.first_position + self.count)
+        ship(self)
+
+    monkeypatch.setattr(PendingOutput, "shipped", recording)
+    assert _run(requests, steps=30, seed=4) == sum(at[-1] for at in shipped_at)
+    for i, at in enumerate(shipped_at):
+        assert at == list(range(1 + i % 7, 31, 7)), (i, at)
+
+
 def test_a_store_grows_past_its_first_lanes_and_keeps_the_rows_it_holds():
     requests = [PendingOutput(5, (K, M)) for _ in range(3 * FIRST_LANES + 1)]
     joins = [i * 4 // len(requests) for i in range(len(requests))]  # the later ones grow it while rows wait

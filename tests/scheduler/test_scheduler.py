@@ -126,10 +126,16 @@ def test_seeded_sampling_reproducible_across_batches(scheduler_client, params):
     assert scheduler_client.wait(scheduler_client.submit(input_ids=ids, sampling=sampled(8))).token_ids != solo
 
 
+def entry_positions(first: int, interval: int, end: int) -> list[int]:
+    """Where the entries of a request that does not stream start: 0, its staggered first entry's end, then every
+    `interval` tokens until `end`."""
+    return [0, *range(first, end, interval)] if first < end else [0]
+
+
 def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(scheduler_client):
-    """A request that does not stream ships --output-interval (50) tokens per entry, and the rest at its end;
-    its tokens and logprob rows are those of the same request streamed a token per step. An abort ships the
-    tokens it had not shipped yet with its Finish."""
+    """A request that does not stream ships --output-interval (50) tokens per entry (its first one staggered: 1 to
+    50 tokens, by its rid), and the rest at its end; its tokens and logprob rows are those of the same request
+    streamed a token per step. An abort ships the tokens it had not shipped yet with its Finish."""
     ids = prompt(7, 9)
     logprob = LogprobParams(return_logprob=True, top_logprobs_num=5, logprob_start_len=-1,
                                           token_ids_logprob=[11, 12])
@@ -138,7 +144,10 @@ def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(sched
                                                               stream_interval=0))
 
     assert streamed.entries == [(p, 1) for p in range(120)]
-    assert coalesced.entries == [(0, 50), (50, 50), (100, 20)]
+    first = coalesced.entries[0][1]
+    assert 1 <= first <= 50
+    starts = entry_positions(first, 50, 120)
+    assert coalesced.entries == [(start, end - start) for start, end in zip(starts, [*starts[1:], 120])]
     assert coalesced.token_ids == streamed.token_ids
     for got, want in zip(coalesced.topk(), streamed.topk()):
         np.testing.assert_array_equal(got, want)
@@ -151,4 +160,13 @@ def test_coalesced_entries_carry_the_same_tokens_and_rows_as_per_step_ones(sched
     aborted = scheduler_client.wait(rid)
     assert aborted.finish.reason == FinishReason.ABORT
     assert len(aborted.token_ids) == aborted.finish.output_tokens > 50  # nothing held back
-    assert [p for p, _ in aborted.entries] == list(range(0, 50 * len(aborted.entries), 50))
+    starts = [p for p, _ in aborted.entries]
+    assert starts == entry_positions(aborted.entries[0][1], 50, starts[-1] + 1)
+
+
+def test_first_entries_of_requests_admitted_together_are_staggered(scheduler_client):
+    """Requests that do not stream, submitted together, do not all ship on the same steps (output/pending.py)."""
+    rids = [scheduler_client.submit(input_ids=prompt(3, 5), sampling=greedy(60), stream_interval=0)
+            for _ in range(12)]
+    firsts = {scheduler_client.wait(rid).entries[0][1] for rid in rids}
+    assert len(firsts) > 3 and all(1 <= first <= 50 for first in firsts), firsts

@@ -1,7 +1,10 @@
 """A request's output since it last shipped: what its next StepMessage entry carries.
 
 A request ships its tokens every `interval` tokens (1 while streaming) and when it ends, so a client that waits for
-the whole output costs the hops one entry per interval instead of one per token.
+the whole output costs the hops one entry per interval instead of one per token. Its first entry may ship sooner
+(`first_interval`): requests admitted together (an RL rollout's batch) whose first entries are staggered ship a
+few each step, rather than all of them on the same step every `interval` (a message of every request's rows at
+once, a step that stalls, and a burst of work for every hop after it).
 
 Its logprob rows wait in a lane of a PendingRows store shared by the requests of its width (interval, k, m), so
 that the per-request work of a step is Python bookkeeping only: one step's rows go in with one fancy-indexed copy
@@ -39,10 +42,12 @@ class PendingRows:
 
 
 class PendingOutput:
-    def __init__(self, interval: int, widths: tuple[int, int] | None):
-        """`widths`: (k, m) of its logprob rows; None without logprobs."""
+    def __init__(self, interval: int, widths: tuple[int, int] | None, first_interval: int | None = None):
+        """`widths`: (k, m) of its logprob rows; None without logprobs; `first_interval`: tokens of its first
+        entry (1 to `interval`; `interval` when None)."""
         self.interval = interval
         self.widths = widths
+        self._due_at = first_interval or interval
         self.first_position = 0  # of token_ids[0] in the request's output
         self.token_ids: list[int] = []
         self.store: PendingRows | None = None  # whose lane holds its rows (from its first row after a ship)
@@ -54,7 +59,7 @@ class PendingOutput:
 
     @property
     def due(self) -> bool:
-        return len(self.token_ids) >= self.interval
+        return len(self.token_ids) >= self._due_at
 
     def add(self, token: int) -> None:
         """A new token (its logprob row, if it has one, comes through PendingStores.put)."""
@@ -64,6 +69,7 @@ class PendingOutput:
         """Its entry was built: start the next one."""
         self.first_position += len(self.token_ids)
         self.token_ids = []
+        self._due_at = self.interval
         self.release_lane()
 
     def release_lane(self) -> None:
