@@ -35,6 +35,9 @@ CASES = [
     ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
                    "logprob_start_len": 3}, "logprob_start_len"),
     ("/generate", {"text": "Hi", "sampling_params": {"temperature": 1e39}}, "sampling_params.temperature"),
+    # Past uint32 it cannot be sent to the scheduler at all (gRPC would send the request empty).
+    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, "routed_experts_start_len": INT40},
+     "routed_experts_start_len"),
     # The scheduler refused these with its own names (sampling.max_new_tokens): now the gateway does.
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ("/generate", {"text": ["Hi", "Ho"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 10**7}]},

@@ -60,6 +60,24 @@ def test_a_burst_is_a_few_calls_and_each_request_gets_its_own_answer(synthetic_s
     assert dict(duplicate.trailing_metadata())[FIELD_METADATA] == "rid"
 
 
+def test_a_request_grpc_cannot_serialize_fails_alone(synthetic_scheduler):
+    """A value out of its field's range makes gRPC send the batch empty: each request goes again alone, and only
+    the bad one is refused (gRPC sends it empty: the scheduler names its rid)."""
+
+    async def mixed():
+        async with grpc.aio.insecure_channel(synthetic_scheduler) as channel:
+            client = SchedulerClient(channel)
+            await client.submit(request(), timeout=30)
+            good = [request() for _ in range(5)]
+            bad = request()
+            bad.routed_experts_start_len = 2**40  # a uint32
+            return await asyncio.gather(*(outcome(client, req) for req in [*good[:2], bad, *good[2:]]))
+
+    results = asyncio.run(mixed())
+    assert [result is None for result in results] == [True, True, False, True, True, True]
+    assert results[2].code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_a_submitter_that_leaves_mid_call_gets_its_request_aborted(synthetic_scheduler):
     async def leave():
         orphans: list[str] = []

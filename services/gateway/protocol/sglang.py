@@ -6,6 +6,7 @@ from flatwire_wire.scheduler import LogprobParams
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.protocol.parse import (
+    INT32_MAX,
     InvalidRequest,
     LogprobsModeName,
     check_batch_size,
@@ -40,7 +41,7 @@ class GenerateRequest(BaseModel):
     n: Annotated[int | None, unsupported(None, 1)] = None  # SGLang's top-level n: one sample per prompt here
     # MoE routing replay (SGLang's): meta_info.routed_experts, from a scheduler with --enable-return-routed-experts.
     return_routed_experts: bool = False
-    routed_experts_start_len: int = Field(0, ge=0)  # the first position whose routing is returned
+    routed_experts_start_len: int = Field(0, ge=0, le=INT32_MAX)  # the first position whose routing is returned
 
     @field_validator("top_logprobs_num")
     @classmethod

@@ -11,6 +11,7 @@ without SubmitBatch (an older one, mid-upgrade) is sent unary Submits from then 
 """
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -19,6 +20,7 @@ import grpc
 
 from flatwire_wire.rpc import FIELD_METADATA, STATUS_CODES
 
+log = logging.getLogger(__name__)
 MAX_BATCH = 256  # requests per call: bounds one message and what one failed call fails
 
 Request = TypeVar("Request")
@@ -102,8 +104,11 @@ class SubmitBatcher(Generic[Request]):
                 if not entry.answer.done():
                     entry.answer.set_exception(_error(exc.code(), exc.details() or "", like=exc))
             return
-        if len(results) != len(batch):
-            raise RuntimeError(f"SubmitBatch answered {len(results)} results for {len(batch)} requests")
+        if len(results) != len(batch):  # grpc sends a message it cannot serialize (a value out of range) empty
+            log.warning("SubmitBatch answered %d results for %d requests: submitting each alone", len(results),
+                        len(batch))
+            await asyncio.gather(*(self._alone(entry) for entry in batch))
+            return
         for entry, result in zip(batch, results):
             if result.code == 0:
                 self._accepted(entry)
