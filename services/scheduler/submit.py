@@ -112,8 +112,10 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
     interval = max(1, min(interval, max_new_tokens))
-    # A whole-output request's first entry is staggered by its rid (output/pending.py): nobody waits for it.
-    first_interval = interval - zlib.crc32(msg.rid.encode()) % interval if not msg.stream_interval else interval
+    # The first entry of a whole-output request that will ship before its end is staggered by its rid
+    # (output/pending.py): nobody waits for it.
+    staggered = not msg.stream_interval and max_new_tokens > interval
+    first_interval = interval - zlib.crc32(msg.rid.encode()) % interval if staggered else interval
     top_k = logprob.top_logprobs_num if wants else 0
     ids = list(logprob.token_ids_logprob) if wants else []
     return Request(
