@@ -95,13 +95,13 @@ def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: 
                          routed_experts_start_len=req.routed_experts_start_len)
 
 
-def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
+def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult, prompt_side: bool = True) -> dict:
     fmt = LogprobFormat(
         return_text_in_logprobs=req.return_text_in_logprobs,
         return_flat_raw_top_logprobs=req.return_flat_raw_top_logprobs,
         return_flat_raw_output_top_logprobs=req.return_flat_raw_output_top_logprobs,
         return_flat_raw_top_logprobs_b64=req.return_flat_raw_top_logprobs_b64)
-    return logprob_meta_info(result, fmt, gateway.table)
+    return logprob_meta_info(result, fmt, gateway.table, prompt_side)
 
 
 def _body(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
@@ -149,7 +149,8 @@ class _StreamState:
             error=final.error if final else None, weight_versions=chunk.weight_versions)
         meta = base_meta_info(progress)
         flat_output, flat_prompt = req.return_flat_raw_output_top_logprobs, req.return_flat_raw_top_logprobs
-        for key, value in _logprob_meta(gateway, req, progress).items():
+        prompt_side = chunk.prompt is not None or not self.prompt_fields  # else the first event's, repeated
+        for key, value in _logprob_meta(gateway, req, progress, prompt_side).items():
             if flat_output and key.startswith("output_top_logprobs_"):  # this event's rows only
                 meta[key] = value
             elif key.startswith("output_"):

@@ -61,9 +61,8 @@ class StreamedMetaInfo:
             return None
         rows = RequestResult(rid=chunk.rid, prompt_tokens=0, output_ids=chunk.token_ids, text=chunk.text,
                              finish_reason=None, output=chunk.output)
-        meta = {"id": chunk.rid} | {key: value for key, value in
-                                    logprob_meta_info(rows, _meta_format(self.req), self.gateway.table).items()
-                                    if key.startswith("output_")}
+        meta = {"id": chunk.rid} | logprob_meta_info(rows, _meta_format(self.req), self.gateway.table,
+                                                     prompt_side=False)
         if chunk.output is not None and self.req.return_flat_raw_output_top_logprobs:
             meta["output_top_logprobs_offset"] = self.rows_sent[index]
         self.rows_sent[index] += len(chunk.token_ids)
