@@ -44,6 +44,21 @@ def partial_json(text: str, complete_strings: bool = False) -> object:
         return None
 
 
+class ParseSchedule:
+    """When text that grows piece by piece is worth parsing whole again. A parse reads all of it, so parses come
+    at least an eighth of its length apart: every piece while it is short, and linear work in all for a long one
+    (an agent's tool writing a file), where a parse per piece would be quadratic."""
+
+    def __init__(self) -> None:
+        self._parsed_at = -1
+
+    def due(self, length: int) -> bool:
+        if length - self._parsed_at <= length // 8:
+            return False
+        self._parsed_at = length
+        return True
+
+
 class StreamedCall:
     def __init__(self, call: int):
         self.call = call

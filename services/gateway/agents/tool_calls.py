@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from services.gateway.agents.call_stream import CallFragment, StreamedCall, ToolCall, partial_json
+from services.gateway.agents.call_stream import CallFragment, ParseSchedule, StreamedCall, ToolCall, partial_json
 from services.gateway.agents.text_scan import split_at_marker
 
 PYTHON_TAG = "<|python_tag|>"
@@ -76,6 +76,7 @@ class TaggedCalls:
         self._stream = stream
         self._held = ""
         self._open: StreamedCall | None = None  # the block being read
+        self._parses = ParseSchedule()  # of its body
         self._calls = 0
 
     def feed(self, text: str) -> Parsed:
@@ -86,7 +87,7 @@ class TaggedCalls:
                 parsed.content += before
                 if opened is None:
                     break
-                self._open = StreamedCall(self._calls)
+                self._open, self._parses = StreamedCall(self._calls), ParseSchedule()
             body, closed, rest = split_at_marker(pending, self.CLOSE)
             if closed is None:  # the call is not complete yet: all of it is held
                 if self._stream:
@@ -95,15 +96,19 @@ class TaggedCalls:
             call = _call_of(_json(body.strip()), self.ARGUMENT_KEYS)
             if call is not None:
                 parsed.calls += self._open.finish(call)
-            elif not self._open.named:
+            elif self._open.named:  # broken after its name went out: what of its arguments reads as JSON
+                parsed.calls += self._update(body, force=True)
+            else:
                 parsed.content += self.OPEN + body + self.CLOSE
             self._calls += self._open.named
             pending, self._open = rest, None
         self._held = pending
         return parsed
 
-    def _update(self, body: str) -> list[CallFragment]:
+    def _update(self, body: str, force: bool = False) -> list[CallFragment]:
         assert self._open is not None
+        if not self._parses.due(len(body)) and not force:
+            return []
         value = partial_json(body.lstrip())
         if not isinstance(value, dict):
             return []
@@ -114,9 +119,11 @@ class TaggedCalls:
 
     def end(self) -> Parsed:
         held, self._held = self._held, ""
+        if self._open is not None and self._open.named:  # cut short after its name went out: it stays a call
+            calls = self._update(held, force=True)
+            self._open = None
+            return Parsed(calls=calls)
         cut, self._open = self._open, None
-        if cut is not None and cut.named:  # cut short after its name went out: it stays a call
-            return Parsed()
         return Parsed((self.OPEN if cut is not None else "") + held)  # a call cut short is content
 
 
@@ -177,12 +184,15 @@ class ForcedCalls:
         self._stream = stream
         self._text = ""
         self._calls: list[StreamedCall] = []
+        self._parses = ParseSchedule()
 
     def feed(self, text: str) -> Parsed:
         self._text += text
         return Parsed(calls=self._update()) if self._stream else Parsed()
 
-    def _update(self) -> list[CallFragment]:
+    def _update(self, force: bool = False) -> list[CallFragment]:
+        if not self._parses.due(len(self._text)) and not force:
+            return []
         value = partial_json(self._text)
         if self._function is not None:
             return self._call(0).update(self._function, value)
@@ -200,18 +210,20 @@ class ForcedCalls:
         return self._calls[i]
 
     def end(self) -> Parsed:
-        text, self._text = self._text, ""
-        value = _json(text)
+        value = _json(self._text)
         if self._function is not None:
             calls = [_call_of({"name": self._function, "arguments": value}, ("arguments",))]
         else:
             calls = [_call_of(item, ("parameters",)) for item in value] if isinstance(value, list) else []
         if calls and all(calls):
-            return Parsed(calls=[fragment for i, call in enumerate(calls) if call is not None
-                                 for fragment in self._call(i).finish(call)])
-        if any(call.named for call in self._calls):  # cut short after a name went out: the calls stay
-            return Parsed()
-        return Parsed(text)
+            parsed = Parsed(calls=[fragment for i, call in enumerate(calls) if call is not None
+                                   for fragment in self._call(i).finish(call)])
+        elif any(call.named for call in self._calls):  # cut short after a name went out: the calls stay
+            parsed = Parsed(calls=self._update(force=True))
+        else:
+            parsed = Parsed(self._text)
+        self._text = ""
+        return parsed
 
 
 def tool_call_parser(name: ToolCallParserName, stream: bool = False) -> ToolCallParser:
