@@ -5,7 +5,7 @@ its calls' arguments streamed piece by piece."""
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.agents import tool_calls
@@ -169,12 +169,13 @@ JSON_VALUES = st.recursive(
     max_leaves=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # the same examples in every CI run
 @given(arguments=st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=5), piece=st.integers(1, 9),
        indent=st.sampled_from([None, 2]))
 def test_streamed_arguments_join_to_the_unary_arguments(arguments, piece, indent):
     """Any arguments object, written compact or indented, cut anywhere: the pieces join to what unary gives."""
     text = f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(arguments, indent=indent)}}}\n</tool_call>'
+    assume(TaggedCalls.CLOSE not in text[:-len(TaggedCalls.CLOSE)])  # the format cannot hold its own end tag
     unary = run(lambda: AssistantTurn(None, TaggedCalls()), text, len(text))
     assert unary == ("", "", [(0, "f", arguments)])
     streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(True)), text, piece)
