@@ -3,13 +3,17 @@
 from services.gateway.agents.turn import CallDelta, TurnPiece
 
 
+def _call(first: CallDelta) -> dict:
+    """A call as its first fragment has it (OpenAI's tool_calls[] entry, without its stream index)."""
+    return {"id": first.id, "type": "function", "function": {"name": first.name, "arguments": first.arguments}}
+
+
 def _calls(deltas: list[CallDelta]) -> list[dict]:
     """Each call whole: its fragments joined."""
     calls: dict[int, dict] = {}
     for piece in deltas:
         if piece.id is not None:
-            calls[piece.index] = {"id": piece.id, "type": "function",
-                                  "function": {"name": piece.name, "arguments": piece.arguments}}
+            calls[piece.index] = _call(piece)
         else:
             calls[piece.index]["function"]["arguments"] += piece.arguments
     return [calls[index] for index in sorted(calls)]
@@ -30,8 +34,7 @@ def _call_delta(piece: CallDelta) -> dict:
     (as OpenAI streams them)."""
     if piece.id is None:
         return {"index": piece.index, "function": {"arguments": piece.arguments}}
-    return {"index": piece.index, "id": piece.id, "type": "function",
-            "function": {"name": piece.name, "arguments": piece.arguments}}
+    return {"index": piece.index, **_call(piece)}
 
 
 def delta(piece: TurnPiece) -> dict:
