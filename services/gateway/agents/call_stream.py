@@ -64,6 +64,7 @@ class StreamedCall:
         self.call = call
         self.named = False  # its name has gone out: from then on it is a call, whatever follows
         self._sent = ""  # the arguments' text sent so far
+        self._arguments: dict = {}  # the last partial value read
 
     def update(self, name: object, arguments: object) -> list[CallFragment]:
         """`name`: the call's name if complete (else None); `arguments`: its partial arguments value."""
@@ -74,12 +75,22 @@ class StreamedCall:
             header, self.named = name, True
         piece = ""
         if isinstance(arguments, dict):
+            self._arguments = arguments
             stable = json.dumps(arguments, ensure_ascii=False).rstrip(CLOSERS)
             if stable and "\ud800" <= stable[-1] <= "\udbff":  # half of an escaped surrogate pair: the next has it
                 stable = stable[:-1]
             if len(stable) > len(self._sent) and stable.startswith(self._sent):
                 piece, self._sent = stable[len(self._sent):], stable
         return [CallFragment(self.call, header, piece)] if header is not None or piece else []
+
+    def close(self) -> list[CallFragment]:
+        """The call will not grow (it broke, or the output ended): the rest of the last arguments read, closed so
+        that what was sent parses."""
+        closed = json.dumps(self._arguments, ensure_ascii=False)
+        if not self.named or len(closed) <= len(self._sent) or not closed.startswith(self._sent):
+            return []
+        piece, self._sent = closed[len(self._sent):], closed
+        return [CallFragment(self.call, arguments=piece)]
 
     def finish(self, call: ToolCall) -> list[CallFragment]:
         """The rest of the complete `call`: its name too if it never went out."""
@@ -91,3 +102,32 @@ class StreamedCall:
             return [CallFragment(self.call, header)] if header is not None else []
         rest, self._sent = call.arguments[len(self._sent):], call.arguments
         return [CallFragment(self.call, header, rest)] if header is not None or rest else []
+
+
+class StreamedCalls:
+    """The calls of one output that holds several (a JSON list, or llama3's `;`-separated objects), each streamed
+    as a StreamedCall."""
+
+    def __init__(self) -> None:
+        self._calls: list[StreamedCall] = []
+
+    @property
+    def named(self) -> bool:
+        return any(call.named for call in self._calls)
+
+    def update(self, names: list[object], items: list[object], argument_keys: tuple[str, ...]) -> list[CallFragment]:
+        """`items`: the calls' partial values so far; `names`: each one's name where complete."""
+        return [fragment for i, item in enumerate(items) if isinstance(item, dict)
+                for fragment in self.call(i).update(names[i] if i < len(names) else None,
+                                                    next((item[key] for key in argument_keys if key in item), None))]
+
+    def close(self) -> list[CallFragment]:
+        return [fragment for call in self._calls for fragment in call.close()]
+
+    def finish(self, calls: list[ToolCall]) -> list[CallFragment]:
+        return [fragment for i, call in enumerate(calls) for fragment in self.call(i).finish(call)]
+
+    def call(self, i: int) -> StreamedCall:
+        while len(self._calls) <= i:
+            self._calls.append(StreamedCall(len(self._calls)))
+        return self._calls[i]

@@ -13,8 +13,8 @@ start of a call, and calls as fragments (call_stream.py). Unary (`stream=False`)
 complete, and a call it cannot read, or one cut short, is content: malformed model output never fails the
 request. Streamed, a call goes out from the moment its name is complete, its arguments piece by piece (as
 OpenAI streams them); one that breaks after that stays a call, with the arguments that went out (a stream
-cannot take back what it sent). llama3's calls go out when the output ends, in either mode: only the whole
-output tells whether it is calls.
+cannot take back what it sent). So a streamed llama3 output that starts as a call is calls, where unary reads
+the whole output first: JSON followed by words is content.
 """
 
 import json
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from services.gateway.agents.call_stream import CallFragment, ParseSchedule, StreamedCall, ToolCall, partial_json
+from services.gateway.agents.call_stream import (
+    CallFragment, ParseSchedule, StreamedCall, StreamedCalls, ToolCall, partial_json)
 from services.gateway.agents.text_scan import split_at_marker
 
 PYTHON_TAG = "<|python_tag|>"
@@ -97,7 +98,7 @@ class TaggedCalls:
             if call is not None:
                 parsed.calls += self._open.finish(call)
             elif self._open.named:  # broken after its name went out: what of its arguments reads as JSON
-                parsed.calls += self._update(body, force=True)
+                parsed.calls += self._close(body)
             else:
                 parsed.content += self.OPEN + body + self.CLOSE
             self._calls += self._open.named
@@ -117,10 +118,14 @@ class TaggedCalls:
         arguments = next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
         return self._open.update(name, arguments)
 
+    def _close(self, body: str) -> list[CallFragment]:
+        assert self._open is not None
+        return self._update(body, force=True) + self._open.close()
+
     def end(self) -> Parsed:
         held, self._held = self._held, ""
         if self._open is not None and self._open.named:  # cut short after its name went out: it stays a call
-            calls = self._update(held, force=True)
+            calls = self._close(held)
             self._open = None
             return Parsed(calls=calls)
         cut, self._open = self._open, None
@@ -128,11 +133,17 @@ class TaggedCalls:
 
 
 class JsonCalls:
-    """llama3: the whole output is the calls (JSON objects, `;` between them), or none of it is."""
+    """llama3: the whole output is the calls (JSON objects, `;` between them), or none of it is. Streamed, an
+    output that starts as one (`{` or the python tag) is read as calls, as SGLang's llama3 parser reads it."""
 
-    def __init__(self) -> None:
+    ARGUMENT_KEYS = ("parameters", "arguments")
+
+    def __init__(self, stream: bool = False) -> None:
+        self._stream = stream
         self._text = ""
         self._calls: bool | None = None  # None until the output's first characters tell
+        self._streamed = StreamedCalls()
+        self._parses = ParseSchedule()
 
     def feed(self, text: str) -> Parsed:
         if self._calls is False:
@@ -146,33 +157,54 @@ class JsonCalls:
                 self._calls = False
                 held, self._text = self._text, ""
                 return Parsed(held)
-        return Parsed()
+        return Parsed(calls=self._update()) if self._calls and self._stream else Parsed()
+
+    def _update(self, force: bool = False) -> list[CallFragment]:
+        if not self._parses.due(len(self._text)) and not force:
+            return []
+        items, tail = _complete_objects(self._body())
+        names: list[object] = [item.get("name") if isinstance(item, dict) else None for item in items]
+        if tail:
+            item, named = partial_json(tail), partial_json(tail, complete_strings=True)
+            items.append(item)
+            names.append(named.get("name") if isinstance(named, dict) else None)
+        return self._streamed.update(names, items, self.ARGUMENT_KEYS)
+
+    def _body(self) -> str:
+        return self._text.strip().removeprefix(PYTHON_TAG)
 
     def end(self) -> Parsed:
-        text, self._text = self._text, ""
-        calls = _json_sequence(text.strip().removeprefix(PYTHON_TAG)) if self._calls else None
-        if not calls:
-            return Parsed(text)
-        return Parsed(calls=[fragment for i, call in enumerate(calls) for fragment in StreamedCall(i).finish(call)])
+        calls = _json_sequence(self._body()) if self._calls else None
+        if calls:
+            parsed = Parsed(calls=self._streamed.finish(calls))
+        elif self._streamed.named:  # broken or cut short after a name went out: the calls stay
+            parsed = Parsed(calls=self._update(force=True) + self._streamed.close())
+        else:
+            parsed = Parsed(self._text)
+        self._text = ""
+        return parsed
+
+
+def _complete_objects(text: str) -> tuple[list[object], str]:
+    """The JSON values that `text` holds complete (`;` and whitespace between them), and what follows them."""
+    decoder, at = json.JSONDecoder(), 0
+    values: list[object] = []
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return values, text[at:]
+        values.append(value)
+        at = end
 
 
 def _json_sequence(text: str) -> list[ToolCall] | None:
     """JSON objects separated by `;` (and whitespace) -> calls; None unless every one is a call."""
-    decoder, at = json.JSONDecoder(), 0
-    calls: list[ToolCall] = []
-    while True:
-        while at < len(text) and (text[at].isspace() or text[at] == ";"):
-            at += 1
-        if at == len(text):
-            return calls or None
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except ValueError:
-            return None
-        call = _call_of(value, ("parameters", "arguments"))
-        if call is None:
-            return None
-        calls.append(call)
+    values, tail = _complete_objects(text)
+    calls = [_call_of(value, JsonCalls.ARGUMENT_KEYS) for value in values]
+    return [call for call in calls if call is not None] if calls and all(calls) and not tail else None
 
 
 class ForcedCalls:
@@ -183,7 +215,7 @@ class ForcedCalls:
         self._function = function
         self._stream = stream
         self._text = ""
-        self._calls: list[StreamedCall] = []
+        self._streamed = StreamedCalls()
         self._parses = ParseSchedule()
 
     def feed(self, text: str) -> Parsed:
@@ -195,19 +227,13 @@ class ForcedCalls:
             return []
         value = partial_json(self._text)
         if self._function is not None:
-            return self._call(0).update(self._function, value)
+            return self._streamed.call(0).update(self._function, value)
         if not isinstance(value, list):
             return []
         named = partial_json(self._text, complete_strings=True)
         names = [item.get("name") if isinstance(item, dict) else None for item in named] if isinstance(
             named, list) else []
-        return [fragment for i, item in enumerate(value) if isinstance(item, dict)
-                for fragment in self._call(i).update(names[i] if i < len(names) else None, item.get("parameters"))]
-
-    def _call(self, i: int) -> StreamedCall:
-        while len(self._calls) <= i:
-            self._calls.append(StreamedCall(len(self._calls)))
-        return self._calls[i]
+        return self._streamed.update(names, value, ("parameters",))
 
     def end(self) -> Parsed:
         value = _json(self._text)
@@ -216,10 +242,9 @@ class ForcedCalls:
         else:
             calls = [_call_of(item, ("parameters",)) for item in value] if isinstance(value, list) else []
         if calls and all(calls):
-            parsed = Parsed(calls=[fragment for i, call in enumerate(calls) if call is not None
-                                   for fragment in self._call(i).finish(call)])
-        elif any(call.named for call in self._calls):  # cut short after a name went out: the calls stay
-            parsed = Parsed(calls=self._update(force=True))
+            parsed = Parsed(calls=self._streamed.finish([call for call in calls if call is not None]))
+        elif self._streamed.named:  # cut short after a name went out: the calls stay
+            parsed = Parsed(calls=self._update(force=True) + self._streamed.close())
         else:
             parsed = Parsed(self._text)
         self._text = ""
@@ -227,4 +252,4 @@ class ForcedCalls:
 
 
 def tool_call_parser(name: ToolCallParserName, stream: bool = False) -> ToolCallParser:
-    return JsonCalls() if name is ToolCallParserName.LLAMA3 else TaggedCalls(stream)
+    return JsonCalls(stream) if name is ToolCallParserName.LLAMA3 else TaggedCalls(stream)
