@@ -12,8 +12,9 @@ and streamed, and the parse alone in this process (AssistantTurn over the same t
 """
 
 import argparse
-import time
+import statistics
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 
@@ -69,14 +70,18 @@ def round_trips(url: str, model: str, tools: bool, stream: bool, requests: int, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.tool_calls", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=32, help="requests of each kind per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of the four kinds in turn; a kind's cost is its median over the rounds (this "
+                             "host's speed drifts more than the differences measured)")
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args(argv)
     log_dir = OUT_DIR / "tool_calls-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    progress = Progress(5, "tool_calls")
+    progress = Progress(args.rounds + 1, "tool_calls")
     cases = [(tools, stream) for stream in (False, True) for tools in (False, True)]
-    results: dict[str, float] = {}
+    results: dict[str, Any] = {}
+    costs: dict[str, list[float]] = {}
     with running(resolve_model(None), log_dir, scheduler_args=("--max-running-requests", "16"),
                  gateway_args=("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")) as stack:
         stack.wait_ready()
@@ -85,17 +90,21 @@ def main(argv: list[str] | None = None) -> None:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         gateway = stack.procs["gateway"].proc.pid
         round_trips(url, model, True, False, 2, 1)  # the regex's grammar compiled once, the routes warm
-        for tools, stream in cases:
-            progress.step(f"{'tools' if tools else 'no tools'}, {'streamed' if stream else 'unary'}")
-            before, started = cpu_seconds(gateway), time.perf_counter()
-            round_trips(url, model, tools, stream, args.requests, args.concurrency)
-            key = f"{'tools' if tools else 'plain'}_{'stream' if stream else 'unary'}"
-            results[f"{key}_cpu_s"] = (cpu_seconds(gateway) - before) / args.requests
-            results[f"{key}_wall_s"] = time.perf_counter() - started
+        for round_ in range(args.rounds):
+            progress.step(f"round {round_ + 1}")
+            for tools, stream in cases:
+                before = cpu_seconds(gateway)
+                round_trips(url, model, tools, stream, args.requests, args.concurrency)
+                key = f"{'tools' if tools else 'plain'}_{'stream' if stream else 'unary'}"
+                costs.setdefault(key, []).append((cpu_seconds(gateway) - before) / args.requests)
+    for key, each in costs.items():
+        results[f"{key}_cpu_s"] = statistics.median(each)
+        results[f"{key}_cpu_s_rounds"] = each
     progress.step("the parse alone")
     parses = {stream: measure(lambda: parse_alone(stream)) for stream in (False, True)}
     results["parse_unary_s"], results["parse_stream_s"] = parses[False].median, parses[True].median
-    table = Table(f"Gateway CPU per chat round trip, {args.requests} requests at concurrency {args.concurrency}",
+    table = Table(f"Gateway CPU per chat round trip: median of {args.rounds} rounds of {args.requests} requests "
+                  f"of each kind, at concurrency {args.concurrency}",
                   ["mode", "without tools", "with tools (auto, qwen25)", "difference", "the parse alone"])
     for stream in (False, True):
         mode = "streamed" if stream else "unary"
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = ("Each request: the same ~40-token output (a reasoning block and one tool call, forced by `regex`); "
              "with tools the prompt also carries the tools' signatures (about 120 more tokens to render and "
              "tokenize). The parse alone: the reasoning and tool-call parsers over the output, 4 characters a piece (streamed: "
-             "the call's arguments streamed from a partial JSON parse of the call so far at each piece).")
+             "the call's arguments streamed from a partial JSON parse of the call so far, every 16 characters).")
     print(write_results("tool_calls", "python -m bench.tool_calls", [table], results, notes))
 
 

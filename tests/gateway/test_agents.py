@@ -49,10 +49,12 @@ def chat(client, model, stream=False, **fields):
     response = client.chat.completions.create(model=model, stream=stream, extra_body=extra, **fields)
     if not stream:
         return response
-    content, reasoning, calls, finish = "", "", {}, None
+    content, reasoning, calls, finish, empty = "", "", {}, None, 0
     for chunk in response:
         choice = chunk.choices[0]
         delta = choice.delta
+        empty += not (delta.role or delta.content or getattr(delta, "reasoning_content", None) or delta.tool_calls
+                      or choice.finish_reason)
         content += delta.content or ""
         reasoning += getattr(delta, "reasoning_content", None) or ""
         for call in delta.tool_calls or []:
@@ -63,7 +65,8 @@ def chat(client, model, stream=False, **fields):
             entry["arguments"] += call.function.arguments or ""
             entry["pieces"] += 1
         finish = choice.finish_reason or finish
-    return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)], "finish": finish}
+    return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)], "finish": finish,
+            "empty": empty}
 
 
 def test_auto_tool_call_parsed_unary_and_streamed(agent, model):
@@ -80,6 +83,7 @@ def test_auto_tool_call_parsed_unary_and_streamed(agent, model):
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == [("get_weather", {"city": "Paris"})]
     assert streamed["calls"][0]["id"].startswith("call_")
     assert streamed["calls"][0]["pieces"] > 2  # the name first, then the arguments as the model writes them
+    assert streamed["empty"] == 0  # the tokens of text the parser held made no events of their own
     # The openai package's own stream accumulator merges the fragments into the unary message's call.
     with agent.chat.completions.stream(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=512,
                                        temperature=0, extra_body={"regex": exact_regex(CALL_TEXT)}) as stream:

@@ -46,14 +46,17 @@ def partial_json(text: str, complete_strings: bool = False) -> object:
 
 class ParseSchedule:
     """When text that grows piece by piece is worth parsing whole again. A parse reads all of it, so parses come
-    at least an eighth of its length apart: every piece while it is short, and linear work in all for a long one
-    (an agent's tool writing a file), where a parse per piece would be quadratic."""
+    at least an eighth of its length apart (linear work in all for a long call, an agent's tool writing a file,
+    where a parse per piece would be quadratic), and at least MIN_GROWTH characters apart (a parse costs tens of
+    microseconds: per token, it cost a short call three times its unary parse)."""
+
+    MIN_GROWTH = 16  # characters: about four tokens
 
     def __init__(self) -> None:
-        self._parsed_at = -1
+        self._parsed_at = -self.MIN_GROWTH
 
     def due(self, length: int) -> bool:
-        if length - self._parsed_at <= length // 8:
+        if length - self._parsed_at < max(self.MIN_GROWTH, length // 8):
             return False
         self._parsed_at = length
         return True

@@ -147,8 +147,12 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
     ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
     async for i, chunk in gens.merged():
         if chunk.token_ids or chunk.text:
-            yield chunk_event(i, assistant.delta(turns[i].feed(chunk.text)), _logprobs(gateway, req, chunk.output),
-                              meta=metas.chunk(i, chunk), token_ids=chunk.token_ids)
+            piece, logprobs = turns[i].feed(chunk.text), _logprobs(gateway, req, chunk.output)
+            meta = metas.chunk(i, chunk)
+            # Text the parsers hold (a tag, a call's text before its name) makes no event of its own unless the
+            # chunk carries more (as vLLM: OpenAI never sends an empty delta).
+            if not assistant.is_empty(piece) or logprobs is not None or meta is not None or req.return_token_ids:
+                yield chunk_event(i, assistant.delta(piece), logprobs, meta=meta, token_ids=chunk.token_ids)
         if chunk.result is not None:
             ended[i] = chunk.result
             if not assistant.is_empty(rest := turns[i].end()):  # what the parsers held to the end
