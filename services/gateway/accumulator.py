@@ -33,6 +33,7 @@ class Accumulator:
         self._texts: list[str] = []  # one delta per entry
         self._rows = (RequestLogprobs.allocate(max_tokens, logprob.top_logprobs_num, len(logprob.token_ids_logprob))
                       if logprob.return_logprob else None)
+        self._capacity = max_tokens  # rows of _rows
         self._read = 0  # tokens already handed out
         self._texts_read = 0
         self.weight_versions: list[WeightVersionSpan] = []  # which weights made the tokens held
@@ -42,17 +43,17 @@ class Accumulator:
         """Take entry i of a message (its rows: request i of `rows`), made by the weights labelled
         `weight_version`: `token_ids` from `position` on; False when it is held already."""
         have, count = len(self.token_ids), len(token_ids)
-        order = entry_order(position, count, have)
-        if order is EntryOrder.HELD:
-            return False
-        if order is not EntryOrder.NEXT:
+        if position != have:  # (the usual entry is the next one: entry_order's first case, without the call)
+            order = entry_order(position, count, have)
+            if order is EntryOrder.HELD:
+                return False
             raise OutputLost(lost_output(order, position, count, have))
         if self._rows is not None:
             if rows is None or rows.rows[i] != count:
                 raise OutputLost(f"the logprobs of output tokens {position}..{position + count - 1} are no longer "
                                  "retained")
-            if position + count > self._rows.n:
-                raise OutputLost(f"more output tokens than the {self._rows.n} asked for arrived")
+            if position + count > self._capacity:
+                raise OutputLost(f"more output tokens than the {self._capacity} asked for arrived")
             rows.copy_request(i, self._rows, position)
         self.token_ids.extend(token_ids)
         self._texts.append(text)

@@ -105,9 +105,11 @@ class LogprobRows(Generic[A]):
         self.ids_logprobs[at:end] = rows.ids_logprobs  # type: ignore[index]
 
     @lazy
-    def flat(self) -> tuple[A, A, A, A]:
-        """The arrays as flat views (row-major, one element per value), for copies of flat slices."""
-        return tuple(array.reshape(-1) for array in self.arrays)  # type: ignore[attr-defined,return-value]
+    def byte_views(self) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+        """The arrays' bytes (row-major, 4 per value), for copies of byte slices: a memoryview slice assignment
+        costs a third of a numpy one."""
+        return tuple(memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[attr-defined,return-value]
+                     for array in self.arrays)
 
     def rows(self, start: int, end: int) -> "LogprobRows[A]":
         """Rows start..end-1 (views)."""
@@ -216,6 +218,17 @@ class LogprobBlock:
                 starts(n * m for n, m in zip(self.rows, self.id_counts)))
 
     @lazy
+    def _byte_offsets(self) -> tuple[list[int], list[int], list[int]]:
+        """_offsets in bytes."""
+        rows, topk, ids = self._offsets
+        return [4 * n for n in rows], [4 * n for n in topk], [4 * n for n in ids]
+
+    @lazy
+    def _byte_views(self) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+        return (memoryview(self.token_logprobs).cast("B"), memoryview(self.topk_values).cast("B"),
+                memoryview(self.topk_ids).cast("B"), memoryview(self.ids_logprobs).cast("B"))
+
+    @lazy
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The buffers as numpy views (no copy)."""
         return (np.frombuffer(self.token_logprobs, F32), np.frombuffer(self.topk_values, F32),
@@ -236,17 +249,19 @@ class LogprobBlock:
                            topk_ids[topk[i]:topk[i + 1]].reshape(n, k), ids_logprobs[ids[i]:ids[i + 1]].reshape(n, m))
 
     def copy_request(self, i: int, into: LogprobRows[np.ndarray], at: int) -> None:
-        """Request i's rows copied into `into` (of its widths) from row `at` on: flat slice to flat slice, no
+        """Request i's rows copied into `into` (of its widths) from row `at` on: byte slice to byte slice, no
         view of the rows built (a gateway does this once per request per message)."""
-        rows, topk, ids = self._offsets
-        token_logprobs, topk_values, topk_ids, ids_logprobs = self._arrays
-        into_logprobs, into_values, into_ids, into_id_logprobs = into.flat
-        k, m = self.topk[i], self.id_counts[i]
-        into_logprobs[at:at + rows[i + 1] - rows[i]] = token_logprobs[rows[i]:rows[i + 1]]
-        into_values[at * k:at * k + topk[i + 1] - topk[i]] = topk_values[topk[i]:topk[i + 1]]
-        into_ids[at * k:at * k + topk[i + 1] - topk[i]] = topk_ids[topk[i]:topk[i + 1]]
-        if m:
-            into_id_logprobs[at * m:at * m + ids[i + 1] - ids[i]] = ids_logprobs[ids[i]:ids[i + 1]]
+        rows, topk, ids = self._byte_offsets
+        token_logprobs, topk_values, topk_ids, ids_logprobs = self._byte_views
+        into_logprobs, into_values, into_ids, into_id_logprobs = into.byte_views
+        start = at * 4
+        into_logprobs[start:start + rows[i + 1] - rows[i]] = token_logprobs[rows[i]:rows[i + 1]]
+        start = at * 4 * self.topk[i]
+        into_values[start:start + topk[i + 1] - topk[i]] = topk_values[topk[i]:topk[i + 1]]
+        into_ids[start:start + topk[i + 1] - topk[i]] = topk_ids[topk[i]:topk[i + 1]]
+        if ids[i + 1] > ids[i]:
+            start = at * 4 * self.id_counts[i]
+            into_id_logprobs[start:start + ids[i + 1] - ids[i]] = ids_logprobs[ids[i]:ids[i + 1]]
 
     def request_logprobs(self, i: int, token_ids: np.ndarray) -> RequestLogprobs:
         """Request i's rows with the tokens they are for."""
