@@ -3,6 +3,9 @@ delta and logprob rows copied into the buffers held for the whole output), as En
 every message, before anything is rendered. This is the gateway's per-token work that no coalescing of events
 saves: a streaming request takes an entry per step.
 
+Beside it, the scheduler's own per-entry bookkeeping of each message it publishes: the step journal's record of
+every request's output ids (what a new subscriber is replayed).
+
 B requests, one token each per message (streaming), 64 messages in turn; CPU per entry, in process.
 
     python -m bench.intake          # writes bench/out/intake.md and .json
@@ -12,10 +15,11 @@ import argparse
 
 from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.scheduler import LogprobParams
-from flatwire_wire.steps import StepMessage
+from flatwire_wire.steps import RequestStart, StepMessage
 
 from bench.common import Progress, Table, fmt_time, measure, write_results
 from services.gateway.accumulator import Accumulator
+from services.scheduler.output.journal import StepJournal
 
 MESSAGES = 64
 
@@ -44,12 +48,20 @@ def intake(encoded: list[bytes], requests: int, k: int) -> None:
             held[i].add(position, token_ids[start:end], texts[i], output, i, step.weight_version)
 
 
+def journal(started: StepMessage, published: list[StepMessage]) -> None:
+    """The messages recorded in a fresh journal, after the one that starts their requests."""
+    steps = StepJournal(window_s=3600, window_bytes=1 << 40)
+    steps.record(started)
+    for message in published:
+        steps.record(message)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.intake", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=512)
     args = parser.parse_args(argv)
     ks = (0, 20, 128)
-    progress = Progress(len(ks), "intake")
+    progress = Progress(len(ks) + 1, "intake")
     table = Table(f"Gateway intake per entry, {args.requests} requests x {MESSAGES} messages of one token each",
                   ["k", "per entry", "per message"])
     results = {}
@@ -60,7 +72,16 @@ def main(argv: list[str] | None = None) -> None:
         per_entry = timing.median / (MESSAGES * args.requests)
         results[f"k{k}_entry_s"] = per_entry
         table.add(k, fmt_time(per_entry), fmt_time(timing.median / MESSAGES))
-    print(write_results("intake", "python -m bench.intake", [table], results))
+    progress.step("the scheduler's journal")
+    published = [StepMessage.from_bytes(data) for data in messages(args.requests, 0)]
+    started = StepMessage(started=[RequestStart(rid=f"rid-{i}", owner="bench") for i in range(args.requests)])
+    timing = measure(lambda: journal(started, published), repeats=7)
+    per_entry = timing.median / (MESSAGES * args.requests)
+    results["journal_entry_s"] = per_entry
+    recorded = Table("The scheduler's StepJournal.record per entry (the same messages, k=0)",
+                     ["per entry", "per message"])
+    recorded.add(fmt_time(per_entry), fmt_time(per_entry * args.requests))
+    print(write_results("intake", "python -m bench.intake", [table, recorded], results))
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ class DetokenizerManager:
         owned = OwnedStep(step, texts=[""] * len(step.rids), owners=[None] * len(step.rids))
         entries: list[_Entry] = []
         aborts: list[AbortRequest] = []
-        for index, (rid, position, count) in enumerate(zip(step.rids, step.positions, step.counts)):
+        for index, ((rid, tokens), position) in enumerate(zip(step.entries(), step.positions)):
+            count = len(tokens)
             state = self.requests.get(rid)
             if state is None:  # ended here already, or never announced
                 continue
@@ -99,7 +100,6 @@ class DetokenizerManager:
                 continue
             state.next_position += count
             finish = scheduler_finish.get(rid)
-            tokens = step.entry_tokens(index)
             # Like SGLang, the stop token is not part of the text unless no_stop_trim.
             if finish and finish.reason == FinishReason.STOP_TOKEN and not state.stops.no_stop_trim:
                 tokens = tokens[:-1]

@@ -47,8 +47,8 @@ class StepJournal:
         """Called with every published step, in order."""
         for start in message.started:
             self._requests[start.rid] = _Tracked(start)
-        for i, rid in enumerate(message.rids):
-            self._requests[rid].output_ids.extend(message.entry_tokens(i))
+        for rid, tokens in message.entries():
+            self._requests[rid].output_ids.extend(tokens)
         retained = _Retained(time.monotonic(), len(message.encoded), message)
         self._steps.append(retained)
         self._bytes += retained.size
