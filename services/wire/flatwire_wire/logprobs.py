@@ -225,8 +225,9 @@ class LogprobBlock:
 
     @lazy
     def _byte_views(self) -> tuple[memoryview, memoryview, memoryview, memoryview]:
-        return (memoryview(self.token_logprobs).cast("B"), memoryview(self.topk_values).cast("B"),
-                memoryview(self.topk_ids).cast("B"), memoryview(self.ids_logprobs).cast("B"))
+        """The buffers as memoryviews (no copy), for byte slices."""
+        return (memoryview(self.token_logprobs), memoryview(self.topk_values), memoryview(self.topk_ids),
+                memoryview(self.ids_logprobs))
 
     @lazy
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -271,17 +272,17 @@ class LogprobBlock:
         """The block restricted to requests `keep`, in that order, by byte slicing (itself when it keeps all)."""
         if keep == list(range(len(self.rows))):
             return self
-        rows, topk, ids = self._offsets
+        rows, topk, ids = self._byte_offsets
+        token_logprobs, topk_values, topk_ids, ids_logprobs = self._byte_views
 
-        def take(data: bytes, starts: list[int]) -> bytes:
-            view = memoryview(data)
-            return b"".join(view[starts[i] * 4:starts[i + 1] * 4] for i in keep)
+        def take(view: memoryview, starts: list[int]) -> bytes:
+            return b"".join(view[starts[i]:starts[i + 1]] for i in keep)
 
         return LogprobBlock(rows=[self.rows[i] for i in keep],
                             null_prefix=[self.null_prefix[i] for i in keep] if self.null_prefix else [],
                             topk=[self.topk[i] for i in keep], id_counts=[self.id_counts[i] for i in keep],
-                            token_logprobs=take(self.token_logprobs, rows), topk_values=take(self.topk_values, topk),
-                            topk_ids=take(self.topk_ids, topk), ids_logprobs=take(self.ids_logprobs, ids))
+                            token_logprobs=take(token_logprobs, rows), topk_values=take(topk_values, topk),
+                            topk_ids=take(topk_ids, topk), ids_logprobs=take(ids_logprobs, ids))
 
 
 def decode_block(message: Any) -> LogprobBlock:
