@@ -49,6 +49,13 @@ class Generations:
             inp.routing_key = routing_key
         with engine.admit(len(inputs)) as admission:  # until every generation has started or never will
             iterators = [engine.generate(inp, admission) for inp in inputs]
+            if len(iterators) == 1:  # the common case: read in the caller's task, no task of its own
+                try:
+                    firsts = [await anext(iterators[0])]
+                except BaseException:
+                    await _close(iterators)
+                    raise
+                return cls._started(inputs, iterators, firsts, metrics, endpoint, started)
             reads = [asyncio.ensure_future(anext(it)) for it in iterators]
             try:
                 await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
@@ -66,6 +73,11 @@ class Generations:
                 await _close(iterators, reads)  # waits for the cancelled reads, retrieving their outcomes
                 raise failures[0]
             firsts = [read.result() for read in reads]
+        return cls._started(inputs, iterators, firsts, metrics, endpoint, started)
+
+    @classmethod
+    def _started(cls, inputs: list[GenerateInput], iterators: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk],
+                 metrics: GatewayMetrics, endpoint: str, started: float) -> "Generations":
         metrics.prompt_tokens.inc(sum(len(inp.input_ids) for inp in inputs))
         timers = [TokenTimer(metrics, endpoint, started) for _ in inputs]
         now = time.perf_counter()
@@ -142,6 +154,10 @@ async def _close(iterators: list[AsyncGenerator[Chunk, None]], pending: Iterable
     a cancellation landing inside an iterator's cleanup would skip the abort.
     """
 
+    pending = list(pending)
+    if not pending and all(it.ag_frame is None for it in iterators):  # each ran to its end or was closed already
+        return
+
     async def close_all() -> None:
         await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(it.aclose() for it in iterators), return_exceptions=True)
@@ -159,16 +175,27 @@ async def _disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None (with `work` cancelled) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
+    """`work`'s result, or None if the client disconnects first. `work` runs in the caller's task, which a
+    disconnect cancels (as asyncio.timeout does): a request pays for one watcher task, not one per awaitable."""
+    caller = asyncio.current_task()
+    assert caller is not None
+    armed, gone = True, False
+
+    def client_gone(watcher: asyncio.Future) -> None:
+        nonlocal gone
+        if armed and not watcher.cancelled():  # a watcher that failed (its receive raised) counts as gone
+            watcher.exception()
+            gone = True
+            caller.cancel()
+
     watcher = asyncio.ensure_future(_disconnected(request))
+    watcher.add_done_callback(client_gone)
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone and caller.uncancel() == 0:  # the disconnect's cancellation, and no one else's
+            return None
+        raise
     finally:
-        for future in (task, watcher):
-            if not future.done():
-                future.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        return None
-    return task.result()
+        armed = False  # a callback already scheduled must not cancel the caller after this
+        watcher.cancel()
