@@ -155,8 +155,8 @@ async def _close(iterators: list[AsyncGenerator[Chunk, None]], pending: Iterable
     """
 
     pending = list(pending)
-    if not pending and all(it.ag_frame is None for it in iterators):  # each ran to its end or was closed already
-        return
+    if not pending and all(it.ag_frame is None for it in iterators):  # type: ignore[attr-defined]
+        return  # each ran to its end or was closed already (an async generator object's frame is gone)
 
     async def close_all() -> None:
         await asyncio.gather(*pending, return_exceptions=True)
