@@ -98,10 +98,20 @@ def openai_client(stack):
         yield client
 
 
+@pytest.fixture(scope="session")
+def lone_scheduler_address(start_service) -> str:
+    """A scheduler that no detokenizer follows, for tests that read its step stream themselves: the session's
+    detokenizer adopts the owners it sees within --owner-grace-s of its start and, since such a test never
+    subscribes there, aborts their requests once that grace has passed."""
+    _, address = start_service("scheduler", "--max-running-requests", "16")
+    return address
+
+
 @pytest.fixture(scope="module")
-def scheduler_client(scheduler_address):
-    """Submits to the session scheduler as its own owner and collects that owner's outputs."""
-    client = SchedulerClient(scheduler_address)
+def scheduler_client(lone_scheduler_address):
+    """Submits to a scheduler of its own (lone_scheduler_address) as its own owner and collects that owner's
+    outputs."""
+    client = SchedulerClient(lone_scheduler_address)
     yield client
     client.close()
 

@@ -32,8 +32,8 @@ def assert_bytes_equal_typed(block: arrays_pb2.LogprobBlock, view: arrays_pb2.Lo
         assert list(getattr(block, name)) == list(getattr(view, name)), name
 
 
-def test_real_step_message_parses_as_typed_view(scheduler_address):
-    client = SchedulerClient(scheduler_address)
+def test_real_step_message_parses_as_typed_view(lone_scheduler_address):
+    client = SchedulerClient(lone_scheduler_address)
     try:
         rid = client.submit(
             input_ids=[11, 2024, 7, 99_000, 5],
