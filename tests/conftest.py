@@ -102,8 +102,9 @@ def openai_client(stack):
 def lone_scheduler_address(start_service) -> str:
     """A scheduler that no detokenizer follows, for tests that read its step stream themselves: the session's
     detokenizer adopts the owners it sees within --owner-grace-s of its start and, since such a test never
-    subscribes there, aborts their requests once that grace has passed."""
-    _, address = start_service("scheduler", "--max-running-requests", "16")
+    subscribes there, aborts their requests once that grace has passed. Its output ships on the steps it was
+    made, however late the test reads it (--stream-coalesce-tokens 1): these tests check each entry."""
+    _, address = start_service("scheduler", "--max-running-requests", "16", "--stream-coalesce-tokens", "1")
     return address
 
 

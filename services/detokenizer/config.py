@@ -18,7 +18,9 @@ class DetokenizerConfig(ServiceConfig):
                                   "aborted (it died, or lost its connection for good); its outputs wait meanwhile")
     scheduler_grace_s: float = option(30.0, "seconds a scheduler's step stream may stay broken before its requests "
                                       "here are failed (within it, resubscribing replays what was missed)")
-    max_outbox_messages: int = option(128, "messages waiting for one connected gateway before this detokenizer stops "
-                                      "reading scheduler steps until it catches up (back-pressure)")
+    max_outbox_messages: int = option(4, "messages waiting for one connected gateway before this detokenizer stops "
+                                      "reading scheduler steps until it catches up (back-pressure): the steps then "
+                                      "wait in the scheduler, whose streaming output coalesces into fewer entries "
+                                      "while they do (--stream-coalesce-tokens)")
     stall_timeout_s: float = option(10.0, "a gateway that stays past --max-outbox-messages this long has its stream "
                                     "ended and what waits for it dropped (it fails those requests)")

@@ -57,6 +57,10 @@ class SchedulerConfig(ServiceConfig):
     output_interval: int = option(50, "output tokens a request that does not stream ships per message (SGLang ships "
                                   "every 50 steps too); streaming requests ship every step, or per their "
                                   "stream_interval")
+    stream_coalesce_tokens: int = option(8, "most output tokens a request that ships every step (streaming, or "
+                                         "matching stop strings) holds back while a step subscriber is behind (a "
+                                         "message queued for it): fewer, larger entries for every hop that cannot "
+                                         "keep up; 1: every token ships on its step")
     replay_window_s: float = option(30.0, "seconds of published steps kept for a detokenizer that reconnects or "
                                     "restarts: an outage shorter than this loses nothing")
     replay_window_mb: int = option(256, "most MiB of published steps kept for that replay (oldest dropped first)")
@@ -80,7 +84,7 @@ class SchedulerConfig(ServiceConfig):
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
         require_positive(self, ("max_running_requests", "max_prefill_tokens", "max_top_logprobs", "logits_chunk_rows",
-                                "output_interval", "page_size", "cuda_graph_max_bs"))
+                                "output_interval", "stream_coalesce_tokens", "page_size", "cuda_graph_max_bs"))
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 (off)")
         if self.max_total_tokens < 0:

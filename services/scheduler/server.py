@@ -98,7 +98,8 @@ class SchedulerService:
         kv_tokens = (runner.num_pages - 1) * runner.page_size
         self.limits = SubmitLimits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                                    max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
-                                   output_interval=config.output_interval, max_total_tokens=kv_tokens,
+                                   output_interval=config.output_interval,
+                                   stream_coalesce_tokens=config.stream_coalesce_tokens, max_total_tokens=kv_tokens,
                                    logprobs_mode=LogprobsMode.named(config.logprobs_mode),
                                    routed_experts=runner.expert_routing is not None)
         self.model_info = ModelInfo(
@@ -118,7 +119,7 @@ class SchedulerService:
         occupation = (MemoryOccupation(runner.kv, weights, runner.device, source)
                       if weights is not None and isinstance(runner, ModelRunner) else None)
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
-                             occupation=occupation)
+                             behind=self._behind, occupation=occupation)
         self.weights = weights
         self.weight_groups = WeightGroups(runner.device, config.weights_sync_timeout_s) if weights else None
         self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
@@ -135,6 +136,10 @@ class SchedulerService:
                 self._loop.call_soon_threadsafe(self._cut, slow)
                 return
             time.sleep(BACKPRESSURE_POLL_S)
+
+    def _behind(self) -> bool:
+        """Engine thread: whether a subscriber has a step message queued (its stream has not taken the last one)."""
+        return any(queue.qsize() for queue in self._queues)
 
     def _cut(self, queues: list[asyncio.Queue]) -> None:
         for queue in queues:

@@ -43,6 +43,7 @@ class SubmitLimits:
     max_top_logprobs: int
     eos_token_ids: tuple[int, ...]
     output_interval: int  # tokens per entry of a request that does not stream (--output-interval)
+    stream_coalesce_tokens: int = 1  # most tokens an entry holds while the subscribers are behind (the lane's rows)
     max_total_tokens: int = 1 << 62  # the KV memory: a sequence longer than it can never run
     logprobs_mode: LogprobsMode = LogprobsMode.RAW  # a request's that names none (--logprobs-mode)
     routed_experts: bool = False  # whether routed experts are recorded (--enable-return-routed-experts on a MoE)
@@ -142,7 +143,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         grammar=None,
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
-        pending=PendingOutput(interval, (top_k, len(ids)) if wants else None, first_interval),
+        pending=PendingOutput(interval, (top_k, len(ids)) if wants else None, first_interval,
+                              lane=max(interval, min(limits.stream_coalesce_tokens, max_new_tokens))),
     )
 
 

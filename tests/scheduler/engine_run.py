@@ -17,7 +17,8 @@ ATOL = 1e-4
 class Run:
     """An Engine on the model, stepped by the test; what it published, per request."""
 
-    def __init__(self, model_dir, slots: int = 8, **options):
+    def __init__(self, model_dir, slots: int = 8, behind=lambda: False, **options):
+        """`behind`: the engine's question whether its subscribers are behind (coalescing streamed output)."""
         options = {"page_size": 4, "max_total_tokens": 4096, **options}
         self.config = SchedulerConfig(max_running_requests=slots, **options)
         graphs = self.config.cuda_graph_max_bs if self.config.enable_cuda_graph else 0
@@ -25,9 +26,9 @@ class Run:
                                   self.config.max_total_tokens, attention_backend=self.config.attention_backend,
                                   cuda_graph_max_bs=graphs)
         self.published: list[StepMessage] = []
-        self.engine = Engine(self.runner, self.config, publish=self.published.append)
+        self.engine = Engine(self.runner, self.config, publish=self.published.append, behind=behind)
         self.limits = SubmitLimits(self.runner.vocab_size, self.runner.max_context, 16,
-                                   tuple(self.runner.eos_token_ids), 50,
+                                   tuple(self.runner.eos_token_ids), 50, self.config.stream_coalesce_tokens,
                                    max_total_tokens=(self.runner.num_pages - 1) * self.runner.page_size)
 
     def submit(self, rid: str, prompt: list[int], new_tokens: int, logprob_start_len: int = -1,

@@ -29,6 +29,21 @@ def test_page_boundaries_and_chunked_prompts(model):
         check(reference_model, ids, new_tokens, run.result(rid), start)
 
 
+def test_streamed_output_coalesces_while_the_subscribers_are_behind(model):
+    """A streaming request ships a token per step while its subscribers keep up, and holds up to
+    --stream-coalesce-tokens while they are behind: the same tokens and rows, in fewer entries."""
+    path, reference_model = model
+    steps = iter(range(1000))
+    run = Run(path, behind=lambda: next(steps) % 8 < 5, stream_coalesce_tokens=3)  # behind 5 steps of every 8
+    ids = prompt(6, 6)
+    run.submit("streamed", ids, 20, stream_interval=1)
+    run.run()
+    check(reference_model, ids, 20, run.result("streamed"))
+    counts = [message.counts[i] for message in run.published for i, rid in enumerate(message.rids)
+              if rid == "streamed"]
+    assert sum(counts) == 20 and max(counts) == 3 and 1 in counts, counts
+
+
 def test_prefix_cache_full_and_partial_hits(model):
     """A prompt, then the same prompt (a full hit but its last token), then it with more tokens (a partial hit), then
     a prompt sharing a page with it, and prompt logprobs from a late position (the hit stops before it)."""

@@ -20,10 +20,10 @@ def _step_rows(n: int, rng: np.random.Generator) -> LogprobRows[np.ndarray]:
 
 
 def _run(requests: list[PendingOutput], steps: int, seed: int, end_early: float = 0.0,
-         joins: list[int] | None = None) -> int:
+         joins: list[int] | None = None, behind: float = 0.0) -> int:
     """Steps of every request (from its step in `joins`, if given) adding a token; ships what is due (or ends,
-    with probability `end_early`) and checks each shipped request's rows against those its steps produced.
-    Returns the number of rows checked."""
+    with probability `end_early`; the subscribers are behind at a step with probability `behind`) and checks
+    each shipped request's rows against those its steps produced. Returns the number of rows checked."""
     rng, chance = np.random.default_rng(seed), random.Random(seed)
     stores = PendingStores()
     expected: list[list[tuple]] = [[] for _ in requests]  # per request: its waiting rows, cut to its widths
@@ -43,8 +43,9 @@ def _run(requests: list[PendingOutput], steps: int, seed: int, end_early: float 
                                       step_rows.topk_ids[row, :k].copy(), step_rows.ids_logprobs[row, :m].copy()))
         stores.put(with_rows, sources, step_rows)
         del step_rows  # a step's arrays do not outlive it
+        late = chance.random() < behind
         shipping = [i for i, output in enumerate(requests)
-                    if output.count and (output.due or chance.random() < end_early)]
+                    if output.count and (output.due(late) or chance.random() < end_early)]
         if not shipping:
             continue
         order, block = shipped_block([requests[i] for i in shipping])
@@ -81,6 +82,20 @@ def test_staggered_first_entries_ship_early_then_every_interval(monkeypatch):
     assert _run(requests, steps=30, seed=4) == sum(at[-1] for at in shipped_at)
     for i, at in enumerate(shipped_at):
         assert at == list(range(1 + i % 7, 31, 7)), (i, at)
+
+
+def test_output_that_ships_every_step_waits_up_to_its_lane_while_the_subscribers_are_behind(monkeypatch):
+    requests = [PendingOutput(1, widths, lane=4) for widths in [(K, M), (2, 0), None] * 4]
+    counts: list[int] = []  # of every entry shipped
+    ship = PendingOutput.shipped
+
+    def recording(self):
+        counts.append(self.count)
+        ship(self)
+
+    monkeypatch.setattr(PendingOutput, "shipped", recording)
+    assert _run(requests, steps=40, seed=5, end_early=0.05, behind=0.7) > 0
+    assert max(counts) == 4 and 1 in counts  # lanes filled while behind, single rows while not
 
 
 def test_a_store_grows_past_its_first_lanes_and_keeps_the_rows_it_holds():

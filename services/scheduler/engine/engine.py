@@ -96,13 +96,17 @@ class _Outgoing:
 
 class Engine:
     def __init__(self, runner: StepRunner, config: SchedulerConfig, publish: Callable[[StepMessage], None],
-                 wait_for_room: Callable[[], None] = lambda: None, occupation: MemoryOccupation | None = None):
-        """`occupation`: the model's memory, to release and resume (None: --engine synthetic has none)."""
+                 wait_for_room: Callable[[], None] = lambda: None, behind: Callable[[], bool] = lambda: False,
+                 occupation: MemoryOccupation | None = None):
+        """`behind`: whether a subscriber has not taken the last message (output that ships every step then
+        waits, up to its lane: output/pending.py); `occupation`: the model's memory, to release and resume (None:
+        --engine synthetic has none)."""
         self.runner = runner
         self.occupation = occupation
         self.config = config
         self.publish = publish
         self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
+        self.behind = behind
         self.pages = PagePool(runner.num_pages, runner.page_size)
         self.pending_rows = PendingStores()
         self.prefix_cache = PrefixCache(self.pages, enabled=not config.disable_radix_cache)
@@ -434,6 +438,7 @@ class Engine:
         rows); end the requests that are done, and mark those with an entry's worth pending due."""
         with_rows, sources = [], []  # the pending entries that take a logprob row, and its row in the step's
         max_context = self.runner.max_context
+        behind = self.behind()
         for row, (sampled, token) in enumerate(zip(batch.sampling, result.next_ids.tolist())):
             request = sampled.request
             if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
@@ -449,7 +454,7 @@ class Engine:
                 out.end(request, self._finish(request, FinishReason.STOP_TOKEN, matched_token=token))
             elif len(request.output_ids) >= request.max_new_tokens or request.length >= max_context:
                 out.end(request, self._finish(request, FinishReason.LENGTH))
-            elif pending.due and request.status is RequestStatus.RUNNING:  # not retracted since it launched
+            elif pending.due(behind) and request.status is RequestStatus.RUNNING:  # not retracted since it launched
                 out.due.append(request)
         if with_rows:
             assert result.output is not None, "a step with a logprob request computes rows"

@@ -6,7 +6,12 @@ the whole output costs the hops one entry per interval instead of one per token.
 few each step, rather than all of them on the same step every `interval` (a message of every request's rows at
 once, a step that stalls, and a burst of work for every hop after it).
 
-Its logprob rows wait in a lane of a PendingRows store shared by the requests of its width (interval, k, m), so
+A request that ships every step (it streams, or the detokenizer matches its stop strings) holds its output back
+while a step subscriber is behind (it has not taken the last message), up to its lane (--stream-coalesce-tokens):
+the tokens would wait in that queue anyway, and as fewer, larger entries they cost every hop less per token (a
+hop's work is mostly per entry), which is what lets a hop that fell behind catch up.
+
+Its logprob rows wait in a lane of a PendingRows store shared by the requests of its width (lane, k, m), so
 that the per-request work of a step is Python bookkeeping only: one step's rows go in with one fancy-indexed copy
 per array and store (PendingStores.put), and the rows that ship come out the same way (shipped_block). No step's
 host arrays outlive the step (the model may reuse them). A request takes a lane with its first row after a ship
@@ -20,12 +25,12 @@ FIRST_LANES = 16  # a store doubles when its lanes run out (and keeps its size: 
 
 
 class PendingRows:
-    """Lanes of `interval` rows of one width (k, m): a lane is rows [first, first + interval)."""
+    """Lanes of `lane` rows of one width (k, m): a lane is rows [first, first + lane)."""
 
-    def __init__(self, interval: int, k: int, m: int):
-        self.interval, self.k, self.m = interval, k, m
-        self.rows = LogprobRows.allocate(FIRST_LANES * interval, k, m)
-        self._free = list(range((FIRST_LANES - 1) * interval, -1, -interval))  # first rows, taken from the end
+    def __init__(self, lane: int, k: int, m: int):
+        self.lane, self.k, self.m = lane, k, m
+        self.rows = LogprobRows.allocate(FIRST_LANES * lane, k, m)
+        self._free = list(range((FIRST_LANES - 1) * lane, -1, -lane))  # first rows, taken from the end
 
     def take(self) -> int:
         """A free lane's first row."""
@@ -34,7 +39,7 @@ class PendingRows:
             rows = LogprobRows.allocate(2 * held, self.k, self.m)
             rows.put(0, self.rows)
             self.rows = rows
-            self._free.extend(range(2 * held - self.interval, held - 1, -self.interval))
+            self._free.extend(range(2 * held - self.lane, held - 1, -self.lane))
         return self._free.pop()
 
     def give_back(self, first_row: int) -> None:
@@ -42,10 +47,13 @@ class PendingRows:
 
 
 class PendingOutput:
-    def __init__(self, interval: int, widths: tuple[int, int] | None, first_interval: int | None = None):
+    def __init__(self, interval: int, widths: tuple[int, int] | None, first_interval: int | None = None,
+                 lane: int | None = None):
         """`widths`: (k, m) of its logprob rows; None without logprobs; `first_interval`: tokens of its first
-        entry (1 to `interval`; `interval` when None)."""
+        entry (1 to `interval`; `interval` when None); `lane`: most tokens an entry holds, while the subscribers
+        are behind (at least `interval`; `interval` when None)."""
         self.interval = interval
+        self.lane = max(lane or interval, interval)
         self.widths = widths
         self._due_at = first_interval or interval
         self.first_position = 0  # of token_ids[0] in the request's output
@@ -57,9 +65,11 @@ class PendingOutput:
     def count(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def due(self) -> bool:
-        return len(self.token_ids) >= self._due_at
+    def due(self, behind: bool = False) -> bool:
+        """Whether its entry ships now: an interval's worth is pending, or, for output held back while a subscriber
+        is behind (`behind`: it has not taken the last message), a lane's worth."""
+        held_back = behind and self.lane > self.interval  # (a staggered first entry keeps its stagger)
+        return len(self.token_ids) >= (self.lane if held_back else self._due_at)
 
     def add(self, token: int) -> None:
         """A new token (its logprob row, if it has one, comes through PendingStores.put)."""
@@ -109,8 +119,8 @@ class PendingStores:
 
     def _of(self, output: PendingOutput) -> PendingRows:
         k, m = output.widths  # type: ignore[misc]
-        if (store := self._stores.get((output.interval, k, m))) is None:
-            store = self._stores[output.interval, k, m] = PendingRows(output.interval, k, m)
+        if (store := self._stores.get((output.lane, k, m))) is None:
+            store = self._stores[output.lane, k, m] = PendingRows(output.lane, k, m)
         return store
 
 
@@ -134,7 +144,7 @@ def shipped_block(pending: list[PendingOutput]) -> tuple[list[int], LogprobBlock
         topk += [store.k] * len(members)
         id_counts += [store.m] * len(members)
         held = store.rows
-        if store.interval == 1:  # one row each, gathered at once
+        if all(count == 1 for count in counts):  # one row each (streaming, keeping up): gathered at once
             at = np.array([pending[i].first_row for i in members])
             pieces.append(tuple(array[at] for array in held.arrays))
         else:  # each lane's first `count` rows, by memoryview slices (much cheaper than numpy's)
