@@ -144,7 +144,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
         pending=PendingOutput(interval, (top_k, len(ids)) if wants else None, first_interval,
-                              lane=max(interval, min(limits.stream_coalesce_tokens, max_new_tokens))),
+                              lane=min(limits.stream_coalesce_tokens, max_new_tokens)),
     )
 
 

@@ -28,7 +28,8 @@ class Run:
         self.published: list[StepMessage] = []
         self.engine = Engine(self.runner, self.config, publish=self.published.append, behind=behind)
         self.limits = SubmitLimits(self.runner.vocab_size, self.runner.max_context, 16,
-                                   tuple(self.runner.eos_token_ids), 50, self.config.stream_coalesce_tokens,
+                                   tuple(self.runner.eos_token_ids), 50,
+                                   stream_coalesce_tokens=self.config.stream_coalesce_tokens,
                                    max_total_tokens=(self.runner.num_pages - 1) * self.runner.page_size)
 
     def submit(self, rid: str, prompt: list[int], new_tokens: int, logprob_start_len: int = -1,

@@ -191,7 +191,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     watcher = asyncio.ensure_future(_disconnected(request))
     watcher.add_done_callback(client_gone)
     try:
-        return await work
+        result = await work
     except asyncio.CancelledError:
         if gone and caller.uncancel() == 0:  # the disconnect's cancellation, and no one else's
             return None
@@ -199,3 +199,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     finally:
         armed = False  # a callback already scheduled must not cancel the caller after this
         watcher.cancel()
+    if gone:  # `work` caught the disconnect's cancellation and finished: take it back, as if it never came
+        caller.uncancel()
+    return result
