@@ -222,3 +222,17 @@ def metadata_interceptors(pairs: Iterable[tuple[str, str]]) -> list[grpc.aio.Cli
 
 def internal_secret_interceptors(secret: str) -> list[grpc.aio.ClientInterceptor]:
     return metadata_interceptors([(SECRET_METADATA, secret)])
+
+
+class _BlockingUnaryUnary(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+        self._pairs = pairs
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        metadata = (*(client_call_details.metadata or ()), *self._pairs)
+        return continuation(client_call_details._replace(metadata=metadata), request)
+
+
+def blocking_internal_secret_interceptor(secret: str) -> grpc.UnaryUnaryClientInterceptor:
+    """internal_secret_interceptors for a blocking channel, whose only calls are unary (SubmitBatch)."""
+    return _BlockingUnaryUnary(((SECRET_METADATA, secret),))

@@ -104,27 +104,56 @@ async def mark_serving(servicer: health.aio.HealthServicer, service_names: list[
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+def _channel_options(max_message_mb: int, keepalive_s: float, credentials: grpc.ChannelCredentials | None,
+                     server_name: str | None) -> list[tuple[str, int | str]]:
+    options: list[tuple[str, int | str]] = [*message_options(max_message_mb, keepalive_s)]
+    if credentials is not None and server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return options
+
+
 def create_channel(address: str, max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
                    internal_secret: str | None = None, credentials: grpc.ChannelCredentials | None = None,
                    server_name: str | None = None) -> grpc.aio.Channel:
     """With `internal_secret`, every call on the channel carries it (see auth.py); with `credentials`, TLS, the
     server's certificate checked for `server_name` (default: the address's host)."""
     interceptors = auth.internal_secret_interceptors(internal_secret) if internal_secret else None
-    options: list[tuple[str, int | str]] = [*message_options(max_message_mb, keepalive_s)]
+    options = _channel_options(max_message_mb, keepalive_s, credentials, server_name)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def create_blocking_channel(address: str, max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
+                            internal_secret: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                            server_name: str | None = None) -> grpc.Channel:
+    """create_channel's blocking twin: a call on it is started by the calling thread (gRPC's C core sends it then)
+    and answered on gRPC's own thread, not in an event loop's turn."""
+    options = _channel_options(max_message_mb, keepalive_s, credentials, server_name)
+    channel = (grpc.insecure_channel(address, options=options) if credentials is None
+               else grpc.secure_channel(address, credentials, options=options))
+    if internal_secret:
+        channel = grpc.intercept_channel(channel, auth.blocking_internal_secret_interceptor(internal_secret))
+    return channel
 
 
 def internal_channel(address: str, config, name: str | None = None) -> grpc.aio.Channel:
     """A channel to a scheduler or detokenizer with what a service's config (ServiceConfig) says: message limits,
     keepalive, the internal secret, mutual TLS. `name`: the configured host `address` was resolved from (a DNS
     name of several replicas): what their certificates name."""
+    return create_channel(address, **_internal(config, name))
+
+
+def internal_blocking_channel(address: str, config, name: str | None = None) -> grpc.Channel:
+    """internal_channel's blocking twin (create_blocking_channel)."""
+    return create_blocking_channel(address, **_internal(config, name))
+
+
+def _internal(config, name: str | None) -> dict:
     tls = config.tls
-    return create_channel(address, config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
-                          credentials=tls.internal_channel(), server_name=tls.server_name or name)
+    return {"max_message_mb": config.max_message_mb, "keepalive_s": config.keepalive_s,
+            "internal_secret": config.internal_secret, "credentials": tls.internal_channel(),
+            "server_name": tls.server_name or name}
 
 
 def check_health(address: str, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None,

@@ -37,7 +37,7 @@ from flatwire_wire.control import ControlReply, WeightsChunk
 from flatwire_wire.scheduler import AbortRequest, ModelInfo, SchedulerClient, SchedulerStats, TokenizedRequest
 
 from services.common.discovery import host_of, resolve
-from services.common.rpc import internal_channel
+from services.common.rpc import internal_blocking_channel, internal_channel
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams
 from services.gateway.routing import Router
@@ -54,6 +54,7 @@ PUSH_QUEUE_CHUNKS = 4  # PushWeights chunks waiting for a replica that reads slo
 class Replica:
     address: str
     channel: grpc.aio.Channel
+    submit_channel: grpc.Channel  # blocking: submits leave from the request's task (flatwire_wire.submit_batch)
     client: SchedulerClient
     healthy: bool = False  # in rotation
     problem: str | None = "not checked yet"  # why its path is broken; None while it works
@@ -70,6 +71,10 @@ class Replica:
     @property
     def load(self) -> int:
         return len(self.outstanding)
+
+    async def close(self) -> None:
+        self.submit_channel.close()
+        await self.channel.close()
 
 
 def _unavailable(details: str) -> grpc.aio.AioRpcError:
@@ -103,7 +108,7 @@ class SchedulerPool:
         for task in [*self._tasks, *self._aborts]:
             task.cancel()
         for replica in self.replicas.values():
-            await replica.channel.close()
+            await replica.close()
 
     def recheck(self) -> None:
         """Check every replica's path now rather than at the next round (a hop just came back)."""
@@ -294,12 +299,14 @@ class SchedulerPool:
                 seen.add(address)
                 if address not in self.replicas:
                     channel = internal_channel(address, self.config, host_of(entry))
-                    client = SchedulerClient(channel, orphaned=lambda rid, at=address: self.abort(at, rid))
-                    self.replicas[address] = Replica(address, channel, client)
+                    submit_channel = internal_blocking_channel(address, self.config, host_of(entry))
+                    client = SchedulerClient(channel, submit_channel,
+                                             orphaned=lambda rid, at=address: self.abort(at, rid))
+                    self.replicas[address] = Replica(address, channel, submit_channel, client)
         for address in set(self.replicas) - seen:
             replica = self.replicas.pop(address)
             self._lose(replica, f"scheduler {address} no longer resolves")
-            await replica.channel.close()
+            await replica.close()
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
 
     async def _check(self, replica: Replica) -> None:

@@ -1,15 +1,18 @@
-"""Submits batched by need (flatwire_wire.submit_batch) against a real scheduler: a burst costs a few SubmitBatch
-calls, each request still gets the answer a Submit of it alone would have, a submitter that leaves while its batch
-is in flight has its accepted request handed back to be aborted, and a scheduler without SubmitBatch is sent unary
-Submits."""
+"""Submits batched as they are made (flatwire_wire.submit_batch) against a real scheduler: a burst costs a few
+SubmitBatch calls, the first of which leave while the burst is still being made, each request still gets the answer
+a Submit of it alone would have, a submitter that leaves while its batch is in flight has its accepted request
+handed back to be aborted, and a scheduler without SubmitBatch is sent unary Submits."""
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
 from flatwire_wire.rpc import FIELD_METADATA
 from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, SchedulerClient, TokenizedRequest
+from flatwire_wire.submit_batch import SEND_AT
 
 PROMPT = list(range(1000, 1016))
 
@@ -26,6 +29,13 @@ def request(rid: str | None = None, **sampling) -> TokenizedRequest:
                             sampling=SamplingParams(**{"max_new_tokens": 2, **sampling}))
 
 
+@asynccontextmanager
+async def client_of(address: str, **options) -> AsyncIterator[SchedulerClient]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        with grpc.insecure_channel(address) as submit_channel:
+            yield SchedulerClient(channel, submit_channel, **options)
+
+
 async def outcome(client: SchedulerClient, req: TokenizedRequest) -> grpc.aio.AioRpcError | None:
     try:
         await client.submit(req, timeout=30)
@@ -36,8 +46,7 @@ async def outcome(client: SchedulerClient, req: TokenizedRequest) -> grpc.aio.Ai
 
 def test_a_burst_is_a_few_calls_and_each_request_gets_its_own_answer(synthetic_scheduler):
     async def burst():
-        async with grpc.aio.insecure_channel(synthetic_scheduler) as channel:
-            client = SchedulerClient(channel)
+        async with client_of(synthetic_scheduler) as client:
             await client.submit(request(rid="lone"), timeout=30)  # a lone submit goes out at once
             good = [request() for _ in range(300)]
             bad = request(temperature=-1.0)
@@ -48,7 +57,7 @@ def test_a_burst_is_a_few_calls_and_each_request_gets_its_own_answer(synthetic_s
             return client._submits.calls, results, burst, bad
 
     calls, results, burst, bad = asyncio.run(burst())
-    assert calls <= 1 + 4, calls  # the lone one, then 303 requests in batches of at most 256
+    assert calls <= 1 + 303 // SEND_AT + 1, calls  # the lone one, then 303 requests in batches of SEND_AT and the rest
     by_rid = dict(zip((req.rid for req in burst[:-1]), results[:-1]))
     assert all(by_rid[req.rid] is None for req in burst[:-1] if req is not bad)
     refused = by_rid[bad.rid]
@@ -60,13 +69,32 @@ def test_a_burst_is_a_few_calls_and_each_request_gets_its_own_answer(synthetic_s
     assert dict(duplicate.trailing_metadata())[FIELD_METADATA] == "rid"
 
 
+def test_a_burst_leaves_in_batches_while_it_is_being_made(synthetic_scheduler):
+    """Every SEND_AT submits made in one turn of the loop leave at once, before the submitters after them run (a
+    gateway is still parsing a burst's later requests then); the rest leave at the end of the turn."""
+
+    async def burst():
+        async with client_of(synthetic_scheduler) as client:
+            started_before: list[int] = []  # SubmitBatch calls started when each submitter ran
+
+            async def submit(req: TokenizedRequest) -> None:
+                started_before.append(client._submits.calls)
+                await client.submit(req, timeout=30)
+
+            await asyncio.gather(*(submit(request()) for _ in range(2 * SEND_AT + 5)))
+            return started_before, client._submits.calls
+
+    started_before, calls = asyncio.run(burst())
+    assert started_before[SEND_AT - 1] == 0 and started_before[SEND_AT] == 1 and started_before[2 * SEND_AT] == 2
+    assert calls == 3
+
+
 def test_a_request_grpc_cannot_serialize_fails_alone(synthetic_scheduler):
-    """A value out of its field's range makes gRPC send the batch empty: each request goes again alone, and only
-    the bad one is refused (gRPC sends it empty: the scheduler names its rid)."""
+    """A value out of its field's range cannot be encoded: that request goes alone, as a unary Submit (gRPC sends it
+    empty: the scheduler names its rid), and only it is refused."""
 
     async def mixed():
-        async with grpc.aio.insecure_channel(synthetic_scheduler) as channel:
-            client = SchedulerClient(channel)
+        async with client_of(synthetic_scheduler) as client:
             await client.submit(request(), timeout=30)
             good = [request() for _ in range(5)]
             bad = request()
@@ -81,14 +109,13 @@ def test_a_request_grpc_cannot_serialize_fails_alone(synthetic_scheduler):
 def test_a_submitter_that_leaves_mid_call_gets_its_request_aborted(synthetic_scheduler):
     async def leave():
         orphans: list[str] = []
-        async with grpc.aio.insecure_channel(synthetic_scheduler) as channel:
-            client = SchedulerClient(channel, orphaned=orphans.append)
+        async with client_of(synthetic_scheduler, orphaned=orphans.append) as client:
             first = asyncio.create_task(client.submit(request(max_new_tokens=2000), timeout=30))
             while not client._submits.calls:  # the first's call is in flight
                 await asyncio.sleep(0)
             queued_req = request(max_new_tokens=2000)
             queued = asyncio.create_task(client.submit(queued_req, timeout=30))
-            await asyncio.sleep(0)  # queued behind it
+            await asyncio.sleep(0)  # queued, to leave at the end of this turn of the loop
             first.cancel()
             queued.cancel()
             await asyncio.gather(first, queued, return_exceptions=True)
@@ -127,8 +154,7 @@ def test_a_scheduler_without_submit_batch_gets_unary_submits(synthetic_scheduler
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    client = SchedulerClient(channel)
+                async with client_of(f"127.0.0.1:{port}") as client:
                     reqs = [request() for _ in range(20)] + [request(top_p=0.0)]
                     first = await asyncio.gather(*(outcome(client, req) for req in reqs))
                     later = await outcome(client, request())

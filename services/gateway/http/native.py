@@ -7,6 +7,7 @@ rollout-control routes are in rollout.py.
 """
 
 import asyncio
+import functools
 import importlib.metadata
 import logging
 from contextlib import aclosing
@@ -35,6 +36,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 FLUSH_CACHE_NOTE = "(When there are running or waiting requests, the operation will not be performed.)"
 
 
+@functools.cache  # reading the installed metadata takes most of a ms
 def _version() -> str:
     try:
         return importlib.metadata.version("flatwire")

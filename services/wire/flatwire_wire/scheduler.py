@@ -198,20 +198,27 @@ class SchedulerServicer(Protocol):
 class SchedulerClient:
     """A scheduler's service over an asyncio channel, in twins."""
 
-    def __init__(self, channel: grpc.aio.Channel, orphaned: Callable[[str], None] = lambda rid: None):
-        """`orphaned(rid)`: a submit accepted after its caller was cancelled (the caller's to abort)."""
+    def __init__(self, channel: grpc.aio.Channel, submit_channel: grpc.Channel | None = None,
+                 orphaned: Callable[[str], None] = lambda rid: None):
+        """`submit_channel`: a blocking channel to the same scheduler, which submit() starts its batches on (see
+        submit_batch.py; a client that never submits needs none); `orphaned(rid)`: a submit accepted after its
+        caller was cancelled (the caller's to abort)."""
         self._calls = SCHEDULER.calls(channel)
-        self._submits: SubmitBatcher[TokenizedRequest] = SubmitBatcher(
-            self._submit_batch, lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
-            lambda request: orphaned(request.rid))
-
-    async def _submit_batch(self, requests: list[TokenizedRequest], timeout: float | None) -> list[SubmitResult]:
-        reply: SubmitBatchReply = await self._calls["SubmitBatch"](SubmitBatchRequest(requests), timeout=timeout)
-        return reply.results
+        self._submits: SubmitBatcher[TokenizedRequest] | None = None
+        if submit_channel is not None:
+            method = SCHEDULER.methods["SubmitBatch"]
+            start = submit_channel.unary_unary(method.path, response_deserializer=method.decode_response).future
+            self._submits = SubmitBatcher(
+                lambda message, timeout: start(message, timeout=timeout),
+                lambda request: method.encode_request(SubmitBatchRequest([request])),
+                lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
+                lambda request: orphaned(request.rid))
 
     async def submit(self, request: TokenizedRequest, timeout: float | None = None) -> None:
-        """Submit `request`, in a batch with those submitted while the previous batch is in flight (submit_batch.py);
-        raises the grpc.aio.AioRpcError that a Submit of it alone would have raised."""
+        """Submit `request`, in a batch with those submitted about the same time (submit_batch.py); raises the
+        grpc.aio.AioRpcError that a Submit of it alone would have raised."""
+        if self._submits is None:
+            raise RuntimeError("this SchedulerClient has no submit_channel")
         await self._submits.submit(request, timeout)
 
     async def abort(self, request: AbortRequest, timeout: float | None = None) -> None:
