@@ -18,6 +18,7 @@ import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire.control import EMPTY
 from flatwire_wire.scheduler import SCHEDULER
+from flatwire_wire.submit_batch import SEND_AT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.certificates import make_certificates
@@ -58,6 +59,17 @@ def test_https_serves_the_apis_and_plain_http_is_refused(stack, certs):
         httpx.get(stack.http_url.replace("https://", "http://") + "/health", timeout=10)
     with pytest.raises(httpx.ConnectError):  # nor is a certificate that no trusted CA signed accepted
         httpx.get(stack.http_url + "/health", timeout=10)
+
+
+def test_a_batch_that_fills_a_submit_batch_is_served_over_the_secured_hops(stack, certs):
+    """More than SEND_AT prompts at once: their submits leave from the request's own task, on the gateway's blocking
+    channel to the scheduler (flatwire_wire.submit_batch), which must carry the same TLS and secret as its others."""
+    trusted = ssl.create_default_context(cafile=certs.ca)
+    prompts = [f"Hello {i}" for i in range(SEND_AT + 3)]
+    with httpx.Client(base_url=stack.http_url, verify=trusted, timeout=120) as http:
+        reply = http.post("/generate", json={"text": prompts, "sampling_params": {"max_new_tokens": 2}})
+    assert reply.status_code == 200, reply.text
+    assert [result["meta_info"]["completion_tokens"] for result in reply.json()] == [2] * len(prompts)
 
 
 def test_public_grpc_over_tls(stack, certs):

@@ -206,10 +206,12 @@ class SchedulerClient:
         self._calls = SCHEDULER.calls(channel)
         self._submits: SubmitBatcher[TokenizedRequest] | None = None
         if submit_channel is not None:
-            method = SCHEDULER.methods["SubmitBatch"]
+            method = SCHEDULER.methods["SubmitBatch"]  # its calls take the message encoded (SubmitBatcher's)
             start = submit_channel.unary_unary(method.path, response_deserializer=method.decode_response).future
+            send = channel.unary_unary(method.path, response_deserializer=method.decode_response)
             self._submits = SubmitBatcher(
                 lambda message, timeout: start(message, timeout=timeout),
+                lambda message, timeout: send(message, timeout=timeout),
                 lambda request: method.encode_request(SubmitBatchRequest([request])),
                 lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
                 lambda request: orphaned(request.rid))

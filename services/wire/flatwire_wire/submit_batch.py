@@ -4,9 +4,11 @@ that turn; a burst (an RL rollout's 512 requests, parsed in one turn of the gate
 SEND_AT while the rest of it is still being parsed, not once the whole burst is, and costs a few calls instead of
 one each (a unary call costs both ends a few hundred us of gRPC's own CPU).
 
-A batch is started on a blocking gRPC channel: its C core sends the call from the submitter's thread at once, and
-answers on its own thread. An asyncio call would first wait for its task's turn, queued behind every request of
-the burst that the loop has still to parse. Each request is encoded by its submitter, so a SubmitBatch is the
+The batches of SEND_AT are started on a blocking gRPC channel: its C core sends the call from the submitter's
+thread at once and answers on a thread of its own. An asyncio call would first wait for its task's turn, queued
+behind every request of the burst that the loop has still to parse. What is left at the end of a turn goes as an
+asyncio call: a blocking channel starts a thread to answer its calls whenever it had none in flight, which costs
+more than the call when submits trickle in. Each request is encoded by its submitter, so a SubmitBatch is the
 concatenation of one-request SubmitBatchRequests (protobuf appends repeated fields that way).
 
 Each submit ends as a Submit of it alone would have: accepted, or a grpc.aio.AioRpcError with the code, details
@@ -20,7 +22,7 @@ on.
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -74,21 +76,23 @@ def _error(code: grpc.StatusCode, details: str, field: str = "", like: grpc.RpcE
 
 class SubmitBatcher(Generic[Request]):
     def __init__(self, start_batch: Callable[[bytes, float | None], BatchCall],
+                 send_batch: Callable[[bytes, float | None], Awaitable[Any]],
                  encode: Callable[[Request], bytes],
                  submit: Callable[[Request, float | None], Awaitable[Any]],
                  orphaned: Callable[[Request], None] = lambda request: None):
-        """`start_batch(message, timeout)`: start one SubmitBatch call of an encoded SubmitBatchRequest (its reply's
-        `results` in order); `encode(request)`: a one-request SubmitBatchRequest, encoded; `submit(request,
-        timeout)`: one unary Submit; `orphaned(request)`: accepted after its submitter had gone."""
+        """`start_batch(message, timeout)`: start one SubmitBatch call of an encoded SubmitBatchRequest on the
+        blocking channel; `send_batch(message, timeout)`: the same call on the asyncio channel (each call's reply
+        has the `results` in order); `encode(request)`: a one-request SubmitBatchRequest, encoded;
+        `submit(request, timeout)`: one unary Submit; `orphaned(request)`: accepted after its submitter had gone."""
         self._start_batch = start_batch
+        self._send_batch = send_batch
         self._encode = encode
         self._submit = submit
         self._orphaned = orphaned
         self._unary = False  # the scheduler has no SubmitBatch
         self._queued: list[_Queued[Request]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_due = False  # a send of what is queued is scheduled for the end of the loop's turn
-        self._alone_tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()
         self.calls = 0  # SubmitBatch calls made (tests, benches)
 
     async def submit(self, request: Request, timeout: float | None) -> None:
@@ -100,55 +104,72 @@ class SubmitBatcher(Generic[Request]):
         except (ValueError, TypeError):  # out of a field's range: the scheduler answers what a Submit of it would
             await self._submit(request, timeout)
             return
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         entry = _Queued(request, encoded, timeout, loop.create_future())
         self._queued.append(entry)
         if len(self._queued) >= SEND_AT:
-            self._send_queued()
+            self._start(self._take(), loop)
         elif not self._flush_due:
             self._flush_due = True
-            loop.call_soon(self._send_queued)
+            loop.call_soon(self._flush)
         await entry.answer
 
-    def _send_queued(self) -> None:
-        self._flush_due = False
-        queued = [entry for entry in self._queued if not entry.answer.done()]  # cancelled: never sent
-        self._queued.clear()
-        for start in range(0, len(queued), MAX_BATCH):
-            self._send(queued[start:start + MAX_BATCH])
+    def _take(self) -> list[_Queued[Request]]:
+        """What is queued and still wanted (a cancelled submit is never sent), at most MAX_BATCH of it."""
+        batch = [entry for entry in self._queued[:MAX_BATCH] if not entry.answer.done()]
+        del self._queued[:MAX_BATCH]
+        return batch
 
-    def _send(self, batch: list[_Queued[Request]]) -> None:
-        timeouts = [entry.timeout for entry in batch if entry.timeout is not None]
+    def _flush(self) -> None:
+        self._flush_due = False
+        while self._queued:
+            if batch := self._take():
+                self._spawn(self._send(batch))
+
+    def _call(self, batch: list[_Queued[Request]]) -> tuple[bytes, float | None]:
+        """The SubmitBatch message of `batch`, and its deadline: the shortest of its submits'."""
         self.calls += 1
+        timeouts = [entry.timeout for entry in batch if entry.timeout is not None]
+        return b"".join(entry.encoded for entry in batch), min(timeouts, default=None)
+
+    def _start(self, batch: list[_Queued[Request]], loop: asyncio.AbstractEventLoop) -> None:
         try:
-            call = self._start_batch(b"".join(entry.encoded for entry in batch), min(timeouts, default=None))
+            call = self._start_batch(*self._call(batch))
         except Exception as exc:  # the channel is closed (shutting down): nothing was sent
             self._fail(batch, _error(grpc.StatusCode.UNAVAILABLE, f"submit not sent: {exc!r}"))
             return
-        loop = self._loop
-        assert loop is not None
 
         def answered(call: BatchCall) -> None:  # on gRPC's thread
+            error = call.exception()
             try:
-                loop.call_soon_threadsafe(self._answered, batch, call)
+                loop.call_soon_threadsafe(self._answered, batch, error, None if error else call.result())
             except RuntimeError:  # the loop has closed: no one waits for the answer
                 pass
 
         call.add_done_callback(answered)
 
-    def _answered(self, batch: Sequence[_Queued[Request]], call: BatchCall) -> None:
-        error = call.exception()
+    async def _send(self, batch: list[_Queued[Request]]) -> None:
+        try:
+            reply = await self._send_batch(*self._call(batch))
+        except grpc.aio.AioRpcError as exc:
+            self._answered(batch, exc, None)
+            return
+        except BaseException as exc:  # a bug, or cancelled at shutdown: no submit is left waiting
+            self._fail(batch, _error(grpc.StatusCode.UNAVAILABLE, f"submit not sent: {exc!r}"))
+            raise
+        self._answered(batch, None, reply)
+
+    def _answered(self, batch: list[_Queued[Request]], error: grpc.RpcError | None, reply: Any) -> None:
+        """A call's outcome: its error, or its reply (the `results` in order)."""
         if error is not None:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
                 self._unary = True
                 for entry in batch:
-                    task = asyncio.ensure_future(self._alone(entry))
-                    self._alone_tasks.add(task)
-                    task.add_done_callback(self._alone_tasks.discard)
+                    self._spawn(self._alone(entry))
                 return
             self._fail(batch, _error(error.code(), error.details() or "", like=error))  # type: ignore[attr-defined]
             return
-        results: list[SubmitResultLike] = call.result().results
+        results: list[SubmitResultLike] = reply.results
         if len(results) != len(batch):  # a scheduler bug: no request is left waiting on it
             log.error("SubmitBatch answered %d results for %d requests", len(results), len(batch))
             self._fail(batch, _error(grpc.StatusCode.INTERNAL, "the scheduler's answer to a batch of submits did "
@@ -161,10 +182,15 @@ class SubmitBatcher(Generic[Request]):
                 code = STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN)
                 entry.answer.set_exception(_error(code, result.details, result.field))
 
-    def _fail(self, batch: Sequence[_Queued[Request]], like: grpc.aio.AioRpcError) -> None:
+    def _fail(self, batch: list[_Queued[Request]], error: grpc.aio.AioRpcError) -> None:
         for entry in batch:
             if not entry.answer.done():
-                entry.answer.set_exception(_error(like.code(), like.details() or "", like=like))
+                entry.answer.set_exception(_error(error.code(), error.details() or "", like=error))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _alone(self, entry: _Queued[Request]) -> None:
         try:
