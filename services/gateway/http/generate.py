@@ -150,7 +150,8 @@ class _StreamState:
         meta = base_meta_info(progress)
         flat_output, flat_prompt = req.return_flat_raw_output_top_logprobs, req.return_flat_raw_top_logprobs
         prompt_side = chunk.prompt is not None or not self.prompt_fields  # else the first event's, repeated
-        for key, value in _logprob_meta(gateway, req, progress, prompt_side).items():
+        logprob_meta = _logprob_meta(gateway, req, progress, prompt_side) if req.return_logprob else {}
+        for key, value in logprob_meta.items():
             if flat_output and key.startswith("output_top_logprobs_"):  # this event's rows only
                 meta[key] = value
             elif key.startswith("output_"):

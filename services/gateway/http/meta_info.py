@@ -9,6 +9,8 @@ from services.gateway.result import RequestResult
 
 def finish_reason(result: RequestResult) -> dict | None:
     """SGLang's finish_reason object; None while the request runs."""
+    if result.finish_reason is None:  # every streamed event but the last
+        return None
     match result.finish_reason:
         case FinishReason.LENGTH:
             return {"type": "length", "length": result.completion_tokens}
