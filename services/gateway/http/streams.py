@@ -85,12 +85,12 @@ class Generations:
             timer.tokens(len(first.token_ids), now)
         return cls(inputs, iterators, firsts, timers)
 
-    async def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
+    def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
         """(index, chunk) pairs of all generations as they arrive, until each has its result."""
-        if len(self._iterators) == 1:  # the common case, and a stream's every event: no task per chunk
-            async for chunk in self._one():
-                yield 0, chunk
-            return
+        # The common case, and a stream's every event: read in the caller's task, no task per chunk.
+        return self._one() if len(self._iterators) == 1 else self._many()
+
+    async def _many(self) -> AsyncIterator[tuple[int, Chunk]]:
         pending: dict[asyncio.Future, int] = {}
         try:
             for i, first in enumerate(self._firsts):
@@ -111,15 +111,14 @@ class Generations:
                 future.cancel()
             await _close(self._iterators, list(pending))
 
-    async def _one(self) -> AsyncIterator[Chunk]:
-        """The single generation's chunks, read in the caller's task."""
+    async def _one(self) -> AsyncIterator[tuple[int, Chunk]]:
         iterator, timer = self._iterators[0], self._timers[0]
         try:
-            yield self._firsts[0]
+            yield 0, self._firsts[0]
             if self._firsts[0].result is None:
                 async for chunk in iterator:
                     timer.tokens(len(chunk.token_ids), time.perf_counter())
-                    yield chunk
+                    yield 0, chunk
         finally:
             await _close(self._iterators)
 
