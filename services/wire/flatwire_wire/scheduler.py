@@ -200,27 +200,24 @@ class SchedulerClient:
 
     def __init__(self, channel: grpc.aio.Channel, submit_channel: grpc.Channel | None = None,
                  orphaned: Callable[[str], None] = lambda rid: None):
-        """`submit_channel`: a blocking channel to the same scheduler, which submit() starts its batches on (see
-        submit_batch.py; a client that never submits needs none); `orphaned(rid)`: a submit accepted after its
-        caller was cancelled (the caller's to abort)."""
+        """`submit_channel`: a blocking channel to the same scheduler, on which a burst's batches of submits start
+        at once (see submit_batch.py); `orphaned(rid)`: a submit accepted after its caller was cancelled (the
+        caller's to abort)."""
         self._calls = SCHEDULER.calls(channel)
-        self._submits: SubmitBatcher[TokenizedRequest] | None = None
-        if submit_channel is not None:
-            method = SCHEDULER.methods["SubmitBatch"]  # its calls take the message encoded (SubmitBatcher's)
-            start = submit_channel.unary_unary(method.path, response_deserializer=method.decode_response).future
-            send = channel.unary_unary(method.path, response_deserializer=method.decode_response)
-            self._submits = SubmitBatcher(
-                lambda message, timeout: start(message, timeout=timeout),
-                lambda message, timeout: send(message, timeout=timeout),
-                lambda request: method.encode_request(SubmitBatchRequest([request])),
-                lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
-                lambda request: orphaned(request.rid))
+        method = SCHEDULER.methods["SubmitBatch"]  # its calls take the message encoded (SubmitBatcher's)
+        send = channel.unary_unary(method.path, response_deserializer=method.decode_response)
+        start = (submit_channel.unary_unary(method.path, response_deserializer=method.decode_response).future
+                 if submit_channel is not None else None)
+        self._submits: SubmitBatcher[TokenizedRequest] = SubmitBatcher(
+            lambda message, timeout: send(message, timeout=timeout),
+            lambda request: method.encode_request(SubmitBatchRequest([request])),
+            lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
+            lambda request: orphaned(request.rid),
+            start_batch=start)  # (message, timeout): a blocking call's future takes its timeout second
 
     async def submit(self, request: TokenizedRequest, timeout: float | None = None) -> None:
         """Submit `request`, in a batch with those submitted about the same time (submit_batch.py); raises the
         grpc.aio.AioRpcError that a Submit of it alone would have raised."""
-        if self._submits is None:
-            raise RuntimeError("this SchedulerClient has no submit_channel")
         await self._submits.submit(request, timeout)
 
     async def abort(self, request: AbortRequest, timeout: float | None = None) -> None:

@@ -4,12 +4,13 @@ that turn; a burst (an RL rollout's 512 requests, parsed in one turn of the gate
 SEND_AT while the rest of it is still being parsed, not once the whole burst is, and costs a few calls instead of
 one each (a unary call costs both ends a few hundred us of gRPC's own CPU).
 
-The batches of SEND_AT are started on a blocking gRPC channel: its C core sends the call from the submitter's
-thread at once and answers on a thread of its own. An asyncio call would first wait for its task's turn, queued
-behind every request of the burst that the loop has still to parse. What is left at the end of a turn goes as an
-asyncio call: a blocking channel starts a thread to answer its calls whenever it had none in flight, which costs
-more than the call when submits trickle in. Each request is encoded by its submitter, so a SubmitBatch is the
-concatenation of one-request SubmitBatchRequests (protobuf appends repeated fields that way).
+The batches of SEND_AT are started on a blocking gRPC channel (a gateway's; a client without one sends them as
+asyncio calls too): its C core sends the call from the submitter's thread at once and answers on a thread of its
+own. An asyncio call would first wait for its task's turn, queued behind every request of the burst that the loop
+has still to parse. What is left at the end of a turn goes as an asyncio call: a blocking channel starts a thread
+to answer its calls whenever it had none in flight, which costs more than the call when submits trickle in. Each
+request is encoded by its submitter, so a SubmitBatch is the concatenation of one-request SubmitBatchRequests
+(protobuf appends repeated fields that way).
 
 Each submit ends as a Submit of it alone would have: accepted, or a grpc.aio.AioRpcError with the code, details
 and trailing field metadata the scheduler gave that request; a failed call fails every request in it with the
@@ -75,15 +76,16 @@ def _error(code: grpc.StatusCode, details: str, field: str = "", like: grpc.RpcE
 
 
 class SubmitBatcher(Generic[Request]):
-    def __init__(self, start_batch: Callable[[bytes, float | None], BatchCall],
-                 send_batch: Callable[[bytes, float | None], Awaitable[Any]],
+    def __init__(self, send_batch: Callable[[bytes, float | None], Awaitable[Any]],
                  encode: Callable[[Request], bytes],
                  submit: Callable[[Request, float | None], Awaitable[Any]],
-                 orphaned: Callable[[Request], None] = lambda request: None):
-        """`start_batch(message, timeout)`: start one SubmitBatch call of an encoded SubmitBatchRequest on the
-        blocking channel; `send_batch(message, timeout)`: the same call on the asyncio channel (each call's reply
-        has the `results` in order); `encode(request)`: a one-request SubmitBatchRequest, encoded;
-        `submit(request, timeout)`: one unary Submit; `orphaned(request)`: accepted after its submitter had gone."""
+                 orphaned: Callable[[Request], None] = lambda request: None,
+                 start_batch: Callable[[bytes, float | None], BatchCall] | None = None):
+        """`send_batch(message, timeout)`: one SubmitBatch call of an encoded SubmitBatchRequest on the asyncio
+        channel (its reply has the `results` in order); `encode(request)`: a one-request SubmitBatchRequest,
+        encoded; `submit(request, timeout)`: one unary Submit; `orphaned(request)`: accepted after its submitter
+        had gone; `start_batch(message, timeout)`: start the same call on the blocking channel (without one, the
+        batches of SEND_AT go as asyncio calls too, once the loop gets to their tasks)."""
         self._start_batch = start_batch
         self._send_batch = send_batch
         self._encode = encode
@@ -107,8 +109,8 @@ class SubmitBatcher(Generic[Request]):
         loop = asyncio.get_running_loop()
         entry = _Queued(request, encoded, timeout, loop.create_future())
         self._queued.append(entry)
-        if len(self._queued) >= SEND_AT:
-            self._start(self._take(), loop)
+        if len(self._queued) >= SEND_AT and self._start_batch is not None:
+            self._start(self._take(), self._start_batch, loop)
         elif not self._flush_due:
             self._flush_due = True
             loop.call_soon(self._flush)
@@ -132,9 +134,10 @@ class SubmitBatcher(Generic[Request]):
         timeouts = [entry.timeout for entry in batch if entry.timeout is not None]
         return b"".join(entry.encoded for entry in batch), min(timeouts, default=None)
 
-    def _start(self, batch: list[_Queued[Request]], loop: asyncio.AbstractEventLoop) -> None:
+    def _start(self, batch: list[_Queued[Request]], start_batch: Callable[[bytes, float | None], BatchCall],
+               loop: asyncio.AbstractEventLoop) -> None:
         try:
-            call = self._start_batch(*self._call(batch))
+            call = start_batch(*self._call(batch))
         except Exception as exc:  # the channel is closed (shutting down): nothing was sent
             self._fail(batch, _error(grpc.StatusCode.UNAVAILABLE, f"submit not sent: {exc!r}"))
             return
