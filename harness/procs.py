@@ -1,6 +1,7 @@
 """Start real flatwire services as processes on loopback (for the tests and the benchmarks)."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,8 +15,29 @@ from services.common.tls import TlsFiles
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free now, for a service to bind a moment later: from below the kernel's ephemeral range
+    (ip_local_port_range), which the outgoing connections of the tests and the services take their ports from:
+    one of those could take a port of that range in the meantime. None is handed out twice in a process."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:  # not Linux
+        low = 0
+    while low > 2048:
+        port = random.randrange(max(1024, low - 16384), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as sock:  # no room below the ephemeral range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
