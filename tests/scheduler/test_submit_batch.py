@@ -33,7 +33,10 @@ def request(rid: str | None = None, **sampling) -> TokenizedRequest:
 async def client_of(address: str, **options) -> AsyncIterator[SchedulerClient]:
     async with grpc.aio.insecure_channel(address) as channel:
         with grpc.insecure_channel(address) as submit_channel:
-            yield SchedulerClient(channel, submit_channel, **options)
+            client = SchedulerClient(channel, submit_channel, **options)
+            while not client._submit_channel_ready:  # batches of SEND_AT start on it once it is connected
+                await asyncio.sleep(0.01)
+            yield client
 
 
 async def outcome(client: SchedulerClient, req: TokenizedRequest) -> grpc.aio.AioRpcError | None:

@@ -204,6 +204,7 @@ class SchedulerClient:
         at once (see submit_batch.py); `orphaned(rid)`: a submit accepted after its caller was cancelled (the
         caller's to abort)."""
         self._calls = SCHEDULER.calls(channel)
+        self._submit_channel_ready = False
         method = SCHEDULER.methods["SubmitBatch"]  # its calls take the message encoded (SubmitBatcher's)
         send = channel.unary_unary(method.path, response_deserializer=method.decode_response)
         start = (submit_channel.unary_unary(method.path, response_deserializer=method.decode_response).future
@@ -213,7 +214,16 @@ class SchedulerClient:
             lambda request: method.encode_request(SubmitBatchRequest([request])),
             lambda request, timeout: self._calls["Submit"](request, timeout=timeout),
             lambda request: orphaned(request.rid),
-            start_batch=start)  # (message, timeout): a blocking call's future takes its timeout second
+            start_batch=start,  # (message, timeout): a blocking call's future takes its timeout second
+            can_start=lambda: self._submit_channel_ready)
+        # The blocking channel's state, kept by gRPC's thread, which connects it again whenever it has lost its
+        # connection. Until it is connected, batches go as asyncio calls: a call on a channel that failed to
+        # connect fails at once (the health checks keep the asyncio channel connected).
+        if submit_channel is not None:
+            submit_channel.subscribe(self._submit_channel_state, try_to_connect=True)
+
+    def _submit_channel_state(self, state: grpc.ChannelConnectivity) -> None:
+        self._submit_channel_ready = state is grpc.ChannelConnectivity.READY
 
     async def submit(self, request: TokenizedRequest, timeout: float | None = None) -> None:
         """Submit `request`, in a batch with those submitted about the same time (submit_batch.py); raises the

@@ -80,13 +80,16 @@ class SubmitBatcher(Generic[Request]):
                  encode: Callable[[Request], bytes],
                  submit: Callable[[Request, float | None], Awaitable[Any]],
                  orphaned: Callable[[Request], None] = lambda request: None,
-                 start_batch: Callable[[bytes, float | None], BatchCall] | None = None):
+                 start_batch: Callable[[bytes, float | None], BatchCall] | None = None,
+                 can_start: Callable[[], bool] = lambda: True):
         """`send_batch(message, timeout)`: one SubmitBatch call of an encoded SubmitBatchRequest on the asyncio
         channel (its reply has the `results` in order); `encode(request)`: a one-request SubmitBatchRequest,
         encoded; `submit(request, timeout)`: one unary Submit; `orphaned(request)`: accepted after its submitter
         had gone; `start_batch(message, timeout)`: start the same call on the blocking channel (without one, the
-        batches of SEND_AT go as asyncio calls too, once the loop gets to their tasks)."""
+        batches of SEND_AT go as asyncio calls too, once the loop gets to their tasks); `can_start()`: whether the
+        blocking channel is connected now (while it is not, a call on it would fail at once)."""
         self._start_batch = start_batch
+        self._can_start = can_start
         self._send_batch = send_batch
         self._encode = encode
         self._submit = submit
@@ -109,7 +112,7 @@ class SubmitBatcher(Generic[Request]):
         loop = asyncio.get_running_loop()
         entry = _Queued(request, encoded, timeout, loop.create_future())
         self._queued.append(entry)
-        if len(self._queued) >= SEND_AT and self._start_batch is not None:
+        if len(self._queued) >= SEND_AT and self._start_batch is not None and self._can_start():
             self._start(self._take(), self._start_batch, loop)
         elif not self._flush_due:
             self._flush_due = True
