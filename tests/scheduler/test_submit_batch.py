@@ -4,6 +4,7 @@ a Submit of it alone would have, a submitter that leaves while its batch is in f
 handed back to be aborted, and a scheduler without SubmitBatch is sent unary Submits."""
 
 import asyncio
+import concurrent.futures
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from flatwire_wire.rpc import FIELD_METADATA
 from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, SchedulerClient, TokenizedRequest
-from flatwire_wire.submit_batch import SEND_AT
+from flatwire_wire.submit_batch import SEND_AT, SubmitBatcher
 
 PROMPT = list(range(1000, 1016))
 
@@ -170,3 +171,25 @@ def test_a_scheduler_without_submit_batch_gets_unary_submits(synthetic_scheduler
     assert all(result is None for result in first[:-1]) and later is None
     assert first[-1].code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(first[-1].trailing_metadata())[FIELD_METADATA] == "sampling.top_p"
+
+
+def test_a_blocking_call_that_ends_cancelled_fails_its_submits():
+    """A batch's blocking call that ends cancelled (its channel closed mid-call, as when a replica is dropped) fails
+    each of its submits with UNAVAILABLE instead of leaving them waiting. (A closed channel cannot be timed to a
+    call in flight, hence a cancelled future for the call.)"""
+
+    def cancelled_call(message: bytes, timeout: float | None) -> concurrent.futures.Future:
+        call: concurrent.futures.Future = concurrent.futures.Future()
+        call.cancel()
+        return call
+
+    async def not_sent(*args):
+        raise AssertionError("the batch of SEND_AT goes on the blocking channel")
+
+    async def burst():
+        batcher = SubmitBatcher(not_sent, lambda request: b"", not_sent, start_batch=cancelled_call)
+        return await asyncio.wait_for(
+            asyncio.gather(*(batcher.submit(i, 5) for i in range(SEND_AT)), return_exceptions=True), 10)
+
+    outcomes = asyncio.run(burst())
+    assert [getattr(o, "code", lambda: o)() for o in outcomes] == [grpc.StatusCode.UNAVAILABLE] * SEND_AT

@@ -49,8 +49,6 @@ class BatchCall(Protocol):
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
 
-    def exception(self) -> grpc.RpcError | None: ...
-
     def result(self) -> Any: ...
 
 
@@ -145,14 +143,24 @@ class SubmitBatcher(Generic[Request]):
             self._fail(batch, _error(grpc.StatusCode.UNAVAILABLE, f"submit not sent: {exc!r}"))
             return
 
-        def answered(call: BatchCall) -> None:  # on gRPC's thread
-            error = call.exception()
+        def landed(call: BatchCall) -> None:  # on gRPC's thread
             try:
-                loop.call_soon_threadsafe(self._answered, batch, error, None if error else call.result())
+                loop.call_soon_threadsafe(self._landed, batch, call)
             except RuntimeError:  # the loop has closed: no one waits for the answer
                 pass
 
-        call.add_done_callback(answered)
+        call.add_done_callback(landed)
+
+    def _landed(self, batch: list[_Queued[Request]], call: BatchCall) -> None:
+        """A blocking call's outcome, taken on the loop as _send takes an asyncio call's."""
+        try:
+            reply = call.result()
+        except grpc.RpcError as exc:
+            self._answered(batch, exc, None)
+        except Exception as exc:  # cancelled (its channel was closed mid-call): no submit is left waiting
+            self._fail(batch, _error(grpc.StatusCode.UNAVAILABLE, f"submit not answered: {exc!r}"))
+        else:
+            self._answered(batch, None, reply)
 
     async def _send(self, batch: list[_Queued[Request]]) -> None:
         try:
@@ -173,7 +181,7 @@ class SubmitBatcher(Generic[Request]):
                 for entry in batch:
                     self._spawn(self._alone(entry))
                 return
-            self._fail(batch, _error(error.code(), error.details() or "", like=error))  # type: ignore[attr-defined]
+            self._fail(batch, error)
             return
         results: list[SubmitResultLike] = reply.results
         if len(results) != len(batch):  # a scheduler bug: no request is left waiting on it
@@ -188,10 +196,12 @@ class SubmitBatcher(Generic[Request]):
                 code = STATUS_CODES.get(result.code, grpc.StatusCode.UNKNOWN)
                 entry.answer.set_exception(_error(code, result.details, result.field))
 
-    def _fail(self, batch: list[_Queued[Request]], error: grpc.aio.AioRpcError) -> None:
+    def _fail(self, batch: list[_Queued[Request]], error: grpc.RpcError) -> None:
+        """Every submit of `batch` fails with `error` (a failed call's, blocking or asyncio), each its own."""
         for entry in batch:
             if not entry.answer.done():
-                entry.answer.set_exception(_error(error.code(), error.details() or "", like=error))
+                entry.answer.set_exception(
+                    _error(error.code(), error.details() or "", like=error))  # type: ignore[attr-defined]
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
