@@ -97,6 +97,8 @@ class Generations:
                 yield i, first
                 if first.result is None:
                     pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
+                else:
+                    await _end(self._iterators[i])
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in sorted(done, key=pending.__getitem__):
@@ -106,6 +108,8 @@ class Generations:
                     yield i, chunk
                     if chunk.result is None:
                         pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
+                    else:
+                        await _end(self._iterators[i])
         finally:
             for future in pending:
                 future.cancel()
@@ -115,10 +119,9 @@ class Generations:
         iterator, timer = self._iterators[0], self._timers[0]
         try:
             yield 0, self._firsts[0]
-            if self._firsts[0].result is None:
-                async for chunk in iterator:
-                    timer.tokens(len(chunk.token_ids), time.perf_counter())
-                    yield 0, chunk
+            async for chunk in iterator:  # after a first chunk with the result, this only ends the generation
+                timer.tokens(len(chunk.token_ids), time.perf_counter())
+                yield 0, chunk
         finally:
             await _close(self._iterators)
 
@@ -142,6 +145,12 @@ class Generations:
 
 
 _closing: set[asyncio.Task] = set()  # strong references to close tasks in flight
+
+
+async def _end(iterator: AsyncGenerator[Chunk, None]) -> None:
+    """End a generation that has given its result: its cleanup runs at once, in the caller's task (closing it
+    later takes a task of its own)."""
+    await anext(iterator, None)
 
 
 async def _close(iterators: list[AsyncGenerator[Chunk, None]], pending: Iterable[asyncio.Future] = ()) -> None:
