@@ -43,18 +43,18 @@ async def generate(request: Request) -> Response:
                              f"a batch cannot be answered as {packed_format.MEDIA_TYPE}: send one prompt and n=1 "
                              "per request")
     inputs = await _inputs(gateway, req)
-    gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
-                                   routing_key(request.headers)))
-    if gens is None:
-        return Response(status_code=CLIENT_CLOSED)
-    if req.stream and packed:
-        return StreamingResponse(_packed_messages(gens), media_type=packed_format.MEDIA_TYPE,
-                                 background=BackgroundTask(gens.close))
+    starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
+                                 routing_key(request.headers))
     if req.stream:
+        gens = await unless_disconnected(request, starting)
+        if gens is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if packed:
+            return StreamingResponse(_packed_messages(gens), media_type=packed_format.MEDIA_TYPE,
+                                     background=BackgroundTask(gens.close))
         return sse_response(_events(gateway, req, gens, started), gens.close,
                             gateway.metrics.bytes_sent.labels(logprob_format(req)).inc)
-    results = await gens.results_unless_disconnected(request)
+    results = await unless_disconnected(request, Generations.collect(starting))
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     if packed:

@@ -61,15 +61,15 @@ async def chat_completions(request: Request) -> Response:
               for j in range(req.n)]
     check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
-    gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
-                                   routing_key(request.headers)))
-    if gens is None:
-        return Response(status_code=CLIENT_CLOSED)
+    starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
+                                 routing_key(request.headers))
     if req.stream:
+        gens = await unless_disconnected(request, starting)
+        if gens is None:
+            return Response(status_code=CLIENT_CLOSED)
         return sse_response(_events(gateway, req, gens, ids), gens.close,
                             gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc)
-    results = await gens.results_unless_disconnected(request)
+    results = await unless_disconnected(request, Generations.collect(starting))
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({

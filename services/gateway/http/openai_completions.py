@@ -62,16 +62,16 @@ async def completions(request: Request) -> Response:
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
-    gens = await unless_disconnected(
-        request, Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
-                                   routing_key(request.headers)))
-    if gens is None:
-        return Response(status_code=CLIENT_CLOSED)
+    starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
+                                 routing_key(request.headers))
     prompt_tokens = sum(map(len, ids))
     count_bytes = gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs is not None)).inc
     if req.stream:
+        gens = await unless_disconnected(request, starting)
+        if gens is None:
+            return Response(status_code=CLIENT_CLOSED)
         return sse_response(_events(gateway, req, gens, echoes, prompt_tokens, choice_prompts), gens.close, count_bytes)
-    results = await gens.results_unless_disconnected(request)
+    results = await unless_disconnected(request, Generations.collect(starting))
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     body = dumps({

@@ -136,12 +136,16 @@ class Generations:
     async def close(self) -> None:
         await _close(self._iterators)
 
-    async def results_unless_disconnected(self, request: Request) -> list[RequestResult] | None:
-        """Every result (see results), or None if the client left first; closes the generations either way."""
+    @staticmethod
+    async def collect(starting: Awaitable["Generations"]) -> list[RequestResult]:
+        """Every result (see results) of the generations that `starting` (a start()) starts; closes them either
+        way. Awaited whole under unless_disconnected, a request watches its client with one task, not one for its
+        start and another for its results."""
+        gens = await starting
         try:
-            return await unless_disconnected(request, self.results())
+            return await gens.results()
         finally:
-            await self.close()
+            await gens.close()
 
 
 _closing: set[asyncio.Task] = set()  # strong references to close tasks in flight
