@@ -125,33 +125,67 @@ ANALYSIS = """\
   format), which is quadratic in the length: the streaming rows at k=128 nested show it. Flat formats
   stream each event's own rows (bench.stream: bytes and gateway CPU of a streamed response against the
   same response whole).
-- **Bursts** (bench.capacity_bursts: 512 clients that submit together, as an RL rollout does): each round
-  loses what the spread pattern hides. The 512 submits reach the scheduler over about half a second (the
-  gateway's request path and a Submit RPC each, on two cores shared with the clients and the scheduler's
-  steps), and the 512 responses are rendered together at the end, in one gateway process (two gateway
-  processes take part of it: `--gateway-workers 2`). The client shares the two cores: one httpx.AsyncClient
-  shared by the 512 clients (httpx-pool) costs 50 to 60 us of client CPU per delivered token at k=128,
-  because httpcore's pool scans every pooled connection on each request event (O(C) per request); an
-  AsyncClient per client (httpx) costs 12 to 16, the minimal client 3 (this host, 2026-12-02, ran the
-  services about twice as slow as the earlier tables' host: the scheduler's own us/tok doubled). An
-  AsyncClient per client must share one TLS context: building its own costs about 56 ms of CPU each, which
-  stalls the client's loop for seconds at C=512. A shared pool that lags also loses the keep-alive race now
-  and then (2 ReadErrors in its spread row: a pooled connection reused as the gateway closed it idle).
+- **Bursts** (bench.capacity_bursts: 512 clients that submit together, as an RL rollout does, and again once
+  every reply is in): 86-90% of the offer with the raw client, 78-81% with httpx, against 99% spread out;
+  the targets (95%, 85%) are missed. A round is 2.56 s of steps plus what its two ends cost, and at 95% the
+  ends get 0.13 s. Where a round goes (raw client, one gateway, scheduler stats every 2 ms and per-process
+  CPU, 2026-12-05): the gateway parses the burst at about 0.3 ms of CPU a request, so every request runs
+  0.17-0.21 s into the round (the first 32 within 0.02-0.04 s: submits leave 32 at a time as they are
+  parsed, `flatwire_wire/submit_batch.py`); requests finish in the order they started, from 2.57 s on; the
+  last reply comes at 2.89-2.94 s. The end is the gateway sending 512 responses of 350 kB at 0.65-0.7 ms
+  each, at a full core, while the client reads them on the other: about 0.35 s from the first finish, of which
+  the finishes' own spread is 0.2 s. Of a response's gateway time in that window (cProfile, relative): its
+  socket writes about a quarter, rendering about a third (half of it the per-token `output_token_logprobs`
+  rows every SGLang response carries), orjson a tenth, the rest FastAPI/Starlette/uvicorn, the finish and the
+  generation's teardown. With httpx the client's own reads cost 1.2 ms of CPU per response (4.7 us per
+  token; the raw client 0.2 ms), 0.6 s a round on the same two cores. Two gateway processes: 90% raw, 78%
+  httpx (one: 89%, 79%, the same run).
+  What moved it, one run each unless said: a SubmitBatch per burst instead of a Submit each (the submits
+  reached the scheduler in 0.21-0.26 s instead of 0.40-0.46 s); a whole-output request's first entry
+  staggered by its rid (one 26 MB message every 50 steps had held steps at 14.8 ms); the pending-output lanes
+  (spread raw 75% -> 84-90%, burst raw 65% -> 77-79% on a host about 1.5x slower); a single generation read
+  in the request's own task and labelled metrics that keep their children (burst raw 81% -> 84%, httpx 74%
+  -> 78%); submits started as they are parsed, on a blocking channel, rather than after the whole burst
+  (interleaved: raw 81-86% -> 86-88%, httpx 72-78% -> 73-80%). The fixed cost per request, measured with
+  bursts of one-token requests (interleaved, two runs each): a generation whose result came with its first
+  chunk ended in the request's task rather than by a closing task (0.54-0.59 -> 0.47-0.48 ms of gateway CPU,
+  rounds 0.30-0.33 -> 0.26-0.27 s), and one disconnect watcher per request instead of two (0.47-0.48 ->
+  0.44 ms); neither moves the 256-token rows beyond their spread (raw 88-89% before and after). FastAPI's
+  OpenTelemetry switched off measured nothing beyond the noise. The client shares the two cores: one
+  httpx.AsyncClient shared by the 512 clients (httpx-pool) costs 45 to 60 us of client CPU per delivered
+  token at k=128, because httpcore's pool scans every pooled connection on each request event (O(C) per
+  request); an AsyncClient per client (httpx) costs 5 to 9, the minimal client under 1. An AsyncClient per
+  client must share one TLS context: building its own costs about 56 ms of CPU each, which stalls the
+  client's loop for seconds at C=512.
 - **Streaming is a message per token until the gateway falls behind.** A streaming request is woken,
-  rendered and sent once per token while the gateway keeps up: a few tenths of a ms of gateway CPU per
-  event for a request streaming alone (bench.stream: a 1000-token response costs over 10x its whole
-  rendering; this run's ratios are in the headlines above), far less per token when many requests share
-  each message (the capacity table's streaming rows). Once the gateway is behind (a stream gets to its
-  tokens more than 5 ms late: its messages read late against the scheduler's stamp, or its event loop
-  busy), each stream waits as long again, at most `--stream-coalesce-ms` (50), and its next event carries
-  several steps' tokens: at C=512 k=0 that takes streaming from about a third of the offer to 87-91%, at
-  k=128 flat base64 from about a quarter to 38-49%, and nested rows at C=128 from 26% to 99% (the capacity
-  table and bench.capacity_workers are after it). So "streamed CPU within 2x of whole" is missed for a
-  stream alone; `--stream-interval N` (N tokens per event) divides the per-event part. Bytes: with
-  `--incremental-streaming-output` a flat base64 stream is about 1.5x the whole body; the arrays are the
-  same bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id, counts, its
-  output_token_logprobs row). SGLang's cumulative default re-sends text, output_ids and the output lists
-  in every event (about 11x for flat, hundreds of times for nested rows).
+  rendered and sent once per token while the gateway keeps up: a few tenths of a ms of gateway CPU per event
+  for a request streaming alone (bench.stream: a 1000-token response costs over 10x its whole rendering;
+  this run's ratios are in the headlines above), far less per token when many requests share each message
+  (the capacity table's streaming rows). Once the gateway is behind (a stream gets to its tokens more than 5
+  ms late: its messages read late against the scheduler's stamp, or its event loop busy), each stream waits
+  as long again, at most `--stream-coalesce-ms` (50), and its next event carries several steps' tokens: at
+  C=512 k=0 that takes streaming from about a third of the offer to 87-91%, at k=128 flat base64 from about
+  a quarter to 38-49%, and nested rows at C=128 from 26% to 99% (the capacity table and
+  bench.capacity_workers are after it). Since 2026-12-05 the hops' per-entry work coalesces at the source
+  too: steps that wait for a slow hop wait in the scheduler (the detokenizer's `--max-outbox-messages` 4,
+  was 128), and while a subscriber has a message queued, output that ships every step holds up to
+  `--stream-coalesce-tokens` (8) tokens per entry. The same host, C=512 k=128 flat base64 streaming (`python
+  -m bench.capacity --concurrency 512 --k 128 --formats flat_b64 --modes stream`): 63-66% before, 77%, 83%,
+  83%, 85%, 89% after (five runs); gateway 24.8-25.0 -> 20.1-23.0 us per token, detokenizer 10.1-10.6 ->
+  6.9-7.1, scheduler 13.5-14.7 -> 8.8-11.7. k=0: 93% -> 97%, gateway 16.1 -> 15.3 us (later that day, with
+  events that carry no logprobs skipping the logprob renderers: 96-98%, 14.8-15.8 us; k=128 80-88%,
+  20.3-21.6 us). Holding 16 tokens instead of 8 gave 84-85% against 85-89% in the same interleaved runs. So
+  "streamed CPU within 2x of whole" is missed for a stream alone; `--stream-interval N` (N tokens per event)
+  divides the per-event part. Bytes: with `--incremental-streaming-output` a flat base64 stream is about
+  1.5x the whole body; the arrays are the same bytes, the rest is each event's own fields (about 540 bytes:
+  shape, dtypes, offset, id, counts, its output_token_logprobs row). SGLang's cumulative default re-sends
+  text, output_ids and the output lists in every event (about 11x for flat, hundreds of times for nested
+  rows).
+- **The gateway's parser and loop** (bench.capacity_parsers): on httptools and uvloop (the defaults since this
+  table) instead of h11 and asyncio, one run each on this host, C=512 streaming: k=0 16.4 against 17.7 us of
+  gateway CPU per token (97% and 96% of the offer), k=128 flat base64 21.1 against 23.8 us (82% and 72%). The
+  burst pattern's admission, 512 submits at once, costs the gateway 0.65 against 0.82 ms per request
+  (1-token requests, measured separately).
 - **Flat base64 build + serialize vs the floor** includes `output_token_logprobs`, the per-token
   `[logprob, id, null]` rows every SGLang response carries whatever k is. The top-k fields' own share
   (the response minus the same response at k=0) is within 3x of the floor (replay targets).
