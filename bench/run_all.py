@@ -174,13 +174,13 @@ ANALYSIS = """\
   83%, 85%, 89% after (five runs); gateway 24.8-25.0 -> 20.1-23.0 us per token, detokenizer 10.1-10.6 ->
   6.9-7.1, scheduler 13.5-14.7 -> 8.8-11.7. k=0: 93% -> 97%, gateway 16.1 -> 15.3 us (later that day, with
   events that carry no logprobs skipping the logprob renderers: 96-98%, 14.8-15.8 us; k=128 80-88%,
-  20.3-21.6 us). Holding 16 tokens instead of 8 gave 84-85% against 85-89% in the same interleaved runs. So
-  "streamed CPU within 2x of whole" is missed for a stream alone; `--stream-interval N` (N tokens per event)
-  divides the per-event part. Bytes: with `--incremental-streaming-output` a flat base64 stream is about
-  1.5x the whole body; the arrays are the same bytes, the rest is each event's own fields (about 540 bytes:
-  shape, dtypes, offset, id, counts, its output_token_logprobs row). SGLang's cumulative default re-sends
-  text, output_ids and the output lists in every event (about 11x for flat, hundreds of times for nested
-  rows).
+  20.3-21.6 us; two runs at c15d79b: k=0 97-98%, 14.7 us; k=128 90%, 18.9-19.7 us). Holding 16 tokens
+  instead of 8 gave 84-85% against 85-89% in the same interleaved runs. So "streamed CPU within 2x of whole"
+  is missed for a stream alone; `--stream-interval N` (N tokens per event) divides the per-event part.
+  Bytes: with `--incremental-streaming-output` a flat base64 stream is about 1.5x the whole body; the arrays
+  are the same bytes, the rest is each event's own fields (about 540 bytes: shape, dtypes, offset, id,
+  counts, its output_token_logprobs row). SGLang's cumulative default re-sends text, output_ids and the
+  output lists in every event (about 11x for flat, hundreds of times for nested rows).
 - **The gateway's parser and loop** (bench.capacity_parsers): on httptools and uvloop (the defaults since this
   table) instead of h11 and asyncio, one run each on this host, C=512 streaming: k=0 16.4 against 17.7 us of
   gateway CPU per token (97% and 96% of the offer), k=128 flat base64 21.1 against 23.8 us (82% and 72%). The
