@@ -26,8 +26,7 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except OSError:  # not Linux
         low = 0
-    while low > 2048:
-        port = random.randrange(max(1024, low - 16384), low)
+    for port in random.sample(range(max(1024, low - 16384), low), min(64, max(low - 1024, 0))):
         if port in _HANDED_OUT:
             continue
         with socket.socket() as sock:
@@ -37,7 +36,7 @@ def free_port() -> int:
                 continue
         _HANDED_OUT.add(port)
         return port
-    with socket.socket() as sock:  # no room below the ephemeral range: the kernel's pick
+    with socket.socket() as sock:  # no free port found below the ephemeral range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

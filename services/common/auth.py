@@ -224,10 +224,7 @@ def internal_secret_interceptors(secret: str) -> list[grpc.aio.ClientInterceptor
     return metadata_interceptors([(SECRET_METADATA, secret)])
 
 
-class _BlockingUnaryUnary(grpc.UnaryUnaryClientInterceptor):
-    def __init__(self, pairs: tuple[tuple[str, str], ...]):
-        self._pairs = pairs
-
+class _BlockingUnaryUnary(_AddMetadata, grpc.UnaryUnaryClientInterceptor):
     def intercept_unary_unary(self, continuation, client_call_details, request):
         metadata = (*(client_call_details.metadata or ()), *self._pairs)
         return continuation(client_call_details._replace(metadata=metadata), request)
