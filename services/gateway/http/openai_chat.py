@@ -9,13 +9,13 @@ from flatwire_wire.logprobs import RequestLogprobs
 from services.gateway.agents.reasoning import ThinkBlock
 from services.gateway.agents.tool_calls import ForcedCalls, ToolCallParser, tool_call_parser
 from services.gateway.agents.turn import AssistantTurn
-from services.gateway.engine_client import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
+    choice_inputs,
     choice_meta_info,
     finish_fields,
     openai_format,
@@ -54,11 +54,7 @@ async def chat_completions(request: Request) -> Response:
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
                             req.template_tools(), req.chat_template_kwargs)
     max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
-    # Choice j samples with its own seed (seed + j), so that seeded choices differ yet reproduce.
-    inputs = [GenerateInput(input_ids=ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
-                            detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
-                            return_routed_experts=req.return_routed_experts)
-              for j in range(req.n)]
+    inputs = choice_inputs(req, ids, max_new)
     check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,

@@ -2,10 +2,10 @@
 
 import uuid
 
-from services.gateway.engine_client import Chunk
+from services.gateway.engine_client import Chunk, GenerateInput
 from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
-from services.gateway.protocol.openai import OpenAIRequest
+from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
@@ -19,6 +19,15 @@ def check_model(gateway: Gateway, model: str) -> None:
 
 def response_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def choice_inputs(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_new: int) -> list[GenerateInput]:
+    """A prompt's n choices; choice j samples with its own seed (seed + j), so that seeded choices differ yet
+    reproduce."""
+    return [GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
+                          detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
+                          return_routed_experts=req.return_routed_experts)
+            for j in range(req.n)]
 
 
 def finish_fields(result: RequestResult) -> dict:

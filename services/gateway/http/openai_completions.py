@@ -6,13 +6,13 @@ import time
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
-from services.gateway.engine_client import GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
+    choice_inputs,
     choice_meta_info,
     finish_fields,
     openai_format,
@@ -54,11 +54,7 @@ async def completions(request: Request) -> Response:
     inputs = []
     for prompt_ids in ids:
         max_new = check_lengths(prompt_ids, gateway.limits, "prompt", req.max_tokens, "max_tokens")
-        # choice p * n + j is prompt p's j-th sample, with its own seed (seed + j) when seeded
-        inputs += [GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
-                                 detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
-                                 return_routed_experts=req.return_routed_experts)
-                   for j in range(req.n)]
+        inputs += choice_inputs(req, prompt_ids, max_new)  # choice p * n + j: prompt p's j-th sample
     check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
