@@ -166,12 +166,19 @@ def _hold_free_port(held: ExitStack) -> int:
     return sock.getsockname()[1]
 
 
-def _wait(check, what: str, procs: list[subprocess.Popen], deadline: float) -> None:
+class StartupFailed(Exception):
+    """The pipeline did not come up; the message says which service, and where to look."""
+
+
+def _wait(check, what: str, services: list[Supervised], deadline: float) -> None:
     while not check():
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a service exited while waiting for {what}")
+        for service in services:
+            assert service.proc is not None, "waited on before it was started"
+            if (code := service.proc.poll()) is not None:
+                raise StartupFailed(f"{service.name} exited with code {code} while waiting for {what} (its log above "
+                                    "says why)")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready in time")
+            raise StartupFailed(f"{what} not ready within --startup-timeout-s")
         time.sleep(0.25)
 
 
@@ -210,7 +217,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # us in the background leaves SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    model_dir = resolve_model(shared.model, shared.cache_dir)
+    try:
+        model_dir = resolve_model(shared.model, shared.cache_dir)
+    except FileNotFoundError as exc:  # its message names --model and what is wrong with it
+        sys.exit(f"{prog or 'flatwire up'}: {exc}")
     # The services get a configured --model as given, so that a Hub model keeps its id as its name, and resolve it
     # offline: from the cache it was just fetched into, the revision fetched here, never waiting on the Hub
     # (restarts too). The default model they get by the path it was built at.
@@ -245,12 +255,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     own = ssl._create_unverified_context() if gateway_tls.public else None  # noqa: S323
     internal, name = shared.tls.checking_channel(), shared.tls.server_name
     try:
-        procs = [service.start() for service in services]
-        _wait(lambda: check_health(scheduler, 2.0, internal, name), "the scheduler", procs, deadline)
-        _wait(lambda: check_health(detokenizer, 2.0, internal, name), "the detokenizer", procs, deadline)
-        _wait(lambda: http_ok(f"{http}/health", 2, own), "the gateway", procs, deadline)
+        for service in services:
+            service.start()
+        _wait(lambda: check_health(scheduler, 2.0, internal, name), "the scheduler", services, deadline)
+        _wait(lambda: check_health(detokenizer, 2.0, internal, name), "the detokenizer", services, deadline)
+        _wait(lambda: http_ok(f"{http}/health", 2, own), "the gateway", services, deadline)
         if config.gateway_workers > 1:  # each worker binds the shared ports once it serves
-            _wait(lambda: _listening(config.port) >= config.gateway_workers, "every gateway worker", procs, deadline)
+            _wait(lambda: _listening(config.port) >= config.gateway_workers, "every gateway worker", services,
+                  deadline)
         print(f"\nflatwire is up (model {model_name(shared.model, model_dir)} from {model_dir})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"
@@ -261,6 +273,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except StartupFailed as exc:
+        sys.exit(f"{prog or 'flatwire up'}: {exc}")  # once `finally` has stopped the others
     finally:
         procs = [service.proc for service in services if service.proc is not None]
         for proc in reversed(procs):

@@ -86,6 +86,30 @@ def test_up_restarts_a_crashed_service(model_dir, tmp_path):
         _stop_up(up)
 
 
+def test_a_taken_port_stops_up_with_one_line_that_names_the_service(model_dir, tmp_path):
+    """A service that exits during startup (here the gateway: its HTTP port is taken) is a setup error: `flatwire
+    up` stops the others and exits 1 with one line naming it, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        up = Launcher(tmp_path / "up.log", model_dir, options=[f"--port={taken.getsockname()[1]}"])
+        up.proc.wait(timeout=240)
+    assert up.proc.returncode == 1, up.log()
+    last = up.log().rstrip().splitlines()[-1]
+    assert last.startswith("flatwire up: gateway exited with code ") and "its log above says why" in last, up.log()
+    assert "address already in use" in up.log() and "Traceback" not in up.log()
+    for service in ("scheduler", "detokenizer"):  # stopped by the launcher, before it exited
+        assert f"flatwire.{service}: stopping" in up.log(), up.log()
+
+
+def test_a_model_that_is_not_there_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "services", "up", "--model", "/no/such/checkpoint"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("flatwire up: --model /no/such/checkpoint: neither a local directory nor a "
+                                     "Hugging Face Hub model id (Org/Name)")
+
+
 def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
     config = UpConfig(restart_delay_s=1, restart_max_delay_s=4, restart_reset_s=60)
     service = Supervised("detokenizer", [sys.executable, "-c", "raise SystemExit(3)"], config.restart_delay_s)
