@@ -3,6 +3,8 @@
 import importlib
 import sys
 
+from services.common.model_store import ModelNotFound
+
 COMMANDS = {
     "up": ("services.launcher", "run all three services on loopback until Ctrl-C"),
     "scheduler": ("services.scheduler.server", "run the scheduler (model, batching, sampling)"),
@@ -19,7 +21,11 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: flatwire COMMAND [--help]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     module, _ = COMMANDS[argv[0]]
-    importlib.import_module(module).main(argv[1:], prog=f"flatwire {argv[0]}")
+    prog = f"flatwire {argv[0]}"
+    try:
+        importlib.import_module(module).main(argv[1:], prog=prog)
+    except ModelNotFound as exc:  # a setup error, said in one line
+        sys.exit(f"{prog}: {exc}")
 
 
 if __name__ == "__main__":

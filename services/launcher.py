@@ -217,10 +217,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # us in the background leaves SIGINT ignored.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
-    try:
-        model_dir = resolve_model(shared.model, shared.cache_dir)
-    except FileNotFoundError as exc:  # its message names --model and what is wrong with it
-        sys.exit(f"{prog or 'flatwire up'}: {exc}")
+    model_dir = resolve_model(shared.model, shared.cache_dir)
     # The services get a configured --model as given, so that a Hub model keeps its id as its name, and resolve it
     # offline: from the cache it was just fetched into, the revision fetched here, never waiting on the Hub
     # (restarts too). The default model they get by the path it was built at.

@@ -86,6 +86,10 @@ SEED = 20260101
 HUB_IGNORE_PATTERNS = ["original/*", "onnx/*", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite"]
 
 
+class ModelNotFound(FileNotFoundError):
+    """--model names nothing this machine can load; the message says what it is not."""
+
+
 def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Path:
     """The local directory to load from: `model` if it is a local directory, else the Hugging Face Hub
     model of that id (see hub_snapshot); without `model`, the default model, built if needed."""
@@ -94,7 +98,7 @@ def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Pat
         if not path.is_dir():
             return hub_snapshot(model)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {model}: not a Hugging Face checkpoint (no config.json)")
+            raise ModelNotFound(f"--model {model}: not a Hugging Face checkpoint (no config.json)")
         return path
     target = Path(cache_dir or DEFAULT_CACHE_DIR) / DEFAULT_MODEL_NAME
     if (target / "config.json").is_file():
@@ -118,18 +122,18 @@ def hub_snapshot(model_id: str) -> Path:
     try:
         validate_repo_id(model_id)
     except HFValidationError:
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"--model {model_id}: neither a local directory nor a Hugging Face Hub model id (Org/Name)") from None
     try:
         return Path(snapshot_download(model_id, ignore_patterns=HUB_IGNORE_PATTERNS))
     except LocalEntryNotFoundError as exc:
         reason = ("this machine is offline (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE
                   else "the Hugging Face Hub could not be reached")
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"--model {model_id}: neither a local directory nor (completely) in the Hugging Face cache "
             f"{constants.HF_HUB_CACHE}, and {reason}: {exc}") from exc
     except HfHubHTTPError as exc:  # no such model, or a gated or private one (a token: HF_TOKEN)
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"--model {model_id}: not a local directory, and the Hugging Face Hub refused it: {exc}") from exc
 
 

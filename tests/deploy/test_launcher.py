@@ -102,12 +102,13 @@ def test_a_taken_port_stops_up_with_one_line_that_names_the_service(model_dir, t
         assert f"flatwire.{service}: stopping" in up.log(), up.log()
 
 
-def test_a_model_that_is_not_there_is_one_line():
-    result = subprocess.run([sys.executable, "-m", "services", "up", "--model", "/no/such/checkpoint"], cwd=ROOT,
+@pytest.mark.parametrize("command", ["up", "scheduler", "detokenizer", "gateway"])
+def test_a_model_that_is_not_there_is_one_line(command):
+    result = subprocess.run([sys.executable, "-m", "services", command, "--model", "/no/such/checkpoint"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert result.stderr.strip() == ("flatwire up: --model /no/such/checkpoint: neither a local directory nor a "
-                                     "Hugging Face Hub model id (Org/Name)")
+    assert result.stderr.strip() == (f"flatwire {command}: --model /no/such/checkpoint: neither a local directory "
+                                     "nor a Hugging Face Hub model id (Org/Name)")
 
 
 def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):

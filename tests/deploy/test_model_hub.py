@@ -46,7 +46,8 @@ def test_uncached_hub_id_offline_is_a_clear_error(hf_home):
     resolved = _resolve_in(offline_env(HF_HOME=str(hf_home)), "flatwire-test/not-cached")
     assert resolved.returncode != 0
     error = resolved.stderr.strip().splitlines()[-1]
-    assert error.startswith("FileNotFoundError: --model flatwire-test/not-cached: neither a local directory nor "
+    assert error.startswith("services.common.model_store.ModelNotFound: --model flatwire-test/not-cached: neither a "
+                            "local directory nor "
                             f"(completely) in the Hugging Face cache {hf_home / 'hub'}, and this machine is "
                             "offline (HF_HUB_OFFLINE is set)"), resolved.stderr
 
