@@ -108,7 +108,10 @@ class DetokenizerStreams:
             channel = internal_channel(address, self.config, self._names.get(address))
             try:
                 call = DetokenizerClient(channel).stream_outputs(self.owner)
-                instance = dict(await call.initial_metadata()).get(INSTANCE_METADATA)
+                metadata = await call.initial_metadata()
+                if call.done():  # failed before the detokenizer answered (gRPC hands out empty metadata then)
+                    await call.read()  # raises the call's error: the stream was never up
+                instance = dict(metadata).get(INSTANCE_METADATA)
                 if instance is not None and self._instances.get(address) == instance:
                     self._on_cut(address)  # the same process after a cut: what was in transit is lost
                 self._instances[address] = instance

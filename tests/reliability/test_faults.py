@@ -63,9 +63,15 @@ def test_short_scheduler_stalls_lose_nothing(stack, tokenizer):
 
 
 def test_detokenizer_gone_fails_every_request_explicitly(stack, tokenizer):
+    logged = len(stack.procs["gateway"].log())
     result = run(stack, tokenizer, "detokenizer killed for good")
     assert result.counts["failed explicitly"] == REQUESTS
     _refused_at_once(result.admission, "detokenizer")
+    # The outage of its output stream, as the gateway logs it: once when it broke, once when it was back (the
+    # scenario restarts the detokenizer at its end), not at every retry.
+    log = stack.procs["gateway"].log()[logged:]
+    assert log.count("retrying until it is back") == 1, log[-3000:]
+    assert log.count("stream is back after") <= 1, log[-3000:]  # the restart may be logged later
 
 
 def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
