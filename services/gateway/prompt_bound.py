@@ -93,7 +93,8 @@ def max_bytes_per_token(tokenizer) -> int | None:
     return max(longest, added, 1) * shrink
 
 
-def _bound(tokenizer) -> int | None:
+def bytes_per_token(tokenizer) -> int | None:
+    """max_bytes_per_token, computed once per tokenizer (a pass over its vocabulary: 0.2 s for 250k entries)."""
     with _lock:
         cached = _cache.get(id(tokenizer))
         if cached is None or cached[0] is not tokenizer:
@@ -119,7 +120,7 @@ def _utf8_len(text: str, chunk: int = 1 << 20) -> int:
 def check_prompt_text(tokenizer, text: str, max_context: int, field: str) -> None:
     """Refuse `text` (as `field`) when it has, for certain, more tokens than max_context holds.
     Cheap: no tokenization; at most a UTF-8 length count of a text that is already too long."""
-    per_token = _bound(tokenizer)
+    per_token = bytes_per_token(tokenizer)
     if per_token is None:
         return
     limit = max_context * per_token

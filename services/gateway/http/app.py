@@ -23,7 +23,7 @@ log = logging.getLogger("flatwire.gateway")
 
 def _report_warming(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("warming the renderers failed", exc_info=task.exception())
+        log.error("warming up failed", exc_info=task.exception())
 
 
 def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
@@ -32,7 +32,7 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        warming = asyncio.create_task(asyncio.to_thread(gateway.warm_renderers))
+        warming = asyncio.create_task(asyncio.to_thread(gateway.warm_up))
         warming.add_done_callback(_report_warming)
         yield
         warming.cancel()

@@ -13,6 +13,7 @@ from services.common.memory import freeze_heap
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompt_bound import bytes_per_token
 from services.gateway.protocol.parse import ModelLimits, model_limits
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.openai_completions import completion_logprobs
@@ -27,7 +28,7 @@ class Gateway:
     config: GatewayConfig
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
-    renderers_ready: bool = False  # warm_renderers has run (/server_info says so)
+    renderers_ready: bool = False  # warm_up has run (/server_info says so)
 
     @cached_property
     def access(self) -> AccessKeys:
@@ -41,10 +42,11 @@ class Gateway:
     def table(self) -> TokenTable:
         return TokenTable(self.engine.tokenizer, self.limits.vocab_size)
 
-    def warm_renderers(self) -> None:
-        """Build the token table and every renderer's per-id pieces (seconds of CPU for a
-        250k vocabulary) by rendering one row in each format; run it in a thread at
-        startup so that no request stalls the event loop doing it."""
+    def warm_up(self) -> None:
+        """Build what the first requests would otherwise build (seconds of CPU for a 250k vocabulary): the
+        token table and every renderer's per-id pieces, by rendering one row in each format, and the prompt
+        length bound; run it in a thread at startup so that no request stalls the event loop doing it."""
+        bytes_per_token(self.engine.tokenizer)
         row = RequestLogprobs(token_ids=np.zeros(1, I32), token_logprobs=np.zeros(1, F32),
                            topk_values=np.zeros((1, 1), F32), topk_ids=np.zeros((1, 1), I32),
                            ids_logprobs=np.zeros((1, 1), F32))
