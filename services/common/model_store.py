@@ -86,6 +86,11 @@ SEED = 20260101
 HUB_IGNORE_PATTERNS = ["original/*", "onnx/*", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite"]
 
 
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """Where flatwire keeps what it builds (--cache-dir, else DEFAULT_CACHE_DIR)."""
+    return Path(cache_dir or DEFAULT_CACHE_DIR)
+
+
 class ModelNotFound(FileNotFoundError):
     """--model names nothing this machine can load; the message says what it is not."""
 
@@ -100,7 +105,7 @@ def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Pat
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"--model {model}: not a Hugging Face checkpoint (no config.json)")
         return path
-    target = Path(cache_dir or DEFAULT_CACHE_DIR) / DEFAULT_MODEL_NAME
+    target = cache_root(cache_dir) / DEFAULT_MODEL_NAME
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,7 @@ from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import keep_big_blocks
-from services.common.model_store import model_name, resolve_model
+from services.common.model_store import cache_root, model_name, resolve_model
 from services.common.rpc import add_health, create_server, listen, mark_serving
 from services.common.signals import stop_requested
 from services.scheduler.config import SchedulerConfig
@@ -359,7 +359,8 @@ async def serve(config: SchedulerConfig) -> None:
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
     # --served-model-name wins).
     weights = ServedWeights(runner.model, model_dir, runner.eos_token_ids) if isinstance(runner, ModelRunner) else None
-    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)  # reads the tokenizer when first used
+    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, cache_root(config.cache_dir))
+    grammars.prepare()  # in the background: the first constrained request finds the vocabulary read
     service = SchedulerService(config, model_name(config.model, model_dir), runner, weights, grammars)
     server = create_server(config.max_message_mb, config.keepalive_s, internal_secret=config.internal_secret,
                            max_receive_mb=config.max_request_mb)

@@ -17,7 +17,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.request import RequestStatus
-from services.scheduler.sampling.grammar import Grammars
+from services.scheduler.sampling.grammar import Grammars, VocabularyCache
 from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
 
 REGEX = "[a-z]{3}-[0-9]{2}"
@@ -97,18 +97,30 @@ def test_others_run_while_a_grammar_compiles(run, tokenizer):
     assert re.fullmatch(REGEX, tokenizer.decode(run.output("constrained")[:-1]))
 
 
-def test_the_vocabulary_is_read_outside_the_server_process(runner, model_dir):
-    """The first compile reads the tokenizer; parsing tokenizer.json holds the GIL for seconds, and in this
-    process the scheduler would answer nothing meanwhile (on a busy host: out of rotation). Here a thread
-    that wakes every 10 ms is never held up for long."""
-    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
-    compiling = grammars.matcher_later(Grammars.parse("regex", REGEX), frozenset(runner.eos_token_ids))
+def test_the_vocabulary_is_read_outside_the_server_process_and_kept(runner, model_dir, tmp_path, monkeypatch):
+    """The server reads the tokenizer as it starts (prepare), and a compile waits for it; parsing tokenizer.json
+    holds the GIL for seconds, and in this process the scheduler would answer nothing meanwhile (on a busy host:
+    out of rotation). Here a thread that wakes every 10 ms is never held up for long. What was read is kept in
+    the cache directory, and the next start reads that instead."""
+    stop_ids = frozenset(runner.eos_token_ids)
+    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, tmp_path)
+    reading = grammars.prepare()
+    compiling = grammars.matcher_later(Grammars.parse("regex", REGEX), stop_ids)
     longest_wait, last = 0.0, time.perf_counter()
     while not compiling.done():
         time.sleep(0.01)
         now = time.perf_counter()
         longest_wait, last = max(longest_wait, now - last), now
     assert compiling.result().accept_string("abc-12") and longest_wait < 0.75, longest_wait
+    assert reading.done() and len(list((tmp_path / "xgrammar").glob("vocabulary-*.json"))) == 1
+
+    restarted = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, tmp_path)
+    monkeypatch.setattr(restarted, "_read_vocabulary", lambda: pytest.fail("the kept vocabulary was read again"))
+    restarted.prepare().result(timeout=60)
+    assert restarted.matcher(Grammars.parse("regex", REGEX), stop_ids).accept_string("abc-12")
+    # Other stop tokens make another vocabulary for xgrammar: not the one kept.
+    other = VocabularyCache(tmp_path, model_dir, runner.vocab_size, [*runner.eos_token_ids, 0])
+    assert other.read() is None
 
 
 def test_an_abort_while_compiling_ends_it(run):

@@ -3,10 +3,11 @@ samples tokens that keep its output within the grammar's language, with xgrammar
 vLLM use).
 
 - Grammars (the server, in a worker thread: compiling blocks): compiles a constraint against the model's
-  vocabulary and gives the request its matcher. The tokenizer is read on the first constrained request, in a
-  process of its own (seconds for a 250k-token vocabulary, and parsing tokenizer.json holds the GIL for all
-  of them: in this process the server would not answer meanwhile); xgrammar caches compiled grammars by their
-  text, up to CACHE_BYTES.
+  vocabulary and gives the request its matcher. The vocabulary is read as the server starts (prepare()), in
+  a process of its own (seconds for a 250k-token vocabulary, and parsing tokenizer.json holds the GIL for
+  all of them: in this process the server would not answer meanwhile), and kept in the cache directory for
+  the next start, keyed by the tokenizer's files (VocabularyCache); xgrammar caches compiled grammars by
+  their text, up to CACHE_BYTES.
 - xgrammar's GrammarMatcher (Request.grammar): the request's position in its grammar, advanced by each token
   it samples (accept_tokens). Its stop tokens are the request's (eos and stop_token_ids), so once the output
   is complete only those remain and the engine ends the request on one, as on any stop token.
@@ -15,12 +16,16 @@ vLLM use).
   that are sampled are masked: logprobs stay the model's raw distribution.
 """
 
+import hashlib
 import logging
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -46,34 +51,86 @@ class InvalidGrammar(ValueError):
     """A constraint xgrammar cannot compile; the message says why."""
 
 
-class Grammars:
-    """Compiles constraints for one model: its tokenizer's vocabulary padded to the logits' size."""
+# The files a Hugging Face tokenizer is read from: what the serialized vocabulary depends on.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: list[int]):
+
+class VocabularyCache:
+    """The vocabulary as xgrammar serializes it, in `directory` under a key of everything it depends on: the
+    tokenizer files' bytes, the padded vocabulary size, the stop tokens and xgrammar's version. Written
+    atomically, so that schedulers starting together never read half a file; a directory that cannot be
+    written only costs the next start its read."""
+
+    def __init__(self, directory: Path, model_dir: Path, vocab_size: int, eos_token_ids: list[int]):
+        key = hashlib.sha256(f"{version('xgrammar')} {vocab_size} {eos_token_ids}".encode())
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                key.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
+        self.path = directory / "xgrammar" / f"vocabulary-{key.hexdigest()[:32]}.json"
+
+    def read(self) -> str | None:
+        try:
+            return self.path.read_text()
+        except OSError:
+            return None
+
+    def write(self, serialized: str) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as out:
+                out.write(serialized)
+            os.replace(out.name, self.path)
+        except OSError as exc:
+            log.warning("structured output: could not keep the vocabulary in %s (%s); the next start reads it "
+                        "again", self.path.parent, exc)
+
+
+class Grammars:
+    """Compiles constraints for one model: its tokenizer's vocabulary padded to the logits' size. `cache_dir`:
+    where the vocabulary is kept between starts (None: not kept)."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: list[int], cache_dir: Path | None = None):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self._cache = VocabularyCache(cache_dir, model_dir, vocab_size, eos_token_ids) if cache_dir else None
         self._compiler: xgr.GrammarCompiler | None = None
         self._loading = threading.Lock()
         self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
+    def prepare(self) -> Future[xgr.GrammarCompiler]:
+        """Read the vocabulary now, in the compile thread, so that the first constrained request does not wait
+        seconds for it (it waits only for what is left)."""
+        reading = self._compile_thread.submit(self._compiler_now)
+        reading.add_done_callback(_report_reading)
+        return reading
+
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._loading:
             if self._compiler is None:
-                command = [sys.executable, "-m", __name__, str(self.model_dir), str(self.vocab_size),
-                           *map(str, self.eos_token_ids)]
-                try:
-                    reader = subprocess.run(command, capture_output=True, text=True,
-                                            timeout=VOCABULARY_READ_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"reading {self.model_dir}'s vocabulary took over "
-                                       f"{VOCABULARY_READ_TIMEOUT_S} s") from None
-                if reader.returncode:
-                    raise RuntimeError(f"reading {self.model_dir}'s vocabulary failed: {reader.stderr.strip()[-2000:]}")
-                info = xgr.TokenizerInfo.deserialize_json(reader.stdout)  # tens of milliseconds
+                serialized = self._cache.read() if self._cache is not None else None
+                if serialized is None:
+                    serialized = self._read_vocabulary()
+                    if self._cache is not None:
+                        self._cache.write(serialized)
+                info = xgr.TokenizerInfo.deserialize_json(serialized)  # tens of milliseconds
                 self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
                 log.info("structured output: %s's vocabulary read for grammar compilation", self.model_dir)
             return self._compiler
+
+    def _read_vocabulary(self) -> str:
+        """read_tokenizer_info in a process of its own."""
+        command = [sys.executable, "-m", __name__, str(self.model_dir), str(self.vocab_size),
+                   *map(str, self.eos_token_ids)]
+        try:
+            reader = subprocess.run(command, capture_output=True, text=True, timeout=VOCABULARY_READ_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"reading {self.model_dir}'s vocabulary took over {VOCABULARY_READ_TIMEOUT_S} s") \
+                from None
+        if reader.returncode:
+            raise RuntimeError(f"reading {self.model_dir}'s vocabulary failed: {reader.stderr.strip()[-2000:]}")
+        return reader.stdout
 
     @staticmethod
     def parse(kind: str, text: str) -> xgr.Grammar:
@@ -125,6 +182,11 @@ class TokenMask:
         xgr.apply_token_bitmask_inplace(logits, self.on_device, vocab_size=self.vocab_size,
                                         indices=[row for row, _ in rows])
         return logits
+
+
+def _report_reading(reading: Future) -> None:
+    if reading.exception() is not None:  # a constrained request tries again, and fails with the reason
+        log.error("structured output: reading the vocabulary failed: %s", reading.exception())
 
 
 def accept_tokens(rows: list[ConstrainedRow], next_ids: np.ndarray) -> None:
