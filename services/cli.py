@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
         importlib.import_module(module).main(argv[1:], prog=prog)
     except ModelNotFound as exc:  # a setup error, said in one line
         sys.exit(f"{prog}: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C before a service took over its signals (building the default model, say)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,25 @@ def test_a_model_that_is_not_there_is_one_line(command):
                                      "nor a Hugging Face Hub model id (Org/Name)")
 
 
+def test_ctrl_c_while_the_default_model_is_built_stops_quietly(tmp_path):
+    """Ctrl-C before the services start (here: while the default model is built into an empty cache) ends `up`
+    with status 130, no traceback, and no half-built model left behind."""
+    up = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", "0"], cwd=ROOT, text=True,
+                          env={**os.environ, "FLATWIRE_CACHE_DIR": str(tmp_path)}, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(path.is_dir() for path in tmp_path.iterdir()):  # the build's staging directory
+            assert up.poll() is None and time.monotonic() < deadline, up.stderr.read() if up.stderr else ""
+            time.sleep(0.1)
+        up.send_signal(signal.SIGINT)
+        _, stderr = up.communicate(timeout=60)
+    finally:
+        up.kill()
+    assert up.returncode == 130 and "Traceback" not in stderr, stderr
+    assert "building the default model" in stderr
+    assert [path.name for path in tmp_path.iterdir()] == ["flatwire-default-qwen3-v2.lock"]
+
+
 def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
     config = UpConfig(restart_delay_s=1, restart_max_delay_s=4, restart_reset_s=60)
     service = Supervised("detokenizer", [sys.executable, "-c", "raise SystemExit(3)"], config.restart_delay_s)
