@@ -21,7 +21,21 @@ OPENAI_FIELDS = [
     (COMPLETIONS_ENDPOINT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], [None, []]),
     (COMPLETIONS_ENDPOINT, "tool_choice", "auto", [None, "none"]),
     *((endpoint, "best_of", 2, [None, 1]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
+    (CHAT_ENDPOINT, "functions", [{"name": "f", "parameters": {}}], [None, []]),
+    (CHAT_ENDPOINT, "function_call", "auto", [None, "none"]),
+    (CHAT_ENDPOINT, "modalities", ["text", "audio"], [None, ["text"]]),
+    (CHAT_ENDPOINT, "audio", {"voice": "alloy", "format": "wav"}, [None]),
+    (CHAT_ENDPOINT, "prediction", {"type": "content", "content": "x"}, [None]),
+    (CHAT_ENDPOINT, "store", True, [None, False]),
+    (CHAT_ENDPOINT, "service_tier", "priority", [None, "auto", "default"]),
+    (CHAT_ENDPOINT, "continue_final_message", True, [None, False]),
+    # SGLang's, on both routes and /generate (SGLANG_FIELDS)
+    *((endpoint, "lora_path", "adapter", [None]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
+    *((endpoint, "return_hidden_states", True, [None, False]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
 ]
+SGLANG_FIELDS = [("n", 5, [None, 1]), ("lora_path", "adapter", [None]), ("return_hidden_states", True, [None, False]),
+                 ("image_data", "https://example.com/a.png", [None]), ("input_embeds", [[0.0]], [None]),
+                 ("log_metrics", False, [None, True]), ("session_params", {"id": "s"}, [None])]
 
 
 def assert_refused(response, field: str) -> None:
@@ -42,7 +56,7 @@ def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field
         assert response.status_code == 200, (ok, response.text)
 
 
-@pytest.mark.parametrize(("field", "value", "neutral"), [("n", 5, [None, 1])])
+@pytest.mark.parametrize(("field", "value", "neutral"), SGLANG_FIELDS, ids=[f[0] for f in SGLANG_FIELDS])
 def test_generate_field_refused_unless_neutral(http, field, value, neutral):
     assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
     for ok in neutral:
@@ -267,3 +281,46 @@ def test_return_token_ids_gives_the_prompt_and_each_choice_ids(http, openai_clie
     assert firsts[0]["prompt_token_ids"] == completion.choices[0].model_extra["prompt_token_ids"]
     assert all("prompt_token_ids" not in extra for extra in firsts[1:])
     assert [t for extra in firsts for t in extra["token_ids"]] == completion.choices[0].model_extra["token_ids"]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "field"), [
+    ("/generate", {**GENERATE, "max_new_tokens": 3}, "max_new_tokens"),  # belongs in sampling_params
+    ("/generate", {**GENERATE, "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),
+    (CHAT_ENDPOINT, {**CHAT, "max_token": 3}, "max_token"),
+    (COMPLETIONS_ENDPOINT, {**COMPLETION, "stream_option": {"include_usage": True}}, "stream_option"),
+])
+def test_a_field_no_api_has_is_refused_by_name(http, served_model, endpoint, body, field):
+    """As OpenAI refuses it: a misspelt or misplaced field would otherwise be dropped, and the request run with
+    the default it meant to change."""
+    response = http.post(endpoint, json={**body, "model": served_model} if endpoint != "/generate" else body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    assert response.json()["error"]["message"] == f"{field}: unrecognized field"
+
+
+def test_labels_and_hints_are_taken(openai_client, served_model):
+    """metadata, safety_identifier and user label a request; prompt_cache_key routes it (with one replica, here,
+    to that one); none of them changes the output."""
+    plain = openai_client.chat.completions.create(model=served_model, **CHAT)
+    labelled = openai_client.chat.completions.create(
+        model=served_model, **CHAT, metadata={"run": "7"}, safety_identifier="u-1", user="u-1",
+        prompt_cache_key="session-1")
+    assert labelled.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_reasoning_effort_reaches_the_template_as_sglang_gives_it(http, served_model):
+    """reasoning_effort "none" turns thinking off as enable_thinking false does (the default model's template
+    then renders an empty think block into the prompt); other levels reach the template, which does not use
+    them."""
+    def prompt_ids(**fields) -> list[int]:
+        response = http.post(CHAT_ENDPOINT, json={**CHAT, "model": served_model, "return_token_ids": True, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["prompt_token_ids"]
+
+    default, no_thinking = prompt_ids(), prompt_ids(chat_template_kwargs={"enable_thinking": False})
+    assert no_thinking != default
+    assert prompt_ids(reasoning_effort="none") == no_thinking
+    assert prompt_ids(reasoning_effort="high") == default
+    assert prompt_ids(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == default
+    response = http.post(CHAT_ENDPOINT, json={**CHAT, "model": served_model, "reasoning_effort": "extreme"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"

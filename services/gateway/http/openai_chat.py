@@ -52,13 +52,13 @@ async def chat_completions(request: Request) -> Response:
                              "tool_choice auto (the default with tools) needs a server started with "
                              "--tool-call-parser; give tool_choice required, a function's name, or none")
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
-                            req.template_tools(), req.chat_template_kwargs)
+                            req.template_tools(), req.template_kwargs())
     max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
     inputs = choice_inputs(req, ids, max_new)
     check_logprob_elements(inputs, gateway.limits,
                            LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
-                                 routing_key(request.headers))
+                                 routing_key(request.headers) or req.prompt_cache_key)
     if req.stream:
         gens = await unless_disconnected(request, starting)
         if gens is None:

@@ -26,6 +26,7 @@ from services.gateway.protocol.parse import (
     logprobs_mode,
 )
 from services.gateway.protocol.sampling import CONSTRAINTS, SamplingFields, unsupported
+from services.gateway.protocol.sglang import SGLangServerFields
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens for completions, given or null
 
@@ -69,7 +70,7 @@ def _no_other_constraint(value: ResponseFormat | None, info: ValidationInfo) -> 
     return value
 
 
-class OpenAIRequest(SamplingFields):
+class OpenAIRequest(SamplingFields, SGLangServerFields):
     """What chat and completions share."""
 
     model: str
@@ -202,6 +203,24 @@ class ChatCompletionRequest(OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # To the chat template as `reasoning_effort`, as SGLang passes it ("none" also turns thinking off).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # OpenAI's cache hint: requests with the same key go to the same replica, as with a session header.
+    prompt_cache_key: str | None = None
+    # Labels, which change nothing in the output (OpenAI keeps metadata with stored completions only).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    # OpenAI's fields flatwire cannot honour yet (and SGLang's continue_final_message): refused unless neutral.
+    functions: Annotated[Any, unsupported(None, [])] = None  # the legacy function calling: give tools
+    function_call: Annotated[Any, unsupported(None, "none")] = None
+    audio: Annotated[Any, unsupported(None)] = None
+    modalities: Annotated[Any, unsupported(None, ["text"])] = None
+    prediction: Annotated[Any, unsupported(None)] = None
+    verbosity: Annotated[Any, unsupported(None)] = None
+    web_search_options: Annotated[Any, unsupported(None)] = None
+    store: Annotated[bool | None, unsupported(None, False)] = None
+    service_tier: Annotated[str | None, unsupported(None, "auto", "default")] = None
+    continue_final_message: Annotated[bool | None, unsupported(None, False)] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -261,6 +280,17 @@ class ChatCompletionRequest(OpenAIRequest):
     def constraint(self) -> dict[str, str]:
         schema = self.forced_tool_schema()
         return {"json_schema": schema} if schema is not None else super().constraint()
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning_effort, as SGLang gives it to the template: the field wins over the
+        same key there, and "none" defaults thinking and enable_thinking to false."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        if self.reasoning_effort == "none":
+            kwargs.setdefault("thinking", False)
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     def template_tools(self) -> list[dict] | None:
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None

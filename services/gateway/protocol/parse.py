@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import orjson
 from flatwire_wire.logprobs import LogprobsMode
-from pydantic import BaseModel, ValidationError, ValidationInfo
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -25,6 +25,15 @@ LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+class RequestModel(BaseModel):
+    """A request body's top-level object (and SGLang's sampling_params): a field it does not declare is refused
+    with 400 naming it, as OpenAI refuses one, never taken and ignored (a misspelt max_tokens would otherwise
+    run to the default length). The fields SGLang and OpenAI define that flatwire cannot honour are declared,
+    accepted at their neutral values only (sampling.unsupported)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class InvalidRequest(Exception):
@@ -155,7 +164,8 @@ def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
         # alive until the cyclic garbage collector runs.
         first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
         param = _location(first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
+        message = ("unrecognized field" if first["type"] == "extra_forbidden"
+                   else first["msg"].removeprefix("Value error, "))
         raise InvalidRequest(param, f"{param}: {message}" if param else message) from None
 
 

@@ -5,10 +5,10 @@ from typing import Annotated
 
 from flatwire_wire.scheduler import SamplingParams
 from flatwire_wire.steps import DetokenizeParams
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 
 from services.gateway.protocol.cost import check_stop
-from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, check_token_ids
+from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, RequestModel, check_token_ids
 
 StopValue = str | list[str] | None
 
@@ -102,7 +102,7 @@ def stop_list(stop: StopValue) -> list[str]:
     return [stop] if isinstance(stop, str) else stop
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """The sampling and detokenizing options /generate and the OpenAI routes share (SGLang's names,
     defaults and checks), and the scheduler messages built from them."""
 

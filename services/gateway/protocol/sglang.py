@@ -1,14 +1,15 @@
 """SGLang's `POST /generate` request (GenerateReqInput), the fields flatwire implements."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from flatwire_wire.scheduler import LogprobParams
-from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.protocol.parse import (
     INT32_MAX,
     InvalidRequest,
     LogprobsModeName,
+    RequestModel,
     check_batch_size,
     check_token_ids,
     check_top_k,
@@ -20,7 +21,22 @@ from services.gateway.protocol.sampling import SamplingOptions, unsupported
 MAX_RID_LENGTH = 256
 
 
-class GenerateRequest(BaseModel):
+class SGLangServerFields(RequestModel):
+    """Fields of SGLang's /generate and OpenAI routes that ask for what flatwire does not have (images and
+    embeddings, LoRA adapters, sessions, hidden states, disaggregated prefill, custom logit processors):
+    accepted at their neutral values only, which clients send (bench_serving's lora_path is null)."""
+
+    lora_path: Annotated[Any, unsupported(None)] = None
+    return_hidden_states: Annotated[bool | None, unsupported(None, False)] = None
+    session_params: Annotated[Any, unsupported(None)] = None
+    custom_logit_processor: Annotated[Any, unsupported(None)] = None
+    bootstrap_host: Annotated[Any, unsupported(None)] = None
+    bootstrap_port: Annotated[Any, unsupported(None)] = None
+    bootstrap_room: Annotated[Any, unsupported(None)] = None
+    data_parallel_rank: Annotated[Any, unsupported(None)] = None
+
+
+class GenerateRequest(SGLangServerFields):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     # One object for every prompt of a batch, or one per prompt.
@@ -42,6 +58,11 @@ class GenerateRequest(BaseModel):
     # MoE routing replay (SGLang's): meta_info.routed_experts, from a scheduler with --enable-return-routed-experts.
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0, le=INT32_MAX)  # the first position whose routing is returned
+    image_data: Annotated[Any, unsupported(None)] = None
+    input_embeds: Annotated[Any, unsupported(None)] = None
+    modalities: Annotated[Any, unsupported(None)] = None
+    lora_id: Annotated[Any, unsupported(None)] = None
+    log_metrics: Annotated[bool | None, unsupported(None, True)] = None  # this server's metrics count every request
 
     @field_validator("top_logprobs_num")
     @classmethod
