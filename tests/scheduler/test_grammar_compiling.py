@@ -55,7 +55,8 @@ class Run:
         self.published: list[StepMessage] = []
         config = SchedulerConfig(max_running_requests=4, page_size=4, max_total_tokens=2048, **options)
         self.engine = Engine(runner, config, publish=self.published.append)
-        self.grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids)
+        # The default model's cache directory: the vocabulary a scheduler of this session kept, if one did.
+        self.grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids, model_dir.parent)
         self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 16, tuple(runner.eos_token_ids), 50)
 
     def submit(self, rid: str, **sampling) -> None:
