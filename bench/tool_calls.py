@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{parses[stream].us:.0f} us")
     notes = ("Each request: the same ~40-token output (a reasoning block and one tool call, forced by `regex`); "
              "with tools the prompt also carries the tools' signatures (about 120 more tokens to render and "
-             "tokenize). The parse alone: the reasoning and tool-call parsers over the output, 4 characters a piece (streamed: "
-             "the call's arguments streamed from a partial JSON parse of the call so far, every 16 characters).")
+             "tokenize). The parse alone: the reasoning and tool-call parsers over the output, 4 characters a piece "
+             "(streamed: the call's arguments streamed from a partial JSON parse of the call so far, every 16 "
+             "characters).")
     print(write_results("tool_calls", "python -m bench.tool_calls", [table], results, notes))
 
 

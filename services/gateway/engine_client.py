@@ -28,10 +28,10 @@ import grpc
 import numpy as np
 from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs
 from flatwire_wire.public import WeightVersionSpan
+from flatwire_wire.rpc import FIELD_METADATA
 from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, StepMessage
 
-from flatwire_wire.rpc import FIELD_METADATA
 from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams

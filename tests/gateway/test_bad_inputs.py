@@ -10,11 +10,10 @@ import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire.detokenizer import DETOKENIZER
 from flatwire_wire.public import GENERATION
-from flatwire_wire.rpc import ServiceSpec
+from flatwire_wire.rpc import FIELD_METADATA, ServiceSpec
 from flatwire_wire.scheduler import SCHEDULER, LogprobParams, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import DetokenizeParams
 
-from flatwire_wire.rpc import FIELD_METADATA
 from services.gateway.engine_client import EngineClient, GenerateInput, RequestError
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field

@@ -6,10 +6,9 @@ import grpc
 import numpy as np
 import pytest
 from flatwire_wire.control import EMPTY
+from flatwire_wire.rpc import FIELD_METADATA
 from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams, SchedulerStats, TokenizedRequest
 from flatwire_wire.steps import FinishReason
-
-from flatwire_wire.rpc import FIELD_METADATA
 
 GOOD_PROMPT = np.random.default_rng(30).integers(0, 240_000, 19).tolist()
 

@@ -23,7 +23,13 @@ from enum import StrEnum
 from typing import Protocol
 
 from services.gateway.agents.call_stream import (
-    CallFragment, ParseSchedule, StreamedCall, StreamedCalls, ToolCall, partial_json)
+    CallFragment,
+    ParseSchedule,
+    StreamedCall,
+    StreamedCalls,
+    ToolCall,
+    partial_json,
+)
 from services.gateway.agents.text_scan import split_at_marker
 
 PYTHON_TAG = "<|python_tag|>"

@@ -21,7 +21,8 @@ def response_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def choice_inputs(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], max_new: int) -> list[GenerateInput]:
+def choice_inputs(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
+                  max_new: int) -> list[GenerateInput]:
     """A prompt's n choices; choice j samples with its own seed (seed + j), so that seeded choices differ yet
     reproduce."""
     return [GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
