@@ -283,6 +283,33 @@ def test_return_token_ids_gives_the_prompt_and_each_choice_ids(http, openai_clie
     assert [t for extra in firsts for t in extra["token_ids"]] == completion.choices[0].model_extra["token_ids"]
 
 
+SAMPLING_FIELDS = [("stop_regex", "a+", [None, []]), ("stream_interval", 4, [None]), ("structural_tag", "{}", [None]),
+                   ("beam_width", 2, [None])]
+
+
+@pytest.mark.parametrize(("field", "value", "neutral"), SAMPLING_FIELDS, ids=[f[0] for f in SAMPLING_FIELDS])
+def test_sampling_param_refused_unless_neutral(http, field, value, neutral):
+    def body(v):
+        return {**GENERATE, "sampling_params": {**GENERATE["sampling_params"], field: v}}
+
+    assert_refused(http.post("/generate", json=body(value)), f"sampling_params.{field}")
+    for ok in neutral:
+        assert http.post("/generate", json=body(ok)).status_code == 200
+
+
+def test_sampling_seed_is_sglang_s_name_for_seed(http):
+    def text(**seeds) -> str:
+        sampling = {"max_new_tokens": 8, "temperature": 1.0, **seeds}
+        response = http.post("/generate", json={"text": "Hello", "sampling_params": sampling})
+        assert response.status_code == 200, response.text
+        return response.json()["text"]
+
+    assert text(sampling_seed=7) == text(seed=7) == text(seed=7, sampling_seed=7)
+    assert text(sampling_seed=7) != text(sampling_seed=8)
+    refused = http.post("/generate", json={**GENERATE, "sampling_params": {"seed": 1, "sampling_seed": 2}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampling_params"
+
+
 @pytest.mark.parametrize(("endpoint", "body", "field"), [
     ("/generate", {**GENERATE, "max_new_tokens": 3}, "max_new_tokens"),  # belongs in sampling_params
     ("/generate", {**GENERATE, "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),

@@ -1,11 +1,11 @@
 """Sampling options shared by SGLang's `sampling_params` and the OpenAI routes."""
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 from flatwire_wire.scheduler import SamplingParams
 from flatwire_wire.steps import DetokenizeParams
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, model_validator
 
 from services.gateway.protocol.cost import check_stop
 from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, RequestModel, check_token_ids
@@ -157,3 +157,19 @@ class SamplingOptions(SamplingFields):
 
     max_new_tokens: int = Field(default=128, ge=0)  # 0: the prompt's logprobs only
     n: int = Field(default=1, ge=1)  # samples per prompt (GenerateRequest.samples_per_prompt)
+    sampling_seed: int | None = Field(default=None, ge=0, lt=2**64)  # SGLang's name here for `seed`
+    # SGLang's sampling parameters flatwire cannot honour yet: refused unless neutral.
+    stop_regex: Annotated[Any, unsupported(None, [])] = None
+    structural_tag: Annotated[Any, unsupported(None)] = None
+    beam_width: Annotated[Any, unsupported(None)] = None
+    custom_params: Annotated[Any, unsupported(None)] = None
+    watermark: Annotated[Any, unsupported(None)] = None
+    stream_interval: Annotated[Any, unsupported(None)] = None  # per request; the server's --stream-interval
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> "SamplingOptions":
+        if self.sampling_seed is not None:
+            if self.seed is not None and self.seed != self.sampling_seed:
+                raise ValueError("seed and sampling_seed differ: give one")
+            self.seed = self.sampling_seed
+        return self
