@@ -119,6 +119,15 @@ def test_the_vocabulary_is_read_outside_the_server_process_and_kept(runner, mode
     monkeypatch.setattr(restarted, "_read_vocabulary", lambda: pytest.fail("the kept vocabulary was read again"))
     restarted.prepare().result(timeout=60)
     assert restarted.matcher(Grammars.parse("regex", REGEX), stop_ids).accept_string("abc-12")
+    # A kept file that xgrammar cannot read (damaged) is read again from the tokenizer, and replaced.
+    [kept] = (tmp_path / "xgrammar").glob("vocabulary-*.json")
+    good = kept.read_text()
+    kept.write_text(good[: len(good) // 2])
+    repaired = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, tmp_path)
+    monkeypatch.setattr(repaired, "_read_vocabulary", lambda: good)
+    repaired.prepare().result(timeout=60)
+    assert repaired.matcher(Grammars.parse("regex", REGEX), stop_ids).accept_string("abc-12")
+    assert kept.read_text() == good and not list((tmp_path / "xgrammar").glob("*.tmp"))
     # Other stop tokens make another vocabulary for xgrammar: not the one kept.
     other = VocabularyCache(tmp_path, model_dir, runner.vocab_size, [*runner.eos_token_ids, 0])
     assert other.read() is None

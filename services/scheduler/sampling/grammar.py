@@ -76,12 +76,16 @@ class VocabularyCache:
             return None
 
     def write(self, serialized: str) -> None:
+        written: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as out:
+                written = out.name
                 out.write(serialized)
-            os.replace(out.name, self.path)
+            os.replace(written, self.path)
         except OSError as exc:
+            if written is not None:
+                Path(written).unlink(missing_ok=True)
             log.warning("structured output: could not keep the vocabulary in %s (%s); the next start reads it "
                         "again", self.path.parent, exc)
 
@@ -109,15 +113,26 @@ class Grammars:
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._loading:
             if self._compiler is None:
-                serialized = self._cache.read() if self._cache is not None else None
-                if serialized is None:
+                info = self._kept_vocabulary()
+                if info is None:
                     serialized = self._read_vocabulary()
                     if self._cache is not None:
                         self._cache.write(serialized)
-                info = xgr.TokenizerInfo.deserialize_json(serialized)  # tens of milliseconds
+                    info = xgr.TokenizerInfo.deserialize_json(serialized)  # tens of milliseconds
                 self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
                 log.info("structured output: %s's vocabulary read for grammar compilation", self.model_dir)
             return self._compiler
+
+    def _kept_vocabulary(self) -> xgr.TokenizerInfo | None:
+        """The vocabulary kept by an earlier start; None when there is none, or none that xgrammar can read."""
+        if self._cache is None or (serialized := self._cache.read()) is None:
+            return None
+        try:
+            return xgr.TokenizerInfo.deserialize_json(serialized)
+        except (RuntimeError, ValueError) as exc:  # damaged: read the tokenizer again, and keep that
+            log.warning("structured output: the kept vocabulary %s is unreadable (%s); reading it again",
+                        self._cache.path, str(exc)[:200])
+            return None
 
     def _read_vocabulary(self) -> str:
         """read_tokenizer_info in a process of its own."""
