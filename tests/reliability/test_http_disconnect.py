@@ -41,6 +41,13 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     return sock
 
 
+def client_closed_count(url: str) -> float:
+    """/generate requests the gateway answered 499 (client closed request), from its /metrics."""
+    line = 'flatwire_request_errors_total{endpoint="/generate",status="499"} '
+    rows = [row for row in httpx.get(url + "/metrics", timeout=10).text.splitlines() if row.startswith(line)]
+    return float(rows[0].split()[-1]) if rows else 0.0
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/generate", {"text": "tell me everything", "sampling_params": LONG, "stream": True}),
     ("/v1/chat/completions", {"stream": True, "max_tokens": 3000, "ignore_eos": True,
@@ -69,6 +76,7 @@ def test_non_streaming_client_disconnect_aborts(stack, scheduler):
     sock.close()
     wait_for(lambda: scheduler().aborted > before.aborted, "the scheduler to count an abort")
     wait_for(lambda: scheduler().running <= before.running, "the scheduler to drop the request")
+    wait_for(lambda: client_closed_count(stack.http_url) >= 1, "the gateway to count the request as 499")
     # the gateway is still fine
     response = httpx.post(stack.http_url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
                           timeout=60)

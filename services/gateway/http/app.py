@@ -59,7 +59,8 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(ClientDisconnect)
     async def _left(request: Request, exc: ClientDisconnect) -> Response:
-        """A client that closed before its body arrived: counted, not a traceback in the log."""
+        """A client that closed before its body arrived or its answer was ready: counted, not a traceback in the
+        log (the answer is never sent: 499 is what the access log and the metrics say of it)."""
         gateway_of(request).metrics.errors.labels(request.url.path, str(CLIENT_CLOSED)).inc()
         return Response(status_code=CLIENT_CLOSED)
 

@@ -9,7 +9,6 @@ from starlette.background import BackgroundTask
 
 from services.gateway.engine_client import Chunk, GenerateInput
 from services.gateway.http.context import Gateway, gateway_of
-from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.openapi import request_body
@@ -47,16 +46,12 @@ async def generate(request: Request) -> Response:
                                  routing_key(request.headers))
     if req.stream:
         gens = await unless_disconnected(request, starting)
-        if gens is None:
-            return Response(status_code=CLIENT_CLOSED)
         if packed:
             return StreamingResponse(_packed_messages(gens), media_type=packed_format.MEDIA_TYPE,
                                      background=BackgroundTask(gens.close))
         return sse_response(_events(gateway, req, gens, started), gens.close,
                             gateway.metrics.bytes_sent.labels(logprob_format(req)).inc)
     results = await unless_disconnected(request, Generations.collect(starting))
-    if results is None:
-        return Response(status_code=CLIENT_CLOSED)
     if packed:
         result = results[0]
         whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,

@@ -10,7 +10,6 @@ from services.gateway.agents.reasoning import ThinkBlock
 from services.gateway.agents.tool_calls import ForcedCalls, ToolCallParser, tool_call_parser
 from services.gateway.agents.turn import AssistantTurn
 from services.gateway.http.context import Gateway, gateway_of
-from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
@@ -61,13 +60,9 @@ async def chat_completions(request: Request) -> Response:
                                  routing_key(request.headers) or req.prompt_cache_key)
     if req.stream:
         gens = await unless_disconnected(request, starting)
-        if gens is None:
-            return Response(status_code=CLIENT_CLOSED)
         return sse_response(_events(gateway, req, gens, ids), gens.close,
                             gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc)
     results = await unless_disconnected(request, Generations.collect(starting))
-    if results is None:
-        return Response(status_code=CLIENT_CLOSED)
     body = dumps({
         "id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
         "model": gateway.engine.model_name,

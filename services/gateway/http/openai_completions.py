@@ -7,7 +7,6 @@ from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
 from services.gateway.http.context import Gateway, gateway_of
-from services.gateway.http.errors import CLIENT_CLOSED
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
@@ -64,12 +63,8 @@ async def completions(request: Request) -> Response:
     count_bytes = gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs is not None)).inc
     if req.stream:
         gens = await unless_disconnected(request, starting)
-        if gens is None:
-            return Response(status_code=CLIENT_CLOSED)
         return sse_response(_events(gateway, req, gens, echoes, prompt_tokens, choice_prompts), gens.close, count_bytes)
     results = await unless_disconnected(request, Generations.collect(starting))
-    if results is None:
-        return Response(status_code=CLIENT_CLOSED)
     body = dumps({
         "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
         "model": gateway.engine.model_name,

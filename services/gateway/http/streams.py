@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from typing import TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from services.gateway.engine_client import Chunk, EngineClient, GenerateInput
 from services.gateway.metrics import GatewayMetrics, TokenTimer
@@ -186,9 +187,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if the client disconnects first. `work` runs in the caller's task, which a
-    disconnect cancels (as asyncio.timeout does): a request pays for one watcher task, not one per awaitable."""
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; ClientDisconnect if the client disconnects first (the app answers it as every client
+    that left). `work` runs in the caller's task, which a disconnect cancels (as asyncio.timeout does): a
+    request pays for one watcher task, not one per awaitable."""
     caller = asyncio.current_task()
     assert caller is not None
     armed, gone = True, False
@@ -206,7 +208,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
         result = await work
     except asyncio.CancelledError:
         if gone and caller.uncancel() == 0:  # the disconnect's cancellation, and no one else's
-            return None
+            raise ClientDisconnect from None
         raise
     finally:
         armed = False  # a callback already scheduled must not cancel the caller after this
