@@ -1,6 +1,8 @@
 """Penalties, logit_bias and min_new_tokens (services/scheduler/logit_adjust.py) against transformers' own logits
 processors: on random logits, and through the scheduler over gRPC against transformers' generate."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +165,18 @@ def test_repetition_penalty_reduces_repetition(scheduler_client):
         return len(set(scheduler_client.wait(rid).token_ids))
 
     assert distinct(1.0) < distinct(2.0)
+
+
+@pytest.mark.slow
+def test_a_bias_too_large_for_float32_still_picks_its_token(scheduler_client):
+    """A bias of 3e38, divided by a sampled temperature, would be +inf (softmax NaN, token 0 sampled); it
+    works as the largest bias: its token always, and a token biased down by as much never."""
+    prompt = np.random.default_rng(3).integers(0, 240_000, 8).tolist()
+    greedy = scheduler_client.wait(scheduler_client.submit(input_ids=prompt, sampling=sampling(4))).token_ids
+    for temperature in (0.0, 2e-6, 0.5):
+        up = dataclasses.replace(sampling(4, bias={7: 3e38}), temperature=temperature, seed=1)
+        assert scheduler_client.wait(scheduler_client.submit(input_ids=prompt, sampling=up)).token_ids == [7] * 4
+        two = dataclasses.replace(sampling(8, bias={7: 3e38, 9: 3e38}), temperature=temperature, seed=1)
+        assert set(scheduler_client.wait(scheduler_client.submit(input_ids=prompt, sampling=two)).token_ids) <= {7, 9}
+    down = dataclasses.replace(sampling(4, bias={greedy[0]: -3e38}), temperature=2e-6, seed=1)
+    assert greedy[0] not in scheduler_client.wait(scheduler_client.submit(input_ids=prompt, sampling=down)).token_ids

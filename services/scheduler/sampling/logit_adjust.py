@@ -14,6 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# A bias beyond this works as this: the token is always (or never) chosen. Bounded so that the biased logit,
+# divided by the smallest temperature that is sampled (submit.GREEDY_BELOW_TEMPERATURE), stays a finite float32: a
+# token biased to +inf would turn softmax's every probability into NaN and sample token 0.
+MAX_BIAS = 1e30
+
 
 @dataclass(frozen=True)
 class LogitAdjustment:
@@ -39,7 +44,8 @@ class LogitAdjustment:
         adjustment = cls(frequency_penalty, presence_penalty, repetition_penalty, min_new_tokens,
                          blocked_early=np.array(sorted(stop_ids), dtype=np.int64),
                          bias_ids=np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias)),
-                         bias_values=np.fromiter(logit_bias.values(), dtype=np.float32, count=len(logit_bias)))
+                         bias_values=np.clip(np.fromiter(logit_bias.values(), dtype=np.float64, count=len(logit_bias)),
+                                             -MAX_BIAS, MAX_BIAS).astype(np.float32))
         if adjustment.counts_tokens or min_new_tokens > 0 or logit_bias:
             return adjustment
         return None
