@@ -103,8 +103,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
            "must be -1 (no prompt logprobs) or a prompt position")
     _check_ids(logprob.token_ids_logprob, "logprob.token_ids_logprob", limits.vocab_size)
 
-    eos = () if sampling.ignore_eos else limits.eos_token_ids
-    stop_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
+    # As SGLang: ignore_eos ignores every stop token, stop_token_ids too (min_new_tokens still holds them off).
+    stop_ids = frozenset(sampling.stop_token_ids) | frozenset(limits.eos_token_ids)
     _check(limits.routed_experts or not msg.return_routed_experts, "return_routed_experts",
            "this scheduler records no routed experts: a MoE model, started with --enable-return-routed-experts")
     _check(msg.routed_experts_start_len <= len(msg.input_ids), "routed_experts_start_len",
@@ -129,7 +129,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         top_p=top_p,
         top_k=max(sampling.top_k, 0) if sampling.top_k is not None else 0,
         min_p=min_p,
-        stop_ids=stop_ids,
+        stop_ids=frozenset() if sampling.ignore_eos else stop_ids,
         return_logprob=wants,
         top_logprobs_num=top_k,
         logprob_start_len=logprob.logprob_start_len if wants else -1,

@@ -166,6 +166,9 @@ def test_stop_token_ids(http):
     body = generate(http, text=PROMPT, sampling_params={**GREEDY, "stop_token_ids": [stop_id]})
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert body["output_ids"] == full[:full.index(stop_id) + 1]
+    # As SGLang: ignore_eos ignores stop_token_ids too, and runs to max_new_tokens.
+    ignoring = generate(http, text=PROMPT, sampling_params={**GREEDY, "stop_token_ids": [stop_id], "ignore_eos": True})
+    assert ignoring["output_ids"] == full and ignoring["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_batch(http, tokenizer):

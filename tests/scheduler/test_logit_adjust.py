@@ -117,8 +117,9 @@ def test_a_slot_taken_again_forgets_its_previous_request():
 
 def sampling(new_tokens: int, frequency=0.0, presence=0.0, repetition=1.0, min_new_tokens=0, stop_ids=frozenset(),
              bias=None) -> SamplingParams:
+    """Greedy, to new_tokens unless a stop id ends it first (ignore_eos would ignore stop ids, as SGLang)."""
     return SamplingParams(
-        max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=sorted(stop_ids),
+        max_new_tokens=new_tokens, temperature=0.0, ignore_eos=not stop_ids, stop_token_ids=sorted(stop_ids),
         frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=repetition,
         min_new_tokens=min_new_tokens, logit_bias=bias or {})
 
