@@ -132,6 +132,14 @@ def test_grpc_refuses_what_http_refuses_with_the_same_message(client, send):
         assert details == http_error["message"].replace("sampling_params.", "sampling."), (details, http_error)
 
 
+def test_the_default_max_new_tokens_is_cut_to_what_the_context_leaves(client, send):
+    """As SGLang: a long prompt without max_new_tokens runs to the context's end; one asked for is refused (above)."""
+    prompt = [9707] * (client.model_info().max_context - 3)
+    body = send("/generate", {"input_ids": prompt, "sampling_params": {"temperature": 0, "ignore_eos": True}}).json()
+    assert body["meta_info"]["completion_tokens"] == 3, body
+    assert body["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_grpc_refuses_values_json_cannot_carry(client):
     assert _grpc_error(client, "Hi", max_new_tokens=2, temperature=float("nan")).details().startswith(
         "sampling.temperature: ")

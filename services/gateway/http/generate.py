@@ -17,6 +17,7 @@ from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
 from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, is_id_lists
+from services.gateway.protocol.sampling import DEFAULT_MAX_NEW_TOKENS
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render import packed as packed_format
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
@@ -81,8 +82,8 @@ def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: 
     """Prompt i's GenerateInput for its `sample`-th sample (of n: seeded apart, as the OpenAI routes' choices),
     after the checks that need its tokens (the public gRPC API's too)."""
     options = req.sampling_for(i)
-    max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.max_new_tokens,
-                            f"{req.sampling_field(i)}.max_new_tokens")
+    max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.requested_max_new_tokens,
+                            f"{req.sampling_field(i)}.max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     req.check_logprob_start_len(len(prompt_ids))
     return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(),
                          detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),

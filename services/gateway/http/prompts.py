@@ -70,15 +70,16 @@ def prompt_too_long(field: str, tokens: int, max_context: int) -> InvalidRequest
 
 
 def check_lengths(ids: list[int], limits: ModelLimits, prompt_field: str, max_new_tokens: int | None,
-                  max_field: str) -> int:
-    """The max_new_tokens to ask for: the requested one, or what the context leaves when None."""
+                  max_field: str, default: int | None = None) -> int:
+    """The max_new_tokens to ask for: the requested one; when None (not asked), `default` or, without one or
+    past it, what the context leaves (SGLang's scheduler cuts its default so)."""
     if not ids:
         raise InvalidRequest(prompt_field, f"{prompt_field}: the prompt is empty")
     room = limits.max_context - len(ids)
     if room <= 0:
         raise prompt_too_long(prompt_field, len(ids), limits.max_context)
     if max_new_tokens is None:
-        return room
+        return room if default is None else min(default, room)
     if max_new_tokens > room:
         raise InvalidRequest(max_field, f"{max_field}: {len(ids)} prompt tokens + {max_new_tokens} new tokens "
                                         f"exceed this model's context of {limits.max_context}")

@@ -152,10 +152,13 @@ class SamplingFields(RequestModel):
             stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim, min_new_tokens=self.min_new_tokens)
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's; cut to what the context leaves (requested_max_new_tokens)
+
+
 class SamplingOptions(SamplingFields):
     """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
 
-    max_new_tokens: int = Field(default=128, ge=0)  # 0: the prompt's logprobs only
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=0)  # 0: the prompt's logprobs only
     n: int = Field(default=1, ge=1)  # samples per prompt (GenerateRequest.samples_per_prompt)
     sampling_seed: int | None = Field(default=None, ge=0, lt=2**64)  # SGLang's name here for `seed`
     # SGLang's sampling parameters flatwire cannot honour yet: refused unless neutral.
@@ -165,6 +168,11 @@ class SamplingOptions(SamplingFields):
     custom_params: Annotated[Any, unsupported(None)] = None
     watermark: Annotated[Any, unsupported(None)] = None
     stream_interval: Annotated[Any, unsupported(None)] = None  # per request; the server's --stream-interval
+
+    @property
+    def requested_max_new_tokens(self) -> int | None:
+        """max_new_tokens as the client sent it; None when it sent none (the default, which a long prompt cuts)."""
+        return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
 
     @model_validator(mode="after")
     def _one_seed(self) -> "SamplingOptions":
