@@ -113,9 +113,11 @@ def test_seed_wraps_into_uint64(openai_client, served_model):
 # comparison with transformers' logits processors).
 
 def greedy_ids(http, input_ids: list[int], max_new_tokens: int, **params) -> list[int]:
-    """The output ids of a greedy /generate that ignores eos, with these sampling params."""
+    """The output ids of a greedy /generate with these sampling params, that ignores eos unless it has
+    stop_token_ids (which ignore_eos would ignore too, as SGLang)."""
     return generate(http, input_ids=input_ids, sampling_params={
-        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, **params})["output_ids"]
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": "stop_token_ids" not in params,
+        **params})["output_ids"]
 
 
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 4171, 315]
