@@ -28,6 +28,11 @@ CASES = [
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**9]}}, 400,
      "sampling_params.stop_token_ids"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params"),
+    # In a batch, the element that is wrong (not the union's other branch: "should be a dictionary").
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"temperature": -1}]}, 400,
+     "sampling_params[1].temperature"),
+    ("/generate", {"text": ["a", 5]}, 400, "text[1]"),
+    ("/generate", {"input_ids": [[1], 2]}, 400, "input_ids[1]"),
     ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": TOO_MANY}, 400, "top_logprobs_num"),
     ("/generate", {"text": "hi", "return_logprob": True, "token_ids_logprob": [10**9]}, 400, "token_ids_logprob"),
     ("/generate", {"text": "hi", "logprob_start_len": -2}, 400, "logprob_start_len"),

@@ -131,17 +131,27 @@ def is_token_ids(items: Sequence[object]) -> "TypeIs[list[int]]":
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _is_branch_tag(part: str | int) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper())
+
+
 def _location(loc: tuple) -> str:
     """('messages', 0, 'content') -> 'messages[0].content'; drops pydantic's union-branch tags."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper():
-            continue
-        else:
+        elif not _is_branch_tag(part):
             out += f".{part}" if out else part
     return out
+
+
+def _reach(error) -> tuple[int, tuple[int, ...]]:
+    """How far into the input an error got: its depth, then its list positions. Of a union's branches, the
+    one that matched the input's shape gets furthest (a list of sampling_params fails at an element's field,
+    the dict branch at the list itself), so its error is the one that names what is wrong."""
+    parts = [part for part in error["loc"] if not _is_branch_tag(part)]
+    return len(parts), tuple(part for part in parts if isinstance(part, int))
 
 
 def parse_body(model: type[M], body: bytes, limits: ModelLimits) -> M:
@@ -162,10 +172,11 @@ def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
         # Without the input and the context (the validator's exception): those would make a reference cycle
         # (exception -> traceback -> this frame -> `first` -> exception) that keeps a rejected 20 MB body
         # alive until the cyclic garbage collector runs.
-        first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
-        param = _location(first["loc"]) or None
-        message = ("unrecognized field" if first["type"] == "extra_forbidden"
-                   else first["msg"].removeprefix("Value error, "))
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        error = max(errors, key=_reach)  # the first of the furthest
+        param = _location(error["loc"]) or None
+        message = ("unrecognized field" if error["type"] == "extra_forbidden"
+                   else error["msg"].removeprefix("Value error, "))
         raise InvalidRequest(param, f"{param}: {message}" if param else message) from None
 
 
