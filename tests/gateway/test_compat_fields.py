@@ -8,6 +8,7 @@ import pytest
 from flatwire_client import FlatwireClient
 
 from harness.http import generate
+from services.gateway.protocol.sglang import SGLangGenerateFields, SGLangServerFields
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, "temperature": 0}
 COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -61,6 +62,19 @@ def test_generate_field_refused_unless_neutral(http, field, value, neutral):
     assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
     for ok in neutral:
         assert http.post("/generate", json={**GENERATE, field: ok}).status_code == 200
+
+
+def test_the_rest_of_sglangs_generate_fields_are_refused_unless_neutral(http):
+    """Every field of SGLang's GenerateReqInput flatwire lacks is declared: refused with "not supported" when it
+    asks for something, taken at its neutral value; routing_key routes (one replica here) and no_logs is so."""
+    declared = SGLangGenerateFields.model_fields.keys() - SGLangServerFields.model_fields.keys()
+    assert {"priority", "session_id", "return_entropy", "cache_salt", "routed_dp_rank"} <= declared
+    for field in declared:
+        value = True if SGLangGenerateFields.model_fields[field].annotation == bool | None else "x"
+        assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
+    neutral = {field: None for field in declared}
+    response = http.post("/generate", json={**GENERATE, **neutral, "routing_key": "tenant-1", "no_logs": True})
+    assert response.status_code == 200, response.text
 
 
 def test_openai_client_sees_a_typed_error(openai_client, served_model):

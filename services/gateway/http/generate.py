@@ -44,7 +44,7 @@ async def generate(request: Request) -> Response:
                              "per request")
     inputs = await _inputs(gateway, req)
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
-                                 routing_key(request.headers))
+                                 routing_key(request.headers) or req.routing_key)
     if req.stream:
         gens = await unless_disconnected(request, starting)
         if packed:

@@ -36,7 +36,47 @@ class SGLangServerFields(RequestModel):
     data_parallel_rank: Annotated[Any, unsupported(None)] = None
 
 
-class GenerateRequest(SGLangServerFields):
+class SGLangGenerateFields(SGLangServerFields):
+    """The rest of SGLang's GenerateReqInput that flatwire does not have (other modalities, sessions, priority
+    scheduling, cache namespaces, disaggregation and data-parallel placement, entropy and sampling masks,
+    thinking budgets): accepted at their neutral values only."""
+
+    session_id: Annotated[Any, unsupported(None)] = None
+    video_data: Annotated[Any, unsupported(None)] = None
+    audio_data: Annotated[Any, unsupported(None)] = None
+    mm_hashes: Annotated[Any, unsupported(None)] = None
+    mm_content_hashes: Annotated[Any, unsupported(None)] = None
+    use_audio_in_video: Annotated[bool | None, unsupported(None, False)] = None
+    video_config: Annotated[Any, unsupported(None)] = None
+    images_config: Annotated[Any, unsupported(None)] = None
+    max_dynamic_patch: Annotated[Any, unsupported(None)] = None
+    min_dynamic_patch: Annotated[Any, unsupported(None)] = None
+    image_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
+    video_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
+    positional_embed_overrides: Annotated[Any, unsupported(None)] = None
+    multi_item_delimiter_indices: Annotated[Any, unsupported(None)] = None
+    return_sampling_mask: Annotated[Any, unsupported(None, False)] = None
+    return_indexer_topk: Annotated[bool | None, unsupported(None, False)] = None
+    return_entropy: Annotated[bool | None, unsupported(None, False)] = None
+    return_bytes: Annotated[bool | None, unsupported(None, False)] = None
+    return_prompt_token_ids: Annotated[bool | None, unsupported(None, False)] = None
+    bootstrap_pair_key: Annotated[Any, unsupported(None)] = None
+    decode_tp_size: Annotated[Any, unsupported(None)] = None
+    routed_dp_rank: Annotated[Any, unsupported(None)] = None
+    disagg_prefill_dp_rank: Annotated[Any, unsupported(None)] = None
+    kv_router_hint: Annotated[Any, unsupported(None)] = None
+    background: Annotated[bool | None, unsupported(None, False)] = None
+    require_reasoning: Annotated[bool | None, unsupported(None, False)] = None
+    max_thinking_tokens: Annotated[Any, unsupported(None)] = None
+    priority: Annotated[Any, unsupported(None)] = None
+    extra_key: Annotated[Any, unsupported(None, "")] = None
+    cache_salt: Annotated[Any, unsupported(None, "")] = None
+    conversation_id: Annotated[Any, unsupported(None)] = None
+    custom_labels: Annotated[Any, unsupported(None, {})] = None
+    external_trace_header: Annotated[Any, unsupported(None)] = None
+
+
+class GenerateRequest(SGLangGenerateFields):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     # One object for every prompt of a batch, or one per prompt.
@@ -63,6 +103,8 @@ class GenerateRequest(SGLangServerFields):
     modalities: Annotated[Any, unsupported(None)] = None
     lora_id: Annotated[Any, unsupported(None)] = None
     log_metrics: Annotated[bool | None, unsupported(None, True)] = None  # this server's metrics count every request
+    routing_key: str | None = None  # SGLang's routing-key policy: routes as a session header does (routing.py)
+    no_logs: bool = False  # flatwire logs no request's content, so this asks for what is so already
 
     @field_validator("top_logprobs_num")
     @classmethod
