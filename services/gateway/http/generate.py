@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from services.gateway.engine_client import Chunk, GenerateInput
+from services.gateway.http.accept import prefers
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
@@ -37,7 +38,7 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
-    packed = packed_format.MEDIA_TYPE in request.headers.get("accept", "")
+    packed = prefers(request.headers.get("accept"), packed_format.MEDIA_TYPE)
     if packed and req.returns_list:
         raise InvalidRequest(req.prompt_field if req.is_batch else "sampling_params.n",
                              f"a batch cannot be answered as {packed_format.MEDIA_TYPE}: send one prompt and n=1 "
