@@ -257,6 +257,8 @@ def test_openapi_declares_request_bodies(http, path, model):
     refs = [part.split('"')[0] for part in str(document).replace("'", '"').split('"$ref": "')[1:]]
     for ref in refs:
         assert ref.rsplit("/", 1)[1] in document["components"]["schemas"], ref
+    operation_ids = [operation["operationId"] for item in document["paths"].values() for operation in item.values()]
+    assert len(operation_ids) == len(set(operation_ids))  # code generators need them unique
 
 
 def test_clients_that_leave_mid_body_leave_no_traceback(stack, http):

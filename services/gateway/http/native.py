@@ -149,7 +149,8 @@ async def version() -> Response:
 # -- cache and health ------------------------------------------------------------------------------------
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache")  # a route per method: one route with both gives /openapi.json one operationId twice
+@router.post("/flush_cache")
 async def flush_cache(request: Request) -> Response:
     """SGLang's: empty every replica's prefix cache; 400 when one refuses (requests run or wait) or does not
     answer. An admin route (http/auth.py)."""
