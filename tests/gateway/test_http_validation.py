@@ -71,6 +71,14 @@ def test_bad_input_names_the_field(send, endpoint, body, status, field):
     assert set(error) == {"message", "type", "param", "code"}
 
 
+def test_unknown_paths_and_methods_get_the_error_shape(http):
+    missing = http.post("/v1/no-such-route", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    wrong = http.get("/generate")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_bad_input_leaves_a_concurrent_request_and_the_services_alone(stack, http, send):
     good = {"text": "A long story about gRPC", "sampling_params": {"max_new_tokens": 48, "temperature": 0,
                                                                  "ignore_eos": True},

@@ -6,6 +6,7 @@ from contextlib import asynccontextmanager
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from services.gateway.config import GatewayConfig
@@ -13,7 +14,12 @@ from services.gateway.engine_client import EngineClient, RequestError
 from services.gateway.http import generate, native, openai_chat, openai_completions, rollout
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
-from services.gateway.http.errors import CLIENT_CLOSED, invalid_request_response, pipeline_error_response
+from services.gateway.http.errors import (
+    CLIENT_CLOSED,
+    error_response,
+    invalid_request_response,
+    pipeline_error_response,
+)
 from services.gateway.http.guards import RequestLimits
 from services.gateway.http.openapi import add_request_schemas
 from services.gateway.protocol.parse import InvalidRequest
@@ -56,6 +62,11 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
         response = pipeline_error_response(exc)
         gateway_of(request).metrics.errors.labels(request.url.path, str(response.status_code)).inc()
         return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing(request: Request, exc: StarletteHTTPException) -> Response:
+        """An unknown path (404) or method (405, with Allow): the error shape of every other answer."""
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(ClientDisconnect)
     async def _left(request: Request, exc: ClientDisconnect) -> Response:
