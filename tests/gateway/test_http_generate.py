@@ -203,7 +203,9 @@ def test_the_client_rid_names_the_request(http):
     assert meta["id"] == "my-request-1"
     batch = generate(http, text=[PROMPT, "Another"], rid=["a-1", "a-2"], **body)
     assert [item["meta_info"]["id"] for item in batch] == ["a-1", "a-2"]
-    for rid, text in ((["a", "a"], [PROMPT, PROMPT]), ("one", [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT)):
+    named = generate(http, text=[PROMPT, "Another"], rid="b", **body)  # one string for a batch: SGLang's b_i
+    assert [result["meta_info"]["id"] for result in named] == ["b_0", "b_1"]
+    for rid, text in ((["a", "a"], [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT), ("", [PROMPT, PROMPT])):
         refused = http.post("/generate", json={"text": text, "rid": rid, **body})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", (rid, refused.text)
     with http.stream("POST", "/generate", json={"text": PROMPT, "rid": "busy", "stream": True,

@@ -154,19 +154,22 @@ class GenerateRequest(SGLangGenerateFields):
             return
         if self.samples_per_prompt > 1:  # SGLang gives each sample an id of its own as well
             raise InvalidRequest("rid", "rid: not with n > 1, where each sample gets an id of its own")
-        rids = self.rid if isinstance(self.rid, list) else [self.rid]
-        if isinstance(self.rid, list) != self.is_batch or len(rids) != self.batch_size:
-            raise InvalidRequest("rid", f"rid: one id per prompt ({self.batch_size}"
-                                        f"{', as a list' if self.is_batch else ', as a string'})")
-        if not all(0 < len(rid) <= MAX_RID_LENGTH for rid in rids):
+        if isinstance(self.rid, list) and (not self.is_batch or len(self.rid) != self.batch_size):
+            raise InvalidRequest("rid", f"rid: a string, or one id per prompt ({self.batch_size}"
+                                        f"{'' if self.is_batch else ': not a batch'})")
+        rids = [self.rid_for(i) for i in range(self.batch_size)]
+        if self.rid == "" or not all(0 < len(rid) <= MAX_RID_LENGTH for rid in rids):
             raise InvalidRequest("rid", f"rid: each id must have 1 to {MAX_RID_LENGTH} characters")
         if len(set(rids)) != len(rids):
             raise InvalidRequest("rid", "rid: the ids of a batch must differ")
 
     def rid_for(self, i: int) -> str | None:
+        """Prompt i's id: the client's, or for a batch named by one string, that string with "_i" (SGLang's)."""
         if self.rid is None:
             return None
-        return self.rid[i] if isinstance(self.rid, list) else self.rid
+        if isinstance(self.rid, list):
+            return self.rid[i]
+        return f"{self.rid}_{i}" if self.is_batch else self.rid
 
     @property
     def prompt_field(self) -> str:
