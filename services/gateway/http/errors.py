@@ -1,5 +1,6 @@
 """Error responses, OpenAI-shaped on every route: {"error": {message, type, param, code}}."""
 
+from collections.abc import Mapping
 from http import HTTPStatus
 
 import orjson
@@ -19,7 +20,7 @@ RETRY_AFTER_S = 1
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
-                   headers: dict | None = None) -> Response:
+                   headers: Mapping[str, str] | None = None) -> Response:
     return Response(orjson.dumps(_body(status, message, param, code)), status_code=status, headers=headers,
                     media_type="application/json")
 

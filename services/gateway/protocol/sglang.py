@@ -157,7 +157,7 @@ class GenerateRequest(SGLangGenerateFields):
         if isinstance(self.rid, list) and (not self.is_batch or len(self.rid) != self.batch_size):
             raise InvalidRequest("rid", f"rid: a string, or one id per prompt ({self.batch_size}"
                                         f"{'' if self.is_batch else ': not a batch'})")
-        rids = [self.rid_for(i) for i in range(self.batch_size)]
+        rids = [self._named(self.rid, i) for i in range(self.batch_size)]
         if self.rid == "" or not all(0 < len(rid) <= MAX_RID_LENGTH for rid in rids):
             raise InvalidRequest("rid", f"rid: each id must have 1 to {MAX_RID_LENGTH} characters")
         if len(set(rids)) != len(rids):
@@ -165,11 +165,12 @@ class GenerateRequest(SGLangGenerateFields):
 
     def rid_for(self, i: int) -> str | None:
         """Prompt i's id: the client's, or for a batch named by one string, that string with "_i" (SGLang's)."""
-        if self.rid is None:
-            return None
-        if isinstance(self.rid, list):
-            return self.rid[i]
-        return f"{self.rid}_{i}" if self.is_batch else self.rid
+        return None if self.rid is None else self._named(self.rid, i)
+
+    def _named(self, rid: str | list[str], i: int) -> str:
+        if isinstance(rid, list):
+            return rid[i]
+        return f"{rid}_{i}" if self.is_batch else rid
 
     @property
     def prompt_field(self) -> str:
