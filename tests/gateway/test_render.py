@@ -6,6 +6,8 @@ in every format; each rendering is serialized, parsed back as a client would, an
 decoded to the same [rows, k] ids and float32 logprobs.
 """
 
+import codecs
+
 import numpy as np
 import orjson
 import pybase64
@@ -244,7 +246,9 @@ def test_completions_echo_offsets_and_best_of_colliding_texts(result, table):
     ids = np.concatenate([prompt.null_token_ids, prompt.token_ids, output.token_ids])
     texts = [table.tokenizer.decode([int(i)]) for i in ids]
     assert logprobs["tokens"] == texts
-    assert logprobs["text_offset"] == (3 + np.cumsum([0] + [len(t) for t in texts[:-1]])).tolist()
+    # Offsets in the text as it grows: a byte token that ends inside a character adds nothing until it is complete.
+    pieces = [table.token_bytes[i] for i in ids]
+    assert logprobs["text_offset"] == [3 + len(_decoded_so_far(b"".join(pieces[:i]))) for i in range(len(ids))]
     assert logprobs["token_logprobs"][0] is None
     _same_f32(_floats(logprobs["token_logprobs"][1:]), np.concatenate([prompt.token_logprobs, output.token_logprobs]))
     top = logprobs["top_logprobs"]
@@ -267,6 +271,31 @@ def test_empty_tracks_render(table):
     assert _client(chat_logprobs(empty, table)) == {"content": []}
     assert _client(completion_logprobs([empty], table)) == {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                             "text_offset": []}
+
+
+def _decoded_so_far(data: bytes) -> str:
+    """The text of these bytes, a character they end inside of held back (as a detokenizer holds it)."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data)
+
+
+def _plain(ids: np.ndarray) -> RequestLogprobs:
+    """Output rows of these tokens, without candidates."""
+    rows = len(ids)
+    return RequestLogprobs(token_ids=ids, token_logprobs=np.zeros(rows, F32), topk_values=np.zeros((rows, 0), F32),
+                           topk_ids=np.zeros((rows, 0), I32), ids_logprobs=np.zeros((rows, 0), F32),
+                           null_prefix=0, null_token_ids=np.zeros(0, I32))
+
+
+def test_completions_offsets_count_characters_split_over_byte_tokens(table):
+    spelled = bytes_to_unicode()
+    split = [table.tokenizer.convert_tokens_to_ids(spelled[byte]) for byte in "日本".encode()]  # 2 x 3 bytes
+    ab = table.tokenizer.encode("ab")
+    ids = np.array(split + ab, dtype=I32)
+    offsets = _client(completion_logprobs([_plain(ids)], table))["text_offset"]
+    assert offsets == [0, 0, 0, 1, 1, 1, 2, 2 + len(table.texts[ab[0]])][:len(ids)]  # "ab": one or two tokens
+    # A stream's chunk that starts inside a character its previous chunk began: the character counts once.
+    chunk = np.array(split[1:3] + ab[:1], dtype=I32)
+    assert _client(completion_logprobs([_plain(chunk)], table, text_offset=5))["text_offset"] == [5, 5, 6]
 
 
 def test_token_table_matches_the_tokenizer(table, byte_ids):

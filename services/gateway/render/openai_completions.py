@@ -6,9 +6,10 @@ null top_logprobs. top_logprobs rows are {text: logprob} objects holding the top
 candidates (as SGLang does; the sampled token is not added). Candidates whose texts
 collide would be duplicate keys: only the best of them is kept, as OpenAI does (use
 chat logprobs or the SGLang formats to see every candidate). text_offset is each
-token's character offset, counted from `text_offset`, in the concatenated token texts.
+token's character offset, counted from `text_offset`, in the text the tokens decode to.
 """
 
+import codecs
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,13 +28,51 @@ def completion_logprobs(tracks: Sequence[RequestLogprobs], table: TokenTable, te
     values = np.concatenate([np.full(first.null_prefix, np.nan, dtype=F32), *(t.token_logprobs for t in tracks)])
     top_values = np.concatenate([t.topk_values for t in tracks])
     top_ids = np.concatenate([t.topk_ids for t in tracks])
-    lengths = table.text_lengths[ids]
     return {
         "tokens": json_array(len(ids), head=[token_texts(table)[ids]]),
         "token_logprobs": json_values(values),
         "top_logprobs": _top_rows(top_values, top_ids, first.null_prefix, table),
-        "text_offset": json_values(text_offset + np.cumsum(lengths) - lengths),
+        "text_offset": json_values(_text_offsets(ids, table, text_offset)),
     }
+
+
+_CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
+# A lead byte that makes the decoder wait for n continuation bytes (2-, 3- and 4-byte forms that take any).
+_LEAD_FOR_CONTINUATIONS = {1: b"\xc2", 2: b"\xe1", 3: b"\xf1"}
+
+
+def _text_offsets(ids: np.ndarray, table: TokenTable, start: int) -> np.ndarray:
+    """Each token's offset in characters, from `start`. Byte-level BPE splits some multi-byte characters over
+    tokens: such a character counts once its last byte has come, as the detokenized text grows (OpenAI's and
+    vLLM's offsets, and this server's streams), not as a replacement character per piece."""
+    lengths = table.text_lengths[ids]
+    partial = table.memo("utf8.partial", _partial_tokens)[ids]
+    if not partial.any():
+        return start + np.cumsum(lengths) - lengths
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    pieces = table.token_bytes[ids]
+    # A stream's chunk may start inside a character whose first bytes came (and were held back) before it.
+    head = b"".join(pieces[:4])[:3]
+    if waiting := len(head) - len(head.lstrip(_CONTINUATION_BYTES)):
+        decoder.decode(_LEAD_FOR_CONTINUATIONS[waiting])
+    offsets = np.empty(len(ids), dtype=np.int64)
+    position = start
+    for i, (piece, length, broken) in enumerate(zip(pieces, lengths.tolist(), partial.tolist())):
+        offsets[i] = position
+        position += len(decoder.decode(piece)) if broken or decoder.getstate()[0] else length
+    return offsets
+
+
+def _partial_tokens(table: TokenTable) -> np.ndarray:
+    """[size] bool: the token's bytes are not whole UTF-8 characters (a piece of one, split by byte-level BPE)."""
+    def broken(piece: bytes) -> bool:
+        try:
+            piece.decode()
+        except UnicodeDecodeError:
+            return True
+        return False
+
+    return np.fromiter(map(broken, table.token_bytes), dtype=bool, count=table.size)
 
 
 def _top_rows(values: np.ndarray, ids: np.ndarray, nulls: int, table: TokenTable):
