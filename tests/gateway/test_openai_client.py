@@ -144,7 +144,8 @@ def test_completions(client, model, tokenizer):
     n_prompt = len(tokenizer.encode(prompt))
     assert len(logprobs.tokens) == n_prompt + 6 == response.usage.total_tokens
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-    assert all(len(row) <= K for row in logprobs.top_logprobs[1:])
+    assert all(len(row) <= K + 1 for row in logprobs.top_logprobs[1:])  # the top K and the row's own token
+    assert all(token in row for token, row in zip(logprobs.tokens[1:], logprobs.top_logprobs[1:]))
     assert logprobs.text_offset[0] == 0
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
     assert choice.text == prompt + plain.choices[0].text

@@ -298,6 +298,22 @@ def test_completions_offsets_count_characters_split_over_byte_tokens(table):
     assert _client(completion_logprobs([_plain(chunk)], table, text_offset=5))["text_offset"] == [5, 5, 6]
 
 
+def test_completions_top_logprobs_hold_the_rows_own_token(table, result):
+    """OpenAI: the sampled (or echoed) token is always among top_logprobs, so a row has up to logprobs + 1
+    entries; logprobs=0 gives the token alone."""
+    output = result.output
+    track = _plain(output.token_ids.copy())
+    track.token_logprobs[:] = -0.5
+    alone = _client(completion_logprobs([track], table))["top_logprobs"]
+    assert alone == [{table.texts[i]: -0.5} for i in output.token_ids]
+    other = RequestLogprobs(token_ids=output.topk_ids[:, -1].copy(), token_logprobs=output.topk_values[:, -1].copy(),
+                            topk_values=output.topk_values[:, :2], topk_ids=output.topk_ids[:, :2],
+                            ids_logprobs=output.ids_logprobs, null_prefix=0, null_token_ids=np.zeros(0, I32))
+    for row, own, candidates in zip(_client(completion_logprobs([other], table))["top_logprobs"], other.token_ids,
+                                    other.topk_ids):
+        assert table.texts[own] in row and len(row) == len({table.texts[i] for i in [*candidates, own]})
+
+
 def test_token_table_matches_the_tokenizer(table, byte_ids):
     tokenizer = table.tokenizer
     rng = np.random.default_rng(1)

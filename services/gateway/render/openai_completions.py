@@ -3,7 +3,9 @@
 Tracks are rendered in order as one sequence: with echo, the prompt track then the
 output track. Null-prefix positions (the first prompt token) have a null logprob and
 null top_logprobs. top_logprobs rows are {text: logprob} objects holding the top-k
-candidates (as SGLang does; the sampled token is not added). Candidates whose texts
+candidates and the row's own token (sampled, or echoed), as OpenAI documents: up to
+logprobs + 1 entries, and the token alone with logprobs=0 (SGLang leaves it out when it is not
+a candidate). Candidates whose texts
 collide would be duplicate keys: only the best of them is kept, as OpenAI does (use
 chat logprobs or the SGLang formats to see every candidate). text_offset is each
 token's character offset, counted from `text_offset`, in the text the tokens decode to.
@@ -31,7 +33,10 @@ def completion_logprobs(tracks: Sequence[RequestLogprobs], table: TokenTable, te
     return {
         "tokens": json_array(len(ids), head=[token_texts(table)[ids]]),
         "token_logprobs": json_values(values),
-        "top_logprobs": _top_rows(top_values, top_ids, first.null_prefix, table),
+        # Each row's own token is a candidate too (a duplicate of one in the top-k is dropped with the collisions).
+        "top_logprobs": _top_rows(np.concatenate([top_values, values[first.null_prefix:, None]], axis=1),
+                                  np.concatenate([top_ids, ids[first.null_prefix:, None]], axis=1),
+                                  first.null_prefix, table),
         "text_offset": json_values(_text_offsets(ids, table, text_offset)),
     }
 
@@ -77,8 +82,6 @@ def _partial_tokens(table: TokenTable) -> np.ndarray:
 
 def _top_rows(values: np.ndarray, ids: np.ndarray, nulls: int, table: TokenTable):
     rows, k = values.shape
-    if not k:
-        return json_array(rows, head=[b"{}"], nulls=nulls)
     firsts, nexts = _keys(table)
     keep = _best_per_text(table.memo("text.class", _text_classes)[ids], values)
     keys = nexts[ids]
