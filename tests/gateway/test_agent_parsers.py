@@ -44,33 +44,45 @@ def same_at_every_cut(make_turn, text: str, streamed_turn=None):
     return whole
 
 
+NAMES = frozenset({"get_weather", "get_time", "f", "g", "search", "open", "a", "b", "write"})  # the declared tools
 QWEN_CALLS = ('<think>\nThe user wants the weather.\n</think>\n\nLet me look.\n<tool_call>\n'
               '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
               '{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
 
 
 def test_qwen_reasoning_content_and_two_calls():
-    assert same_at_every_cut(lambda: AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls()),
-                             QWEN_CALLS,
-                             lambda: AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls(True))) == (
+    def turn(stream: bool = False) -> AssistantTurn:
+        return AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls(NAMES, stream))
+
+    assert same_at_every_cut(turn, QWEN_CALLS, lambda: turn(True)) == (
         "The user wants the weather.", "Let me look.",
         [(0, "get_weather", {"city": "Paris"}), (1, "get_time", {"zone": "CET"})])
 
 
+def test_a_call_of_an_undeclared_function_is_content():
+    """OpenAI never calls a function the request did not declare: such a call is the model's text."""
+    tagged = '<tool_call>\n{"name": "evil", "arguments": {}}\n</tool_call>'
+    assert same_at_every_cut(lambda: AssistantTurn(None, TaggedCalls(NAMES)), tagged,
+                             lambda: AssistantTurn(None, TaggedCalls(NAMES, True))) == ("", tagged, [])
+    llama = '{"name": "evil", "parameters": {}}'
+    assert same_at_every_cut(lambda: AssistantTurn(None, JsonCalls(NAMES)), llama,
+                             lambda: AssistantTurn(None, JsonCalls(NAMES, True))) == ("", llama, [])
+
+
 def test_one_call_kept_without_parallel_tool_calls():
-    _, _, calls = run(lambda: AssistantTurn(None, TaggedCalls(), max_calls=1), QWEN_CALLS, 4)
+    _, _, calls = run(lambda: AssistantTurn(None, TaggedCalls(NAMES), max_calls=1), QWEN_CALLS, 4)
     assert [name for _, name, _ in calls] == ["get_weather"]
 
 
 def test_a_malformed_call_is_content_and_a_cut_one_too():
     text = '<tool_call>\n{"name": "f", "arguments": not json}\n</tool_call> then <tool_call>\n{"name": "g"'
-    assert same_at_every_cut(lambda: AssistantTurn(None, TaggedCalls()), text) == ("", text, [])
+    assert same_at_every_cut(lambda: AssistantTurn(None, TaggedCalls(NAMES)), text) == ("", text, [])
 
 
 def test_text_without_markup_passes_unchanged():
     text = "  Plain text, with <tags> and a lone </think> and <tool_ but no call.\n\n"
-    for make in (lambda: AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls()),
-                 lambda: AssistantTurn(None, JsonCalls()), lambda: AssistantTurn()):
+    for make in (lambda: AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls(NAMES)),
+                 lambda: AssistantTurn(None, JsonCalls(NAMES)), lambda: AssistantTurn()):
         assert same_at_every_cut(make, text) == ("", text, [])
 
 
@@ -89,13 +101,13 @@ def test_held_reasoning_comes_whole_when_it_ends():
 
 def test_llama3_json_calls():
     text = ' <|python_tag|>{"name": "search", "parameters": {"q": "a;b"}}; {"name": "open", "parameters": {}}'
-    assert same_at_every_cut(lambda: AssistantTurn(None, JsonCalls()), text,
-                             lambda: AssistantTurn(None, JsonCalls(True))) == (
+    assert same_at_every_cut(lambda: AssistantTurn(None, JsonCalls(NAMES)), text,
+                             lambda: AssistantTurn(None, JsonCalls(NAMES, True))) == (
         "", "", [(0, "search", {"q": "a;b"}), (1, "open", {})])
     not_calls = '{"name": "search", "parameters": {"q": 1}} and then some words'
-    assert same_at_every_cut(lambda: AssistantTurn(None, JsonCalls()), not_calls) == ("", not_calls, [])
+    assert same_at_every_cut(lambda: AssistantTurn(None, JsonCalls(NAMES)), not_calls) == ("", not_calls, [])
     # Streamed, the call went out before the words came: it stays a call (as SGLang's llama3 parser streams it).
-    assert run(lambda: AssistantTurn(None, JsonCalls(True)), not_calls, 4) == ("", "", [(0, "search", {"q": 1})])
+    assert run(lambda: AssistantTurn(None, JsonCalls(NAMES, True)), not_calls, 4) == ("", "", [(0, "search", {"q": 1})])
 
 
 @pytest.mark.parametrize(("function", "text", "calls"), [
@@ -105,8 +117,8 @@ def test_llama3_json_calls():
     ("get_weather", '{"city": "Ro', []),  # cut short (length): the text, as content
 ])
 def test_forced_calls(function, text, calls):
-    reasoning, content, parsed = same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(function)), text,
-                                                   (lambda: AssistantTurn(None, ForcedCalls(function, True)))
+    reasoning, content, parsed = same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(NAMES, function)), text,
+                                                   (lambda: AssistantTurn(None, ForcedCalls(NAMES, function, True)))
                                                    if calls else None)
     assert (parsed, content) == (calls, "" if calls else text)
 
@@ -130,11 +142,11 @@ ARGUMENTS = {"city": "Paris, \"the\" capital", "days": [1, 2.5, -3e2], "units": 
 
 
 @pytest.mark.parametrize(("parser", "text"), [
-    (lambda: TaggedCalls(True),
+    (lambda: TaggedCalls(NAMES, True),
      f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(ARGUMENTS)}}}\n</tool_call>'),
-    (lambda: JsonCalls(True), f'<|python_tag|>{{"name": "get_weather", "parameters": {json.dumps(ARGUMENTS)}}}'),
-    (lambda: ForcedCalls(None, True), json.dumps([{"name": "get_weather", "parameters": ARGUMENTS}])),
-    (lambda: ForcedCalls("get_weather", True), json.dumps(ARGUMENTS)),
+    (lambda: JsonCalls(NAMES, True), f'<|python_tag|>{{"name": "get_weather", "parameters": {json.dumps(ARGUMENTS)}}}'),
+    (lambda: ForcedCalls(NAMES, None, True), json.dumps([{"name": "get_weather", "parameters": ARGUMENTS}])),
+    (lambda: ForcedCalls(NAMES, "get_weather", True), json.dumps(ARGUMENTS)),
 ], ids=["tagged", "llama3", "required", "named"])
 def test_streamed_arguments_arrive_in_pieces_before_the_call_ends(parser, text):
     streamed = fragments(lambda: AssistantTurn(None, parser()), text)
@@ -145,7 +157,7 @@ def test_streamed_arguments_arrive_in_pieces_before_the_call_ends(parser, text):
 
 
 def test_a_streamed_call_goes_out_once_its_name_is_complete():
-    turn = AssistantTurn(None, TaggedCalls(True))
+    turn = AssistantTurn(None, TaggedCalls(NAMES, True))
     assert turn.feed('<tool_call>\n{"name": "get_wea').calls == []  # half a name: nothing yet
     [first] = turn.feed('ther", "arguments": {"ci').calls
     assert (first.index, first.name, first.arguments) == (0, "get_weather", "{")
@@ -159,8 +171,8 @@ def test_a_streamed_call_that_breaks_after_its_name_stays_a_call():
     broken = '<tool_call>\n{"name": "f", "arguments": {"a": 1, oops}}\n</tool_call>'
     cut = '<tool_call>\n{"name": "f", "arguments": {"a": "Ro'
     for text, readable in ((broken, {"a": 1}), (cut, {"a": "Ro"})):
-        assert run(lambda: AssistantTurn(None, TaggedCalls()), text, 4) == ("", text, [])
-        streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(True)), text)
+        assert run(lambda: AssistantTurn(None, TaggedCalls(NAMES)), text, 4) == ("", text, [])
+        streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(NAMES, True)), text)
         assert streamed[0].name == "f"
         # Closed so that a client can parse them. Cut: all that reads as JSON when the output ends. Broken: what the
         # last parse before it broke read (the call is parsed again every eighth of its length at most).
@@ -181,9 +193,9 @@ def test_streamed_arguments_join_to_the_unary_arguments(arguments, piece, indent
     """Any arguments object, written compact or indented, cut anywhere: the pieces join to what unary gives."""
     text = f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(arguments, indent=indent)}}}\n</tool_call>'
     assume(TaggedCalls.CLOSE not in text[:-len(TaggedCalls.CLOSE)])  # the format cannot hold its own end tag
-    unary = run(lambda: AssistantTurn(None, TaggedCalls()), text, len(text))
+    unary = run(lambda: AssistantTurn(None, TaggedCalls(NAMES)), text, len(text))
     assert unary == ("", "", [(0, "f", arguments)])
-    streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(True)), text, piece)
+    streamed = fragments(lambda: AssistantTurn(None, TaggedCalls(NAMES, True)), text, piece)
     assert "".join(f.arguments for f in streamed) == json.dumps(arguments, ensure_ascii=False)
 
 
@@ -194,7 +206,7 @@ def test_a_long_argument_streams_in_linear_time(monkeypatch):
     parsed: list[int] = []  # the length of each text parsed
     monkeypatch.setattr(tool_calls, "partial_json",
                         lambda text, **kw: parsed.append(len(text)) or partial_json(text, **kw))
-    turn = AssistantTurn(None, TaggedCalls(True))
+    turn = AssistantTurn(None, TaggedCalls(NAMES, True))
     pieces = [turn.feed(text[i:i + 4]) for i in range(0, len(text), 4)] + [turn.end()]
     assert sum(parsed) < 20 * len(text)  # a parse per piece would read it len(text) / 8 times over
     assert joined_calls(pieces) == [(0, "write", arguments)]

@@ -10,10 +10,11 @@ With `tool_choice` required or naming a function, the output is JSON that the gr
 
 A parser is fed the text piece by piece and then ended; it hands on content as soon as it cannot be the
 start of a call, and calls as fragments (call_stream.py). Unary (`stream=False`), each call goes out whole once
-complete, and a call it cannot read, or one cut short, is content: malformed model output never fails the
-request. Streamed, a call goes out from the moment its name is complete, its arguments piece by piece (as
-OpenAI streams them); one that breaks after that stays a call, with the arguments that went out (a stream
-cannot take back what it sent). So a streamed llama3 output that starts as a call is calls, where unary reads
+complete, and a call it cannot read, one cut short, or one of a function the request did not declare (OpenAI
+never calls one) is content: malformed model output never fails the request. Streamed, a call goes out from
+the moment its name is complete (and declared), its arguments piece by piece (as OpenAI streams them); one
+that breaks after that stays a call, with the arguments that went out (a stream cannot take back what it
+sent). So a streamed llama3 output that starts as a call is calls, where unary reads
 the whole output first: JSON followed by words is content.
 """
 
@@ -54,9 +55,9 @@ class ToolCallParser(Protocol):
     def end(self) -> Parsed: ...
 
 
-def _call_of(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
-    """{"name": str, <argument key>: object} -> a call; anything else None."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+def _call_of(value: object, argument_keys: tuple[str, ...], functions: frozenset[str]) -> ToolCall | None:
+    """{"name": one of `functions`, <argument key>: object} -> a call; anything else None."""
+    if not isinstance(value, dict) or value.get("name") not in functions:
         return None
     arguments: object = next((value[key] for key in argument_keys if key in value), {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
@@ -79,7 +80,8 @@ class TaggedCalls:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     ARGUMENT_KEYS = ("arguments", "parameters")
 
-    def __init__(self, stream: bool = False) -> None:
+    def __init__(self, functions: frozenset[str], stream: bool = False) -> None:
+        self._functions = functions
         self._stream = stream
         self._held = ""
         self._open: StreamedCall | None = None  # the block being read
@@ -100,7 +102,7 @@ class TaggedCalls:
                 if self._stream:
                     parsed.calls += self._update(body)
                 break
-            call = _call_of(_json(body.strip()), self.ARGUMENT_KEYS)
+            call = _call_of(_json(body.strip()), self.ARGUMENT_KEYS, self._functions)
             if call is not None:
                 parsed.calls += self._open.finish(call)
             elif self._open.named:  # broken after its name went out: what of its arguments reads as JSON
@@ -122,7 +124,7 @@ class TaggedCalls:
         named = None if self._open.named else partial_json(body.lstrip(), complete_strings=True)
         name = named.get("name") if isinstance(named, dict) else None
         arguments = next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
-        return self._open.update(name, arguments)
+        return self._open.update(name if name in self._functions else None, arguments)
 
     def _close(self, body: str) -> list[CallFragment]:
         assert self._open is not None
@@ -144,7 +146,8 @@ class JsonCalls:
 
     ARGUMENT_KEYS = ("parameters", "arguments")
 
-    def __init__(self, stream: bool = False) -> None:
+    def __init__(self, functions: frozenset[str], stream: bool = False) -> None:
+        self._functions = functions
         self._stream = stream
         self._text = ""
         self._calls: bool | None = None  # None until the output's first characters tell
@@ -174,13 +177,14 @@ class JsonCalls:
             item, named = partial_json(tail), partial_json(tail, complete_strings=True)
             items.append(item)
             names.append(named.get("name") if isinstance(named, dict) else None)
-        return self._streamed.update(names, items, self.ARGUMENT_KEYS)
+        known: list[object] = [name if name in self._functions else None for name in names]
+        return self._streamed.update(known, items, self.ARGUMENT_KEYS)
 
     def _body(self) -> str:
         return self._text.strip().removeprefix(PYTHON_TAG)
 
     def end(self) -> Parsed:
-        calls = _json_sequence(self._body()) if self._calls else None
+        calls = _json_sequence(self._body(), self._functions) if self._calls else None
         if calls:
             parsed = Parsed(calls=self._streamed.finish(calls))
         elif self._streamed.named:  # broken or cut short after a name went out: the calls stay
@@ -206,10 +210,10 @@ def _complete_objects(text: str) -> tuple[list[object], str]:
         at = end
 
 
-def _json_sequence(text: str) -> list[ToolCall] | None:
+def _json_sequence(text: str, functions: frozenset[str]) -> list[ToolCall] | None:
     """JSON objects separated by `;` (and whitespace) -> calls; None unless every one is a call."""
     values, tail = _complete_objects(text)
-    calls = [_call_of(value, JsonCalls.ARGUMENT_KEYS) for value in values]
+    calls = [_call_of(value, JsonCalls.ARGUMENT_KEYS, functions) for value in values]
     return [call for call in calls if call is not None] if calls and all(calls) and not tail else None
 
 
@@ -217,7 +221,8 @@ class ForcedCalls:
     """tool_choice required (a JSON array of {"name", "parameters"}) or a named function (its arguments'
     JSON object): the grammar makes the output that JSON, so the calls stream from it (with `stream`)."""
 
-    def __init__(self, function: str | None, stream: bool = False):
+    def __init__(self, functions: frozenset[str], function: str | None, stream: bool = False):
+        self._functions = functions
         self._function = function
         self._stream = stream
         self._text = ""
@@ -244,9 +249,10 @@ class ForcedCalls:
     def end(self) -> Parsed:
         value = _json(self._text)
         if self._function is not None:
-            calls = [_call_of({"name": self._function, "arguments": value}, ("arguments",))]
+            calls = [_call_of({"name": self._function, "arguments": value}, ("arguments",), self._functions)]
         else:
-            calls = [_call_of(item, ("parameters",)) for item in value] if isinstance(value, list) else []
+            calls = [_call_of(item, ("parameters",), self._functions) for item in value] if isinstance(
+                value, list) else []
         if calls and all(calls):
             parsed = Parsed(calls=self._streamed.finish([call for call in calls if call is not None]))
         elif self._streamed.named:  # cut short after a name went out: the calls stay
@@ -257,5 +263,6 @@ class ForcedCalls:
         return parsed
 
 
-def tool_call_parser(name: ToolCallParserName, stream: bool = False) -> ToolCallParser:
-    return JsonCalls(stream) if name is ToolCallParserName.LLAMA3 else TaggedCalls(stream)
+def tool_call_parser(name: ToolCallParserName, functions: frozenset[str], stream: bool = False) -> ToolCallParser:
+    """The parser for the output of a request that declared `functions`."""
+    return JsonCalls(functions, stream) if name is ToolCallParserName.LLAMA3 else TaggedCalls(functions, stream)

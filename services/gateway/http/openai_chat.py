@@ -88,9 +88,9 @@ def _turn(gateway: Gateway, req: ChatCompletionRequest) -> AssistantTurn:
     think = ThinkBlock(config.reasoning_parser) if config.reasoning_parser and req.separate_reasoning else None
     tools: ToolCallParser | None = None
     if req.tool_choice_name in ("required", "function"):
-        tools = ForcedCalls(req.forced_function, stream=req.stream)
+        tools = ForcedCalls(req.function_names, req.forced_function, stream=req.stream)
     elif req.tool_choice_name == "auto" and config.tool_call_parser is not None:
-        tools = tool_call_parser(config.tool_call_parser, stream=req.stream)
+        tools = tool_call_parser(config.tool_call_parser, req.function_names, stream=req.stream)
     return AssistantTurn(think, tools, stream_reasoning=req.stream_reasoning,
                          max_calls=None if req.parallel_tool_calls else 1)
 

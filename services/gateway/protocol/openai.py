@@ -265,6 +265,11 @@ class ChatCompletionRequest(OpenAIRequest):
         return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
+    def function_names(self) -> frozenset[str]:
+        """The functions the request declares: the only ones a call may name."""
+        return frozenset(tool.function.name for tool in self.tools or [])
+
+    @property
     def forced_function(self) -> str | None:
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
