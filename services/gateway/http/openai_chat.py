@@ -95,10 +95,11 @@ def _turn(gateway: Gateway, req: ChatCompletionRequest) -> AssistantTurn:
                          max_calls=None if req.parallel_tool_calls else 1)
 
 
-def _finish(result: RequestResult, turn: AssistantTurn) -> dict:
-    """OpenAI's finish_reason "tool_calls" for a turn that stopped after calling tools."""
+def _finish(req: ChatCompletionRequest, result: RequestResult, turn: AssistantTurn) -> dict:
+    """OpenAI's finish_reason "tool_calls" for a turn that stopped after calling tools; "stop" still where the
+    request named the function to call (OpenAI's, and vLLM's since its PR 25054)."""
     fields = finish_fields(result)
-    if turn.calls and fields["finish_reason"] == "stop":
+    if turn.calls and fields["finish_reason"] == "stop" and req.forced_function is None:
         fields["finish_reason"] = "tool_calls"
     return fields
 
@@ -108,7 +109,7 @@ def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: Re
     whole = turn.feed(result.text)
     whole.extend(turn.end())
     choice = {"index": index, "message": assistant.message(whole, turn.separates_reasoning),
-              "logprobs": _logprobs(gateway, req, result.output), **_finish(result, turn)}
+              "logprobs": _logprobs(gateway, req, result.output), **_finish(req, result, turn)}
     if req.return_token_ids:
         choice["token_ids"] = result.output_ids
     if req.return_meta_info:
@@ -148,7 +149,7 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
             ended[i] = chunk.result
             if not assistant.is_empty(rest := turns[i].end()):  # what the parsers held to the end
                 yield chunk_event(i, assistant.delta(rest))
-            yield chunk_event(i, {}, finish=_finish(chunk.result, turns[i]), meta=metas.last(chunk.result))
+            yield chunk_event(i, {}, finish=_finish(req, chunk.result, turns[i]), meta=metas.last(chunk.result))
     if req.include_usage:
         yield event(head | {"choices": [], "usage": usage(len(prompt_ids), [ended[i] for i in range(req.n)], req.n)})
     yield DONE
