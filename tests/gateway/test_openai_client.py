@@ -73,6 +73,7 @@ def test_chat_stream_matches_non_stream(client):
     assert usage["prompt_tokens_details"].pop("cached_tokens") >= whole_usage["prompt_tokens_details"].pop(
         "cached_tokens")
     assert chunks[-1].choices == [] and usage == whole_usage
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # null until the last, as OpenAI
 
 
 def test_chat_n_and_stop(client):
@@ -153,6 +154,7 @@ def test_completions(client, model, tokenizer):
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].usage.completion_tokens == 6
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 def test_completions_batch_of_token_ids(client, model, tokenizer):

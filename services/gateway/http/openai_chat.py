@@ -16,6 +16,7 @@ from services.gateway.http.openai_common import (
     check_model,
     choice_inputs,
     choice_meta_info,
+    chunk_head,
     finish_fields,
     openai_format,
     response_id,
@@ -118,8 +119,7 @@ def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: Re
 
 
 async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generations, prompt_ids: list[int]):
-    head = {"id": response_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": gateway.engine.model_name}
+    head = chunk_head(gateway, req, "chat.completion.chunk", "chatcmpl")
 
     metas = StreamedMetaInfo(gateway, req, req.n)
 

@@ -1,5 +1,6 @@
 """What the OpenAI routes share: model check, ids, finish reasons, usage, meta_info."""
 
+import time
 import uuid
 
 from services.gateway.engine_client import Chunk, GenerateInput
@@ -19,6 +20,14 @@ def check_model(gateway: Gateway, model: str) -> None:
 
 def response_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def chunk_head(gateway: Gateway, req: OpenAIRequest, kind: str, id_prefix: str) -> dict:
+    """The fields every chunk of a stream carries; with include_usage, `usage` too, null until the last chunk
+    (as OpenAI sends it)."""
+    head = {"id": response_id(id_prefix), "object": kind, "created": int(time.time()),
+            "model": gateway.engine.model_name}
+    return head | {"usage": None} if req.include_usage else head
 
 
 def choice_inputs(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],

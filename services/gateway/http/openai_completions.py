@@ -13,6 +13,7 @@ from services.gateway.http.openai_common import (
     check_model,
     choice_inputs,
     choice_meta_info,
+    chunk_head,
     finish_fields,
     openai_format,
     response_id,
@@ -110,8 +111,7 @@ def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: Reques
 
 async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, echoes: list[str],
                   prompt_tokens: int, choice_prompts: list[list[int]] | None):
-    head = {"id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": gateway.engine.model_name}
+    head = chunk_head(gateway, req, "text_completion", "cmpl")
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
     metas = StreamedMetaInfo(gateway, req, len(echoes))
     ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
