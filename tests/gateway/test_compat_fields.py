@@ -8,6 +8,7 @@ import pytest
 from flatwire_client import FlatwireClient
 
 from harness.http import generate
+from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.sglang import SGLangGenerateFields, SGLangServerFields
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, "temperature": 0}
@@ -67,14 +68,45 @@ def test_generate_field_refused_unless_neutral(http, field, value, neutral):
 def test_the_rest_of_sglangs_generate_fields_are_refused_unless_neutral(http):
     """Every field of SGLang's GenerateReqInput flatwire lacks is declared: refused with "not supported" when it
     asks for something, taken at its neutral value; routing_key routes (one replica here) and no_logs is so."""
-    declared = SGLangGenerateFields.model_fields.keys() - SGLangServerFields.model_fields.keys()
-    assert {"priority", "session_id", "return_entropy", "cache_salt", "routed_dp_rank"} <= declared
-    for field in declared:
-        value = True if SGLangGenerateFields.model_fields[field].annotation == bool | None else "x"
-        assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
-    neutral = {field: None for field in declared}
-    response = http.post("/generate", json={**GENERATE, **neutral, "routing_key": "tenant-1", "no_logs": True})
+    declared = set(SGLangGenerateFields.model_fields)
+    assert {"priority", "session_id", "return_entropy", "cache_salt", "routed_dp_rank", "lora_path"} <= declared
+    _refused_unless_neutral(http, "/generate", GENERATE, SGLangGenerateFields, declared,
+                            {"routing_key": "tenant-1", "no_logs": True})
+
+
+# SGLang's OpenAI routes' own fields flatwire lacks (beside those of every route, SGLangServerFields)
+SGLANG_OPENAI_FIELDS = {"stop_regex", "custom_params", "rid", "ngram_corpus_id", "return_cached_tokens_details"}
+
+
+@pytest.mark.parametrize(("endpoint", "body", "model", "own"), [
+    (CHAT_ENDPOINT, CHAT, ChatCompletionRequest, {"input_ids", "task"}),
+    (COMPLETIONS_ENDPOINT, COMPLETION, CompletionRequest, {"suffix"})], ids=["chat", "completions"])
+def test_sglangs_openai_fields_are_refused_unless_neutral(http, served_model, endpoint, body, model, own):
+    declared = set(SGLangServerFields.model_fields) | SGLANG_OPENAI_FIELDS | own
+    _refused_unless_neutral(http, endpoint, {**body, "model": served_model}, model, declared, {})
+
+
+def _refused_unless_neutral(http, endpoint: str, body: dict, model, fields: set[str], honoured: dict) -> None:
+    """Each field refused with "not supported" at a value that asks for something; all of them at null, with
+    the `honoured` fields beside them, answered."""
+    for field in fields:
+        value = True if model.model_fields[field].annotation == bool | None else "x"
+        assert_refused(http.post(endpoint, json={**body, field: value}), field)
+    response = http.post(endpoint, json={**body, **dict.fromkeys(fields), **honoured})
     assert response.status_code == 200, response.text
+
+
+def test_min_tokens_is_min_new_tokens_on_the_openai_routes(http, served_model):
+    """SGLang's (and vLLM's) name on its OpenAI routes: a stop token greedy would pick early is held off."""
+    greedy = greedy_ids(http, PROMPT_IDS, 12)
+    stop = next(i for i, token in enumerate(greedy) if i and token not in greedy[:i])
+    body = {"model": served_model, "prompt": PROMPT_IDS, "max_tokens": stop + 8, "temperature": 0,
+            "stop_token_ids": [greedy[stop]], "return_token_ids": True}
+    early = http.post(COMPLETIONS_ENDPOINT, json=body).json()["choices"][0]["token_ids"]
+    held = http.post(COMPLETIONS_ENDPOINT, json={**body, "min_tokens": stop + 4}).json()["choices"][0]["token_ids"]
+    assert len(early) == stop + 1 and len(held) >= stop + 4, (early, held)
+    both = http.post(COMPLETIONS_ENDPOINT, json={**body, "min_tokens": 2, "min_new_tokens": 3})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "min_tokens"
 
 
 def test_openai_client_sees_a_typed_error(openai_client, served_model):

@@ -81,8 +81,15 @@ class OpenAIRequest(SamplingFields, SGLangServerFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: Annotated[ResponseFormat | None, AfterValidator(_no_other_constraint)] = None  # json: a constraint
-    # OpenAI's fields flatwire cannot honour yet: refused unless neutral.
+    # OpenAI's and SGLang's fields flatwire cannot honour yet: refused unless neutral.
     best_of: Annotated[int | None, unsupported(None, 1)] = None
+    stop_regex: Annotated[Any, unsupported(None, [])] = None
+    custom_params: Annotated[Any, unsupported(None)] = None
+    rid: Annotated[Any, unsupported(None)] = None
+    ngram_corpus_id: Annotated[Any, unsupported(None)] = None
+    return_cached_tokens_details: Annotated[bool | None, unsupported(None, False)] = None
+    # SGLang's (and vLLM's) name for min_new_tokens here
+    min_tokens: int | None = Field(None, ge=0)
     # SGLang extensions (besides the sampling fields)
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False
@@ -93,6 +100,14 @@ class OpenAIRequest(SamplingFields, SGLangServerFields):
     # SGLang's MoE routing replay: each choice's meta_info.routed_experts (a scheduler with
     # --enable-return-routed-experts)
     return_routed_experts: bool = False
+
+    @model_validator(mode="after")
+    def _min_tokens(self) -> "OpenAIRequest":
+        if self.min_tokens is not None:
+            if "min_new_tokens" in self.model_fields_set and self.min_new_tokens != self.min_tokens:
+                raise InvalidRequest("min_tokens", "min_tokens: min_new_tokens differs: give one")
+            self.min_new_tokens = self.min_tokens
+        return self
 
     @model_validator(mode="after")
     def _flat_flags(self) -> "OpenAIRequest":
@@ -221,6 +236,8 @@ class ChatCompletionRequest(OpenAIRequest):
     store: Annotated[bool | None, unsupported(None, False)] = None
     service_tier: Annotated[str | None, unsupported(None, "auto", "default")] = None
     continue_final_message: Annotated[bool | None, unsupported(None, False)] = None
+    input_ids: Annotated[Any, unsupported(None)] = None  # SGLang's: the prompt's ids instead of the template's
+    task: Annotated[Any, unsupported(None)] = None  # SGLang's DeepSeek-V4 task tokens
 
     @field_validator("top_logprobs")
     @classmethod
@@ -326,6 +343,7 @@ class CompletionRequest(OpenAIRequest):
     # Chat's fields, which OpenAI's completions do not have: refused unless neutral.
     tools: Annotated[list | None, unsupported(None, [])] = None
     tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None
+    suffix: Annotated[str | None, unsupported(None, "")] = None  # OpenAI's insertion after the completion
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
@@ -334,7 +352,6 @@ class CompletionRequest(OpenAIRequest):
     @classmethod
     def _default_max_tokens(cls, value: int | None) -> int:
         return DEFAULT_COMPLETION_TOKENS if value is None else value  # an explicit null is OpenAI's default too
-    suffix: str | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -352,9 +369,7 @@ class CompletionRequest(OpenAIRequest):
         return value
 
     @model_validator(mode="after")
-    def _no_suffix(self, info: ValidationInfo) -> "CompletionRequest":
-        if self.suffix:
-            raise InvalidRequest("suffix", "suffix is not supported")
+    def _batch_size(self, info: ValidationInfo) -> "CompletionRequest":
         # Choice p * n + j is prompt p's j-th sample: one sub-request each. The error names n when
         # it multiplies the prompts, prompt when the prompts alone are too many.
         prompts = len(self.prompts())

@@ -22,9 +22,10 @@ MAX_RID_LENGTH = 256
 
 
 class SGLangServerFields(RequestModel):
-    """Fields of SGLang's /generate and OpenAI routes that ask for what flatwire does not have (images and
-    embeddings, LoRA adapters, sessions, hidden states, disaggregated prefill, custom logit processors):
-    accepted at their neutral values only, which clients send (bench_serving's lora_path is null)."""
+    """Fields of SGLang's /generate and OpenAI routes alike that ask for what flatwire does not have (images,
+    LoRA adapters, sessions, hidden states, disaggregated prefill and data-parallel placement, custom logit
+    processors, priority scheduling, cache namespaces, metric labels): accepted at their neutral values only,
+    which clients send (bench_serving's lora_path is null)."""
 
     lora_path: Annotated[Any, unsupported(None)] = None
     return_hidden_states: Annotated[bool | None, unsupported(None, False)] = None
@@ -34,23 +35,29 @@ class SGLangServerFields(RequestModel):
     bootstrap_port: Annotated[Any, unsupported(None)] = None
     bootstrap_room: Annotated[Any, unsupported(None)] = None
     data_parallel_rank: Annotated[Any, unsupported(None)] = None
+    routed_dp_rank: Annotated[Any, unsupported(None)] = None
+    disagg_prefill_dp_rank: Annotated[Any, unsupported(None)] = None
+    session_id: Annotated[Any, unsupported(None)] = None
+    priority: Annotated[Any, unsupported(None)] = None
+    extra_key: Annotated[Any, unsupported(None, "")] = None
+    cache_salt: Annotated[Any, unsupported(None, "")] = None
+    custom_labels: Annotated[Any, unsupported(None, {})] = None
+    images_config: Annotated[Any, unsupported(None)] = None
+    max_dynamic_patch: Annotated[Any, unsupported(None)] = None
+    min_dynamic_patch: Annotated[Any, unsupported(None)] = None
+    use_audio_in_video: Annotated[bool | None, unsupported(None, False)] = None
+    return_prompt_token_ids: Annotated[bool | None, unsupported(None, False)] = None
 
 
 class SGLangGenerateFields(SGLangServerFields):
-    """The rest of SGLang's GenerateReqInput that flatwire does not have (other modalities, sessions, priority
-    scheduling, cache namespaces, disaggregation and data-parallel placement, entropy and sampling masks,
-    thinking budgets): accepted at their neutral values only."""
+    """The rest of SGLang's GenerateReqInput that flatwire does not have (other modalities, disaggregation,
+    entropy and sampling masks, thinking budgets, tracing): accepted at their neutral values only."""
 
-    session_id: Annotated[Any, unsupported(None)] = None
     video_data: Annotated[Any, unsupported(None)] = None
     audio_data: Annotated[Any, unsupported(None)] = None
     mm_hashes: Annotated[Any, unsupported(None)] = None
     mm_content_hashes: Annotated[Any, unsupported(None)] = None
-    use_audio_in_video: Annotated[bool | None, unsupported(None, False)] = None
     video_config: Annotated[Any, unsupported(None)] = None
-    images_config: Annotated[Any, unsupported(None)] = None
-    max_dynamic_patch: Annotated[Any, unsupported(None)] = None
-    min_dynamic_patch: Annotated[Any, unsupported(None)] = None
     image_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     video_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     positional_embed_overrides: Annotated[Any, unsupported(None)] = None
@@ -59,20 +66,13 @@ class SGLangGenerateFields(SGLangServerFields):
     return_indexer_topk: Annotated[bool | None, unsupported(None, False)] = None
     return_entropy: Annotated[bool | None, unsupported(None, False)] = None
     return_bytes: Annotated[bool | None, unsupported(None, False)] = None
-    return_prompt_token_ids: Annotated[bool | None, unsupported(None, False)] = None
     bootstrap_pair_key: Annotated[Any, unsupported(None)] = None
     decode_tp_size: Annotated[Any, unsupported(None)] = None
-    routed_dp_rank: Annotated[Any, unsupported(None)] = None
-    disagg_prefill_dp_rank: Annotated[Any, unsupported(None)] = None
     kv_router_hint: Annotated[Any, unsupported(None)] = None
     background: Annotated[bool | None, unsupported(None, False)] = None
     require_reasoning: Annotated[bool | None, unsupported(None, False)] = None
     max_thinking_tokens: Annotated[Any, unsupported(None)] = None
-    priority: Annotated[Any, unsupported(None)] = None
-    extra_key: Annotated[Any, unsupported(None, "")] = None
-    cache_salt: Annotated[Any, unsupported(None, "")] = None
     conversation_id: Annotated[Any, unsupported(None)] = None
-    custom_labels: Annotated[Any, unsupported(None, {})] = None
     external_trace_header: Annotated[Any, unsupported(None)] = None
 
 
