@@ -18,6 +18,7 @@ from services.gateway.agents.tool_choice import named_call_schema, required_call
 from services.gateway.protocol.parse import (
     InvalidRequest,
     LogprobsModeName,
+    RequestModel,
     check_batch_size,
     check_token_ids,
     check_top_k,
@@ -31,8 +32,10 @@ from services.gateway.protocol.sglang import SGLangServerFields
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens for completions, given or null
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: Annotated[bool | None, unsupported(None, False)] = None  # SGLang's and vLLM's
+    include_obfuscation: Annotated[bool | None, unsupported(None, False)] = None  # OpenAI's padding
 
 
 class JsonSchemaFormat(BaseModel):
@@ -100,6 +103,12 @@ class OpenAIRequest(SamplingFields, SGLangServerFields):
     # SGLang's MoE routing replay: each choice's meta_info.routed_experts (a scheduler with
     # --enable-return-routed-experts)
     return_routed_experts: bool = False
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> "OpenAIRequest":
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options", "stream_options: only with stream true")
+        return self
 
     @model_validator(mode="after")
     def _min_tokens(self) -> "OpenAIRequest":
@@ -180,11 +189,19 @@ class MessageToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
     tool_call_id: str | None = None  # a tool's answer: to which call
     reasoning_content: str | None = None  # an assistant's reasoning, in the history
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value, info: ValidationInfo):
+        """Only an assistant's message may go without content (OpenAI's rule: its tool calls say it all)."""
+        if value is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return value
 
     def template_dict(self) -> dict:
         """The message as the chat template wants it: content as one string, the other fields only if given."""
