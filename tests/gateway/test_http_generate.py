@@ -186,6 +186,29 @@ def test_batch(http, tokenizer):
     assert [finals[i]["output_ids"] for i in range(2)] == [s["output_ids"] for s in singles]
 
 
+def test_batch_logprob_fields_per_prompt(http):
+    """SGLang's per-prompt lists of return_logprob, top_logprobs_num, logprob_start_len and token_ids_logprob."""
+    body = {"text": [PROMPT, "Another"], "sampling_params": {**GREEDY, "max_new_tokens": 3},
+            "return_logprob": [True, True], "top_logprobs_num": [2, 0], "logprob_start_len": [0, -1],
+            "token_ids_logprob": [[1], [2, 3]]}
+    first, second = http.post("/generate", json=body).json()
+    assert [len(row) for row in first["meta_info"]["output_top_logprobs"]] == [2, 2, 2]
+    assert first["meta_info"]["input_token_logprobs"] and not second["meta_info"]["input_token_logprobs"]
+    assert [len(row) for row in second["meta_info"]["output_token_ids_logprobs"]] == [2, 2, 2]
+    mixed = http.post("/generate", json={**body, "return_logprob": [False, True]}).json()
+    assert "output_token_logprobs" not in mixed[0]["meta_info"] and mixed[1]["meta_info"]["output_token_logprobs"]
+    events = stream_events(http, **{**body, "return_logprob": [False, True]})
+    last = {e["index"]: e["meta_info"] for e in events if e["meta_info"]["finish_reason"] is not None}
+    assert "output_token_logprobs" not in last[0] and len(last[1]["output_token_logprobs"]) == 3
+    for field, value in (("top_logprobs_num", [2]), ("return_logprob", [True, True, True])):
+        refused = http.post("/generate", json={**body, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    single = http.post("/generate", json={"text": PROMPT, "return_logprob": [True]})
+    assert single.status_code == 400 and single.json()["error"]["param"] == "return_logprob"
+    late = http.post("/generate", json={**body, "logprob_start_len": [0, 99]})
+    assert late.status_code == 400 and late.json()["error"]["param"] == "logprob_start_len[1]"
+
+
 def test_concurrent_requests_are_independent(http):
     """Greedy outputs don't depend on what else is batched with them."""
     alone = generate(http, text=PROMPT, sampling_params=GREEDY)

@@ -3,6 +3,7 @@
 import time
 
 import orjson
+from flatwire_wire.scheduler import LogprobParams
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
@@ -85,8 +86,8 @@ def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: 
     options = req.sampling_for(i)
     max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.requested_max_new_tokens,
                             f"{req.sampling_field(i)}.max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    req.check_logprob_start_len(len(prompt_ids))
-    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(),
+    req.check_logprob_start_len(i, len(prompt_ids))
+    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(i),
                          detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),
                          rid=req.rid_for(i), return_routed_experts=req.return_routed_experts,
                          routed_experts_start_len=req.routed_experts_start_len)
@@ -103,7 +104,7 @@ def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult,
 
 def _body(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
     meta = base_meta_info(result) | _logprob_meta(gateway, req, result)
-    if req.return_logprob:
+    if result.output is not None:  # it asked for logprobs
         meta["output_token_logprobs_length"] = result.completion_tokens  # SGLang's, which RL clients read
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
 
@@ -120,9 +121,10 @@ class _StreamState:
     so that a long stream's bytes stay those of the non-streamed response.
     """
 
-    def __init__(self, prompt_tokens: int, token_ids_logprob: list[int] | None):
+    def __init__(self, prompt_tokens: int, logprob: LogprobParams):
         self.prompt_tokens = prompt_tokens
-        self.token_ids_logprob = token_ids_logprob
+        self.wants_logprob = logprob.return_logprob
+        self.token_ids_logprob = list(logprob.token_ids_logprob) or None
         self.text = ""
         self.output_ids: list[int] = []
         self.prompt_fields: dict = {}
@@ -147,7 +149,7 @@ class _StreamState:
         meta = base_meta_info(progress)
         flat_output, flat_prompt = req.return_flat_raw_output_top_logprobs, req.return_flat_raw_top_logprobs
         prompt_side = chunk.prompt is not None or not self.prompt_fields  # else the first event's, repeated
-        logprob_meta = _logprob_meta(gateway, req, progress, prompt_side) if req.return_logprob else {}
+        logprob_meta = _logprob_meta(gateway, req, progress, prompt_side) if self.wants_logprob else {}
         for key, value in logprob_meta.items():
             if flat_output and key.startswith("output_top_logprobs_"):  # this event's rows only
                 meta[key] = value
@@ -167,7 +169,7 @@ class _StreamState:
         for key, items in self.output_items.items():  # an event without new rows (an abort's last) repeats them
             meta.setdefault(key, orjson.Fragment(b"[" + items + b"]"))
         meta |= self.prompt_fields
-        if req.return_logprob:
+        if self.wants_logprob:
             meta["output_token_logprobs_length"] = len(self.output_ids)  # all told, in both modes (as SGLang)
         # output_ids is this state's own list, not a copy: the event is serialized before the next chunk grows it.
         return {"text": progress.text, "output_ids": chunk.token_ids if incremental else self.output_ids,
@@ -175,8 +177,7 @@ class _StreamState:
 
 
 async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, started: float):
-    states = [_StreamState(len(inp.input_ids), list(inp.logprob.token_ids_logprob) or None)
-              for inp in gens.inputs]
+    states = [_StreamState(len(inp.input_ids), inp.logprob) for inp in gens.inputs]
     indexed = req.returns_list
     async for i, chunk in gens.merged():
         payload = states[i].payload(gateway, req, chunk, started)
@@ -199,7 +200,7 @@ async def _packed_messages(gens: Generations):
 
 def logprob_format(req: GenerateRequest) -> str:
     """The label of the response's logprob format, for the bytes-sent metric."""
-    if not req.return_logprob:
+    if not req.any_logprob:
         return "text"
     if req.return_flat_raw_top_logprobs or req.return_flat_raw_output_top_logprobs:
         return "flat_b64" if req.return_flat_raw_top_logprobs_b64 else "flat_json"

@@ -132,7 +132,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _is_branch_tag(part: str | int) -> bool:
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper())
+    """A union branch's name in an error's location ("int", "list[int]", "constrained-int", a model's name),
+    never a field's (a Python name)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
 
 
 def _location(loc: tuple) -> str:

@@ -19,6 +19,7 @@ from services.gateway.protocol.parse import (
 from services.gateway.protocol.sampling import SamplingOptions, unsupported
 
 MAX_RID_LENGTH = 256
+PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
 
 
 class SGLangServerFields(RequestModel):
@@ -81,11 +82,12 @@ class GenerateRequest(SGLangGenerateFields):
     input_ids: list[int] | list[list[int]] | None = None
     # One object for every prompt of a batch, or one per prompt.
     sampling_params: SamplingOptions | list[SamplingOptions] = Field(default_factory=SamplingOptions)
-    return_logprob: bool = False
+    # The logprob fields: one value for every prompt of a batch, or a list of one per prompt (SGLang's).
+    return_logprob: bool | list[bool] = False
     # First prompt position with logprobs; -1: output logprobs only.
-    logprob_start_len: int = Field(-1, ge=-1)
-    top_logprobs_num: int = Field(0, ge=0)
-    token_ids_logprob: list[int] | None = None
+    logprob_start_len: Annotated[int, Field(ge=-1)] | list[Annotated[int, Field(ge=-1)]] = -1
+    top_logprobs_num: Annotated[int, Field(ge=0)] | list[Annotated[int, Field(ge=0)]] = 0
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     logprobs_mode: LogprobsModeName | None = None  # of the output logprobs (flatwire's; vLLM's names)
     return_text_in_logprobs: bool = False
     return_flat_raw_top_logprobs: bool = False  # prompt side as flat arrays instead of nested rows
@@ -108,13 +110,17 @@ class GenerateRequest(SGLangGenerateFields):
 
     @field_validator("top_logprobs_num")
     @classmethod
-    def _top_k(cls, value: int, info: ValidationInfo) -> int:
-        return check_top_k("top_logprobs_num", value, info)
+    def _top_k(cls, value: int | list[int], info: ValidationInfo) -> int | list[int]:
+        for k in value if isinstance(value, list) else [value]:
+            check_top_k("top_logprobs_num", k, info)
+        return value
 
     @field_validator("token_ids_logprob")
     @classmethod
-    def _ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
-        return check_token_ids(value, info) if value else value
+    def _ids(cls, value: list[int] | list[list[int]] | None, info: ValidationInfo):
+        for ids in (value if is_id_lists(value) else [value]) if value else []:
+            check_token_ids(ids, info)
+        return value
 
     @field_validator("input_ids")
     @classmethod
@@ -143,11 +149,27 @@ class GenerateRequest(SGLangGenerateFields):
             check_batch_size(f"{self.sampling_field(0)}.n", self.batch_size * n,
                              f"{self.batch_size} prompts x n={n}", info)
         self._check_rids()
+        self._check_per_prompt()
         if self.return_flat_raw_top_logprobs_b64 and not (
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
             raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
                                  "return_flat_raw_top_logprobs or return_flat_raw_output_top_logprobs")
         return self
+
+    def _check_per_prompt(self) -> None:
+        """A logprob field given per prompt has a value for each prompt of a batch."""
+        for name in PER_PROMPT_FIELDS:
+            value = getattr(self, name)
+            per_prompt = is_id_lists(value) if name == "token_ids_logprob" else isinstance(value, list)
+            if per_prompt and (not self.is_batch or len(value) != self.batch_size):
+                raise InvalidRequest(name, f"{name}: one value for every prompt, or a list of one per prompt "
+                                           f"({self.batch_size}{'' if self.is_batch else ': not a batch'})")
+
+    def _per_prompt(self, name: str, i: int):
+        """Prompt i's value of a logprob field."""
+        value = getattr(self, name)
+        per_prompt = is_id_lists(value) if name == "token_ids_logprob" else isinstance(value, list)
+        return value[i] if per_prompt else value
 
     def _check_rids(self) -> None:
         if self.rid is None:
@@ -214,16 +236,25 @@ class GenerateRequest(SGLangGenerateFields):
         """The scheduler's field names -> this request's, for prompt i (see pipeline.GenerateInput.fields)."""
         return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": ""}
 
-    def check_logprob_start_len(self, prompt_len: int) -> None:
-        """With return_logprob, logprob_start_len must be -1 or a position of the (tokenized) prompt."""
-        if self.return_logprob and self.logprob_start_len >= prompt_len:
-            raise InvalidRequest("logprob_start_len", f"logprob_start_len: {self.logprob_start_len} is not a position "
-                                 f"of the {prompt_len}-token prompt; use -1 (no prompt logprobs) or 0 to "
-                                 f"{prompt_len - 1}")
+    @property
+    def any_logprob(self) -> bool:
+        """Whether some prompt asks for logprobs."""
+        return any(self.return_logprob) if isinstance(self.return_logprob, list) else self.return_logprob
 
-    def logprob(self) -> LogprobParams:
-        if not self.return_logprob:
+    def logprob(self, i: int) -> LogprobParams:
+        """Prompt i's logprob parameters."""
+        if not self._per_prompt("return_logprob", i):
             return LogprobParams(logprob_start_len=-1)
         return LogprobParams(
-            return_logprob=True, top_logprobs_num=self.top_logprobs_num, logprob_start_len=self.logprob_start_len,
-            token_ids_logprob=self.token_ids_logprob or [], logprobs_mode=logprobs_mode(self.logprobs_mode))
+            return_logprob=True, top_logprobs_num=self._per_prompt("top_logprobs_num", i),
+            logprob_start_len=self._per_prompt("logprob_start_len", i),
+            token_ids_logprob=self._per_prompt("token_ids_logprob", i) or [],
+            logprobs_mode=logprobs_mode(self.logprobs_mode))
+
+    def check_logprob_start_len(self, i: int, prompt_len: int) -> None:
+        """With return_logprob, prompt i's logprob_start_len must be -1 or a position of its (tokenized) prompt."""
+        start = self.logprob(i).logprob_start_len
+        if start >= prompt_len:
+            field = "logprob_start_len" + (f"[{i}]" if isinstance(self.logprob_start_len, list) else "")
+            raise InvalidRequest(field, f"{field}: {start} is not a position of the {prompt_len}-token prompt; use "
+                                        f"-1 (no prompt logprobs) or 0 to {prompt_len - 1}")
