@@ -3,9 +3,9 @@
 import time
 
 import orjson
-from flatwire_wire.scheduler import LogprobParams
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from flatwire_wire.scheduler import LogprobParams
 from starlette.background import BackgroundTask
 
 from services.gateway.engine_client import Chunk, GenerateInput

@@ -159,17 +159,18 @@ class GenerateRequest(SGLangGenerateFields):
     def _check_per_prompt(self) -> None:
         """A logprob field given per prompt has a value for each prompt of a batch."""
         for name in PER_PROMPT_FIELDS:
-            value = getattr(self, name)
-            per_prompt = is_id_lists(value) if name == "token_ids_logprob" else isinstance(value, list)
-            if per_prompt and (not self.is_batch or len(value) != self.batch_size):
+            if self._is_per_prompt(name) and (not self.is_batch or len(getattr(self, name)) != self.batch_size):
                 raise InvalidRequest(name, f"{name}: one value for every prompt, or a list of one per prompt "
                                            f"({self.batch_size}{'' if self.is_batch else ': not a batch'})")
 
+    def _is_per_prompt(self, name: str) -> bool:
+        """Whether a logprob field holds a value per prompt (token_ids_logprob: a list of id lists)."""
+        value = getattr(self, name)
+        return is_id_lists(value) if name == "token_ids_logprob" else isinstance(value, list)
+
     def _per_prompt(self, name: str, i: int):
         """Prompt i's value of a logprob field."""
-        value = getattr(self, name)
-        per_prompt = is_id_lists(value) if name == "token_ids_logprob" else isinstance(value, list)
-        return value[i] if per_prompt else value
+        return getattr(self, name)[i] if self._is_per_prompt(name) else getattr(self, name)
 
     def _check_rids(self) -> None:
         if self.rid is None:
@@ -255,6 +256,6 @@ class GenerateRequest(SGLangGenerateFields):
         """With return_logprob, prompt i's logprob_start_len must be -1 or a position of its (tokenized) prompt."""
         start = self.logprob(i).logprob_start_len
         if start >= prompt_len:
-            field = "logprob_start_len" + (f"[{i}]" if isinstance(self.logprob_start_len, list) else "")
+            field = "logprob_start_len" + (f"[{i}]" if self._is_per_prompt("logprob_start_len") else "")
             raise InvalidRequest(field, f"{field}: {start} is not a position of the {prompt_len}-token prompt; use "
                                         f"-1 (no prompt logprobs) or 0 to {prompt_len - 1}")
