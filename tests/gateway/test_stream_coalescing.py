@@ -12,7 +12,7 @@ from harness.stack import Stack, another_gateway, running
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
-STREAMS, TOKENS = 96, 48  # at 1 ms steps: 96,000 tokens/s offered, far more than a gateway renders one by one
+STREAMS, TOKENS = 192, 48  # at 1 ms steps: up to 192,000 tokens/s offered, far more than a gateway renders one by one
 
 
 @pytest.fixture(scope="module")
