@@ -132,10 +132,14 @@ class Connection:
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """(status, body); for a chunked body, its last chunk that carries data."""
+        return await self.request("POST", path, body)
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 24)
-        self.writer.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        self.writer.write(b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (method.encode(), path.encode(), self.host.encode(),
+                                                               len(body), body))
         status = int((await self.reader.readline()).split()[1])
         length, chunked = 0, False
         while (line := await self.reader.readline()) not in (b"\r\n", b""):

@@ -24,7 +24,7 @@ from bench.common import OUT_DIR, Progress, machine_line
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream", "weights", "sampling_costs",
               "prefix", "kv_capacity", "decode_context", "tool_calls",
-              "capacity_workers", "capacity_parsers", "capacity_bursts", "routed_experts"]
+              "capacity_workers", "capacity_parsers", "capacity_bursts", "http_framework", "routed_experts"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
 GPU_RESULTS = ROOT / "bench" / "gpu" / "RESULTS.md"
@@ -139,7 +139,11 @@ ANALYSIS = """\
   rows every SGLang response carries), orjson a tenth, the rest FastAPI/Starlette/uvicorn, the finish and the
   generation's teardown. With httpx the client's own reads cost 1.2 ms of CPU per response (4.7 us per
   token; the raw client 0.2 ms), 0.6 s a round on the same two cores. Two gateway processes: 90% raw, 78%
-  httpx (one: 89%, 79%, the same run).
+  httpx (one: 89%, 79%, the same run). What the HTTP stack alone costs per request here (bench.http_framework):
+  a bare ASGI app on uvicorn 33 us (129 us answering 350 kB), a Starlette route 59 us, a FastAPI route 113 us,
+  the gateway's /health 176 us: about half of each end's 0.26 ms before flatwire's own work. A Starlette route
+  for /generate instead of FastAPI's cut a one-token request's gateway CPU by about 0.07 ms but left the
+  256-token burst round where it was (2.878 s against 2.869 s, one run each), so it was not kept.
   What moved it, one run each unless said: a SubmitBatch per burst instead of a Submit each (the submits
   reached the scheduler in 0.21-0.26 s instead of 0.40-0.46 s); a whole-output request's first entry
   staggered by its rid (one 26 MB message every 50 steps had held steps at 14.8 ms); the pending-output lanes
