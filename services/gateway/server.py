@@ -7,7 +7,6 @@ import time
 
 import uvicorn
 from grpc_health.v1 import health_pb2
-from transformers import AutoTokenizer
 
 from services.common.auth import AccessKeys, is_loopback, resolve_internal_secret
 from services.common.config import parse_config
@@ -16,6 +15,7 @@ from services.common.logs import setup_logging
 from services.common.memory import freeze_heap, use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
 from services.common.rpc import add_health_and_reflection, create_server, listen
+from services.common.tokenizer import load_tokenizer
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import Draining, HttpServer, serve_until_drained
 from services.gateway.engine_client import EngineClient
@@ -55,7 +55,7 @@ async def serve(config: GatewayConfig) -> None:
     if not config.api_key and not is_loopback(config.host):
         log.warning("no API key (FLATWIRE_API_KEY) while listening on %s: the HTTP and gRPC APIs are open to "
                     "anyone who reaches them", config.host)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model, config.cache_dir))
+    tokenizer = load_tokenizer(resolve_model(config.model, config.cache_dir))
     engine = EngineClient(config, tokenizer)
     await engine.start()
     freeze_heap()  # the tokenizer's and the libraries' objects, kept for good: out of the collector's sight

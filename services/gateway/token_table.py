@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from services.common.tokenizer import load_tokenizer
+
 # Byte-level BPE spells byte b as the character bytes_to_unicode()[b]; this undoes it.
 _BYTE_LEVEL_TO_LATIN1 = str.maketrans({char: chr(byte) for byte, char in bytes_to_unicode().items()})
 
@@ -35,11 +37,9 @@ class TokenTable:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "TokenTable":
-        from transformers import AutoTokenizer
-
         config = Path(model_dir) / "config.json"
         size = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
-        return cls(AutoTokenizer.from_pretrained(model_dir), size)
+        return cls(load_tokenizer(model_dir), size)
 
     def memo(self, key: str, build: Callable[["TokenTable"], Any]) -> Any:
         """build(self), computed once per table (renderers keep their per-id JSON pieces here)."""

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
+from services.common.tokenizer import load_tokenizer
 from services.scheduler.model.kv_cache import DEFAULT_CPU_TOKENS
 from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.model.runner import model_max_context
@@ -66,7 +67,7 @@ class SyntheticRunner:
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.step_s = step_ms / 1e3
         self._next_step_at = 0.0  # time.perf_counter() at which the next step may return
-        ids = np.array(AutoTokenizer.from_pretrained(model_dir).encode(PARAGRAPH, add_special_tokens=False))
+        ids = np.array(load_tokenizer(model_dir).encode(PARAGRAPH, add_special_tokens=False))
         ids = ids[~np.isin(ids, self.eos_token_ids) & (ids < self.vocab_size)]
         # Top-k candidates: the paragraph's distinct ids in order of appearance, then other ids up to k + 1.
         unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)

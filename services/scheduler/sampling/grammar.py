@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import xgrammar as xgr
-from transformers import AutoTokenizer
+
+from services.common.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ def accept_tokens(rows: list[ConstrainedRow], next_ids: np.ndarray) -> None:
 
 def read_tokenizer_info(model_dir: Path, vocab_size: int, eos_token_ids: list[int]) -> str:
     """The model's vocabulary as xgrammar reads it, serialized (Grammars runs this as a process of its own)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or None)
     return info.serialize_json()
 
