@@ -331,6 +331,7 @@ async def measure(stack: Stack, pids: dict[str, list[int]], config: Config, args
         "fraction": delivered / offered, "requests": len(ok), "errors": len(done) - len(ok),
         "error_kinds": sorted({r.error for r in done if r.tokens < 0}),
         "check": check(first[0], config, args.tokens) if first else "no complete reply",
+        "reply_bytes": len(first[0]) if first else 0,  # of a whole response; streaming: of its last event
         "cpu_s": {name: cpu1[name] - cpu0[name] for name in pids}, "wall_s": wall,
         "us_per_token": {name: (cpu1[name] - cpu0[name]) * 1e6 / max(1.0, delivered * wall) for name in pids},
         "step_ms_measured": wall * 1e3 / max(1, steps1 - steps0),
@@ -415,7 +416,7 @@ def names(allowed: tuple[str, ...]):
     return parse
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=ints, default=[32, 128, 512], help="closed-loop clients, e.g. 32,128")
     parser.add_argument("--k", type=ints, default=[0, 128], help="top_logprobs_num values; 0: no logprobs")
@@ -441,10 +442,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="capacity", help="results as bench/out/NAME.{md,json}")
     parser.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default model)")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from bench/out/capacity.json")
-    args = parser.parse_args(argv)
-    if args.replot:
-        print(plot(orjson.loads((OUT_DIR / "capacity.json").read_bytes())["results"]["rows"]))
-        return
+    return parser, parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """A row per configuration of `args`, each measured on a stack of its own interval, C and gateways."""
     model_dir = resolve_model(args.model)
     todo = configs(args)
     progress = Progress(len(todo), "capacity")
@@ -468,7 +470,13 @@ def main(argv: list[str] | None = None) -> None:
                 progress.step(f"{config}: {r['delivered_tok_s']:,.0f} of {r['offered_tok_s']:,.0f} tok/s, "
                               f"gateway {r['us_per_token']['gateway']:.1f} us/tok, errors {r['errors']}"
                               + (f", check: {r['check']}" if r["check"] else ""))
-    command = "python -m bench.capacity" + "".join(
+    return rows
+
+
+def report(parser: argparse.ArgumentParser, args: argparse.Namespace, rows: list[dict], command: str = "",
+           more_tables: tuple[Table, ...] = (), more_notes: str = "", more_data: dict | None = None) -> None:
+    """Write bench/out/NAME.{md,json}: the capacity table, and what a caller (`command`) measured beside it."""
+    command = command or "python -m bench.capacity" + "".join(
         f" --{name.replace('_', '-')} "
         f"{','.join(map(str, value)) if isinstance(value, list) else shlex.quote(str(value))}"
         for name, value in vars(args).items() if value != parser.get_default(name) and name != "name")
@@ -486,12 +494,21 @@ def main(argv: list[str] | None = None) -> None:
                 else "")
              + (" httpx: an httpx.AsyncClient per client." if "httpx" in args.clients else "")
              + (" httpx-pool: one httpx.AsyncClient shared by the clients, a pooled connection each."
-                if "httpx-pool" in args.clients else ""))
-    print(write_results(args.name, command, [table(rows, args)],
+                if "httpx-pool" in args.clients else "")
+             + more_notes)
+    print(write_results(args.name, command, [table(rows, args), *more_tables],
                         {"step_ms": args.step_ms, "tokens": args.tokens, "duration_s": args.duration,
-                         "warmup_s": args.warmup, "rows": rows}, notes))
+                         "warmup_s": args.warmup, "rows": rows, **(more_data or {})}, notes))
     if args.name == "capacity" and (path := plot(rows)) is not None:
         print(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse(argv)
+    if args.replot:
+        print(plot(orjson.loads((OUT_DIR / "capacity.json").read_bytes())["results"]["rows"]))
+        return
+    report(parser, args, run(args))
 
 
 if __name__ == "__main__":

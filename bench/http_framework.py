@@ -14,6 +14,8 @@ before flatwire's own work.
 
 import argparse
 import asyncio
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -72,17 +74,18 @@ APPS = {  # label -> this module's app
 
 
 @contextmanager
-def _uvicorn(app: str) -> Iterator[tuple[int, int]]:
-    """(pid, port) of `uvicorn bench.http_framework:<app>` on the gateway's parser and loop, once it answers."""
+def uvicorn_app(app: str, env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
+    """(pid, port) of `uvicorn <app>` ("module:attribute") on the gateway's parser and loop, once it listens;
+    `env`: more environment for its process."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"bench.http_framework:{app}", "--port", str(port),
-                             "--http", "httptools", "--loop", "uvloop", "--log-level", "warning",
-                             "--no-access-log"])
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--port", str(port), "--http", "httptools",
+                             "--loop", "uvloop", "--log-level", "warning", "--no-access-log"],
+                            env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                asyncio.run(_per_request(proc.pid, port, "POST", "/", REQUEST, clients=1, rounds=1))
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     progress = Progress(len(APPS) + 2, "http_framework")
     results: dict[str, float] = {}
     for label, app in APPS.items():
-        with _uvicorn(app) as (pid, port):
+        with uvicorn_app(f"bench.http_framework:{app}") as (pid, port):
             results[label] = asyncio.run(_per_request(pid, port, "POST", "/", REQUEST, args.clients, args.rounds))
         progress.step(label)
     scheduler_args = ("--engine", "synthetic", "--step-ms", "10", "--max-running-requests", str(args.clients))

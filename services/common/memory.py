@@ -48,7 +48,7 @@ _start_lock = threading.Lock()
 
 def freeze_heap() -> None:
     """Move every object alive now out of the garbage collector's generations (gc.freeze): a service's
-    startup leaves millions of long-lived objects (torch's and transformers' modules, the tokenizer, the token
+    startup leaves hundreds of thousands of long-lived objects (its libraries' modules, the tokenizer, the token
     table), which every full collection would otherwise traverse again while requests wait."""
     gc.collect()
     gc.freeze()
