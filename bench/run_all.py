@@ -127,49 +127,48 @@ ANALYSIS = """\
   same response whole).
 - **Bursts** (bench.capacity_bursts: 512 clients that submit together, as an RL rollout does, and again once
   every reply is in): 84-90% of the offer with the raw client, 73-81% with httpx, against 95-100% spread out;
-  the targets (95%, 85%) are missed. The floor table beside them (bench.burst_floor: the same clients and
-  rounds against a bare ASGI app on uvicorn that only waits the generation's 2.56 s and answers as many bytes)
-  says how much of that is flatwire's: the bare app delivers 96-97% to the raw client and 74-80% to httpx (one
-  run each in the table, two more in probes). So the httpx target is below what any server on Python's HTTP
-  stack delivers to that client here (its reads cost 6-8 us a token, 1.5-2 ms a reply of 357 kB, all in the
-  round's last few tenths of a second), and flatwire is within a point or two of that floor with httpx (73% against 74% in the table's run); with the raw client the target
-  leaves flatwire's own work about 1.5% of a round, some 40 ms for 512 requests (80 us a request for parsing,
-  submitting, rendering and sending) where its gateway takes 1-1.7 ms of CPU a request (6.6 us a token in
-  the table). The gateway's garbage collector is
-  part of it: about 70 ms of collections a round, one of them a full collection of 30 ms (gc.callbacks, two
-  runs); with the collector off, 85.6-87.6% against 84.7-85.4% on, inside the spread. A round is 2.56 s of
-  steps plus what its two ends cost, and at 95% the ends get 0.13 s. Where a round goes (raw client, one gateway, scheduler stats every 2 ms and per-process
-  CPU, 2026-12-05): the gateway parses the burst at about 0.3 ms of CPU a request, so every request runs
-  0.17-0.21 s into the round (the first 32 within 0.02-0.04 s: submits leave 32 at a time as they are
-  parsed, `flatwire_wire/submit_batch.py`); requests finish in the order they started, from 2.57 s on; the
-  last reply comes at 2.89-2.94 s. The end is the gateway sending 512 responses of 350 kB at 0.65-0.7 ms
+  the targets (95%, 85%) are missed. The floor table beside them (bench.burst_floor: the same clients and rounds
+  against a bare ASGI app on uvicorn that only waits the generation's 2.56 s and answers as many bytes) says how
+  much of that is flatwire's: the bare app delivers 96-97% to the raw client and 74-80% to httpx (one run each
+  in the table, two more in probes). So the httpx target is below what any server on Python's HTTP stack
+  delivers to that client here (its reads cost 6-8 us a token, 1.5-2 ms a reply of 357 kB, all in the round's
+  last few tenths of a second), and flatwire is within a point or two of that floor with httpx (73% against 74%
+  in the table's run); with the raw client the target leaves flatwire's own work about 1.5% of a round, some 40
+  ms for 512 requests (80 us a request for parsing, submitting, rendering and sending) where its gateway takes
+  1-1.7 ms of CPU a request (6.6 us a token in the table). The gateway's garbage collector is part of it: about
+  70 ms of collections a round, one of them a full collection of 30 ms (gc.callbacks, two runs); with the
+  collector off, 85.6-87.6% against 84.7-85.4% on, inside the spread. A round is 2.56 s of steps plus what its
+  two ends cost, and at 95% the ends get 0.13 s. Where a round goes (raw client, one gateway, scheduler stats
+  every 2 ms and per-process CPU, 2026-12-05): the gateway parses the burst at about 0.3 ms of CPU a request, so
+  every request runs 0.17-0.21 s into the round (the first 32 within 0.02-0.04 s: submits leave 32 at a time as
+  they are parsed, `flatwire_wire/submit_batch.py`); requests finish in the order they started, from 2.57 s on;
+  the last reply comes at 2.89-2.94 s. The end is the gateway sending 512 responses of 350 kB at 0.65-0.7 ms
   each, at a full core, while the client reads them on the other: about 0.35 s from the first finish, of which
   the finishes' own spread is 0.2 s. Of a response's gateway time in that window (cProfile, relative): its
-  socket writes about a quarter, rendering about a third (half of it the per-token `output_token_logprobs`
-  rows every SGLang response carries), orjson a tenth, the rest FastAPI/Starlette/uvicorn, the finish and the
-  generation's teardown. With httpx the client's own reads cost 1.2 ms of CPU per response (4.7 us per
-  token; the raw client 0.2 ms), 0.6 s a round on the same two cores. Two gateway processes: 90% raw, 78%
-  httpx (one: 89%, 79%, the same run). What the HTTP stack alone costs per request here (bench.http_framework):
-  a bare ASGI app on uvicorn 33 us (129 us answering 350 kB), a Starlette route 59 us, a FastAPI route 113 us,
-  the gateway's /health 176 us: about half of each end's 0.26 ms before flatwire's own work. A Starlette route
-  for /generate instead of FastAPI's cut a one-token request's gateway CPU by about 0.07 ms but left the
-  256-token burst round where it was (2.878 s against 2.869 s, one run each), so it was not kept.
-  What moved it, one run each unless said: a SubmitBatch per burst instead of a Submit each (the submits
-  reached the scheduler in 0.21-0.26 s instead of 0.40-0.46 s); a whole-output request's first entry
-  staggered by its rid (one 26 MB message every 50 steps had held steps at 14.8 ms); the pending-output lanes
-  (spread raw 75% -> 84-90%, burst raw 65% -> 77-79% on a host about 1.5x slower); a single generation read
-  in the request's own task and labelled metrics that keep their children (burst raw 81% -> 84%, httpx 74%
-  -> 78%); submits started as they are parsed, on a blocking channel, rather than after the whole burst
-  (interleaved: raw 81-86% -> 86-88%, httpx 72-78% -> 73-80%). The fixed cost per request, measured with
-  bursts of one-token requests (interleaved, two runs each): a generation whose result came with its first
-  chunk ended in the request's task rather than by a closing task (0.54-0.59 -> 0.47-0.48 ms of gateway CPU,
-  rounds 0.30-0.33 -> 0.26-0.27 s), and one disconnect watcher per request instead of two (0.47-0.48 ->
-  0.44 ms); neither moves the 256-token rows beyond their spread (raw 88-89% before and after). FastAPI's
-  OpenTelemetry switched off measured nothing beyond the noise. The client shares the two cores: one
-  httpx.AsyncClient shared by the 512 clients (httpx-pool) costs 45 to 60 us of client CPU per delivered
-  token at k=128, because httpcore's pool scans every pooled connection on each request event (O(C) per
-  request); an AsyncClient per client (httpx) costs 5 to 9, the minimal client under 1. An AsyncClient per
-  client must share one TLS context: building its own costs about 56 ms of CPU each, which stalls the
+  socket writes about a quarter, rendering about a third (half of it the per-token `output_token_logprobs` rows
+  every SGLang response carries), orjson a tenth, the rest FastAPI/Starlette/uvicorn, the finish and the
+  generation's teardown. With httpx the client's own reads cost 1.2 ms of CPU per response (4.7 us per token;
+  the raw client 0.2 ms), 0.6 s a round on the same two cores. Two gateway processes: 90% raw, 78% httpx (one:
+  89%, 79%, the same run). What the HTTP stack alone costs per request here (bench.http_framework): a bare ASGI
+  app on uvicorn 33 us (129 us answering 350 kB), a Starlette route 59 us, a FastAPI route 113 us, the gateway's
+  /health 176 us: about half of each end's 0.26 ms before flatwire's own work. A Starlette route for /generate
+  instead of FastAPI's cut a one-token request's gateway CPU by about 0.07 ms but left the 256-token burst round
+  where it was (2.878 s against 2.869 s, one run each), so it was not kept. What moved it, one run each unless
+  said: a SubmitBatch per burst instead of a Submit each (the submits reached the scheduler in 0.21-0.26 s
+  instead of 0.40-0.46 s); a whole-output request's first entry staggered by its rid (one 26 MB message every 50
+  steps had held steps at 14.8 ms); the pending-output lanes (spread raw 75% -> 84-90%, burst raw 65% -> 77-79%
+  on a host about 1.5x slower); a single generation read in the request's own task and labelled metrics that
+  keep their children (burst raw 81% -> 84%, httpx 74% -> 78%); submits started as they are parsed, on a
+  blocking channel, rather than after the whole burst (interleaved: raw 81-86% -> 86-88%, httpx 72-78% ->
+  73-80%). The fixed cost per request, measured with bursts of one-token requests (interleaved, two runs each):
+  a generation whose result came with its first chunk ended in the request's task rather than by a closing task
+  (0.54-0.59 -> 0.47-0.48 ms of gateway CPU, rounds 0.30-0.33 -> 0.26-0.27 s), and one disconnect watcher per
+  request instead of two (0.47-0.48 -> 0.44 ms); neither moves the 256-token rows beyond their spread (raw
+  88-89% before and after). FastAPI's OpenTelemetry switched off measured nothing beyond the noise. The client
+  shares the two cores: one httpx.AsyncClient shared by the 512 clients (httpx-pool) costs 45 to 60 us of client
+  CPU per delivered token at k=128, because httpcore's pool scans every pooled connection on each request event
+  (O(C) per request); an AsyncClient per client (httpx) costs 5 to 9, the minimal client under 1. An AsyncClient
+  per client must share one TLS context: building its own costs about 56 ms of CPU each, which stalls the
   client's loop for seconds at C=512.
 - **Streaming is a message per token until the gateway falls behind.** A streaming request is woken,
   rendered and sent once per token while the gateway keeps up: a few tenths of a ms of gateway CPU per event
