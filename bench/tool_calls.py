@@ -36,9 +36,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 PIECE_CHARS = 4  # about a token's text
 
 
-
 def parse_alone(stream: bool) -> None:
-    turn = AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls(stream))
+    turn = AssistantTurn(ThinkBlock(ReasoningParserName.QWEN3), TaggedCalls(frozenset({"get_weather"}), stream))
     for i in range(0, len(OUTPUT), PIECE_CHARS):
         turn.feed(OUTPUT[i:i + PIECE_CHARS])
     turn.end()

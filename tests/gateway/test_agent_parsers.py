@@ -211,3 +211,57 @@ def test_a_long_argument_streams_in_linear_time(monkeypatch):
     assert sum(parsed) < 20 * len(text)  # a parse per piece would read it len(text) / 8 times over
     assert joined_calls(pieces) == [(0, "write", arguments)]
     assert len([c for p in pieces for c in p.calls if c.arguments]) > 10
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (lambda: ForcedCalls(NAMES, None, True), json.dumps([{"name": "a", "parameters": {"x": "one"}},
+                                                        {"name": "b", "parameters": {"y": "two"}},
+                                                        {"name": "a", "parameters": {}}])),
+    (lambda: JsonCalls(NAMES, True), '{"name": "a", "parameters": {"x": "one"}}; {"name": "b", "parameters": '
+                                     '{"y": "two"}}; {"name": "a", "parameters": {}}'),
+], ids=["required", "llama3"])
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_parallel_calls_end_before_the_next_begins(parser, text, piece):
+    """OpenAI's order, which the openai SDK's stream helper relies on (it parses a call's arguments as final once
+    a later index appears): every call's arguments are whole before the next call's first fragment."""
+    streamed = fragments(lambda: AssistantTurn(None, parser()), text, piece)
+    arguments: dict[int, str] = {}
+    for fragment in streamed:
+        if fragment.index not in arguments:
+            for earlier in arguments.values():
+                json.loads(earlier)  # complete
+        arguments[fragment.index] = arguments.get(fragment.index, "") + fragment.arguments
+    assert [json.loads(arguments[i]) for i in sorted(arguments)] == [{"x": "one"}, {"y": "two"}, {}]
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    # The model stopped after a whole call, without the closing tag (vLLM's hermes parser reads it so).
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "z"}}', [(0, "search", {"q": "z"})]),
+    ('<tool_call>\n{"name": "search", "arguments": null}\n</tool_call>', [(0, "search", {})]),  # as SGLang
+    ('<tool_call>\n{"name": "search", "arguments": "{\\"q\\": 1}"}\n</tool_call>', [(0, "search", {"q": 1})]),
+    ('<tool_call>\n{"name": "search", "arguments": [1]}\n</tool_call>', []),  # not arguments: content
+    ('<tool_call>\n{"name": "search", "arguments": "no json"}\n</tool_call>', []),
+])
+def test_whole_calls_read_the_same_unary_and_streamed(text, calls):
+    reasoning, content, parsed = same_at_every_cut(lambda: AssistantTurn(None, TaggedCalls(NAMES)), text,
+                                                   lambda: AssistantTurn(None, TaggedCalls(NAMES, True)))
+    assert (parsed, content) == (calls, "" if calls else text)
+
+
+def test_required_cut_short_answers_its_whole_calls():
+    """max_tokens cut the list: the whole calls before the cut are the answer (a stream has sent them), not the
+    list's text."""
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": 2}}, {"name": "a", "param'
+    assert run(lambda: AssistantTurn(None, ForcedCalls(NAMES, None)), text, len(text)) == (
+        "", "", [(0, "a", {"x": 1}), (1, "b", {"y": 2})])
+    streamed = run(lambda: AssistantTurn(None, ForcedCalls(NAMES, None, True)), text, 5)
+    assert streamed[2][:2] == [(0, "a", {"x": 1}), (1, "b", {"y": 2})]
+    not_calls = '[{"name": "a", "parameters": {"x": 1}}, {"name": "elsewhere", "parameters": {}}, {"na'
+    assert run(lambda: AssistantTurn(None, ForcedCalls(NAMES, None)), not_calls, 9) == ("", not_calls, [])
+
+
+def test_deepseek_r1_after_a_prompt_that_closed_the_block_is_all_answer():
+    text = "plain answer"
+    assert run(lambda: AssistantTurn(ThinkBlock(ReasoningParserName.DEEPSEEK_R1)), text, 3) == (text, "", [])
+    assert run(lambda: AssistantTurn(ThinkBlock(ReasoningParserName.DEEPSEEK_R1, prompt_closed_it=True)), text,
+               3) == ("", text, [])

@@ -82,7 +82,8 @@ def test_auto_tool_call_parsed_unary_and_streamed(agent, model):
     assert streamed["finish"] == "tool_calls" and streamed["content"] == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == [("get_weather", {"city": "Paris"})]
     assert streamed["calls"][0]["id"].startswith("call_")
-    assert streamed["calls"][0]["pieces"] > 2  # the name first, then the arguments as the model writes them
+    # The name once the arguments have begun (as an object), then the arguments as the model writes them.
+    assert streamed["calls"][0]["pieces"] > 1
     assert streamed["empty"] == 0  # the tokens of text the parser held made no events of their own
     # The openai package's own stream accumulator merges the fragments into the unary message's call.
     with agent.chat.completions.stream(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=512,
@@ -209,3 +210,46 @@ def test_auto_needs_a_tool_call_parser(openai_client, served_model):
     message = chat(openai_client, served_model, tools=[WEATHER], tool_choice="required",
                    parallel_tool_calls=False).choices[0].message
     assert message.tool_calls[0].function.name == "get_weather"
+
+
+@pytest.mark.parametrize(("messages", "tool_choice", "param", "says"), [
+    ([*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+      {"role": "tool", "content": "sunny"}], None, "messages[2].tool_call_id", "tool_call_id"),
+    ([{"role": "function", "name": "get_weather", "content": "sunny"}], None, "messages[0].role", "not supported"),
+    (ASK, {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "tool_choice",
+     "not supported"),
+], ids=["tool-without-call-id", "function-role", "allowed-tools"])
+def test_history_and_choices_it_cannot_take_are_refused_by_name(agent, model, messages, tool_choice, param, says):
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(agent, model, messages=messages, tools=[WEATHER], **({"tool_choice": tool_choice} if tool_choice else {}))
+    assert refused.value.body["param"] == param and says in refused.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_of_reasoning_alone_has_null_content(agent, model, stream):
+    """The output ran out inside its <think> block: all of it is reasoning, and content is null (as SGLang)."""
+    got = chat(agent, model, stream=stream, regex=exact_regex("<think>\nstill thinking"))
+    if stream:
+        assert (got["reasoning"], got["content"]) == ("still thinking", "")
+    else:
+        message = got.choices[0].message
+        assert (message.model_extra["reasoning_content"], message.content) == ("still thinking", None)
+
+
+def test_deepseek_r1_reads_the_answer_of_a_prompt_that_closed_thinking(stack):
+    """deepseek-r1's output starts inside the block the prompt opened, unless the prompt closed it too
+    (enable_thinking false): then all of it is the answer, none lost to reasoning_content."""
+    with another_gateway(stack, "--reasoning-parser", "deepseek-r1") as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+
+        def message(**fields) -> dict:
+            body = {"model": model, "messages": ASK, "max_tokens": 16, "temperature": 0, "regex": exact_regex("plain answer"),
+                    **fields}
+            reply = http.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["message"]
+
+        thinking, answering = message(), message(chat_template_kwargs={"enable_thinking": False})
+    assert (thinking["reasoning_content"], thinking["content"]) == ("plain answer", None)
+    assert (answering["reasoning_content"], answering["content"]) == (None, "plain answer")

@@ -70,10 +70,12 @@ class StreamedCall:
         self._arguments: dict = {}  # the last partial value read
 
     def update(self, name: object, arguments: object) -> list[CallFragment]:
-        """`name`: the call's name if complete (else None); `arguments`: its partial arguments value."""
+        """`name`: the call's name if complete (else None); `arguments`: its partial arguments value. The name
+        goes out once the arguments have begun as an object: a call whose arguments are something else (null, a
+        list, JSON in a string) is read whole at its end, as the unary response reads it."""
         header: str | None = None
         if not self.named:
-            if not isinstance(name, str):
+            if not isinstance(name, str) or not isinstance(arguments, dict):
                 return []
             header, self.named = name, True
         piece = ""
@@ -118,11 +120,20 @@ class StreamedCalls:
     def named(self) -> bool:
         return any(call.named for call in self._calls)
 
-    def update(self, names: list[object], items: list[object], argument_keys: tuple[str, ...]) -> list[CallFragment]:
-        """`items`: the calls' partial values so far; `names`: each one's name where complete."""
-        return [fragment for i, item in enumerate(items) if isinstance(item, dict)
-                for fragment in self.call(i).update(names[i] if i < len(names) else None,
-                                                    next((item[key] for key in argument_keys if key in item), None))]
+    def update(self, names: list[object], items: list[object], argument_keys: tuple[str, ...],
+               complete: list[ToolCall | None]) -> list[CallFragment]:
+        """`items`: the calls' partial values so far; `names`: each one's name where complete; `complete`: the
+        first items as calls where they are complete ones. A complete call goes out whole before the next one
+        begins, as OpenAI streams parallel calls: a client may take a call's arguments as final (and parse
+        them) once a later index appears."""
+        fragments = []
+        for i, item in enumerate(items):
+            if i < len(complete) and (call := complete[i]) is not None:
+                fragments += self.call(i).finish(call)
+            elif isinstance(item, dict):
+                fragments += self.call(i).update(names[i] if i < len(names) else None,
+                                                 next((item[key] for key in argument_keys if key in item), None))
+        return fragments
 
     def close(self) -> list[CallFragment]:
         return [fragment for call in self._calls for fragment in call.close()]

@@ -3,7 +3,8 @@
 Both formats put the reasoning in a `<think>...</think>` block before the answer: qwen3's models open it
 themselves (no block, no reasoning: `enable_thinking: false` renders an empty one into the prompt), while
 deepseek-r1's template opens it in the prompt, so the output starts inside it (a `<think>` the model writes
-again is dropped). Reasoning that never closes (the output ran out) is all reasoning.
+again is dropped), unless the prompt closed the block too (`enable_thinking: false` renders an empty one): then
+the output is all answer. Reasoning that never closes (the output ran out) is all reasoning.
 """
 
 import enum
@@ -29,9 +30,15 @@ class ThinkBlock:
     """One output's text, piece by piece -> (reasoning, answer) pieces: the reasoning stripped at both ends, the
     answer after a block at its start."""
 
-    def __init__(self, parser: ReasoningParserName):
-        self._where = _Where.INSIDE if parser is ReasoningParserName.DEEPSEEK_R1 else _Where.BEFORE
-        self._may_reopen = parser is ReasoningParserName.DEEPSEEK_R1
+    def __init__(self, parser: ReasoningParserName, prompt_closed_it: bool = False):
+        """`prompt_closed_it`: the prompt ends with a closed block (prompt_closes_block); deepseek-r1's output
+        then starts after it."""
+        opened_by_prompt = parser is ReasoningParserName.DEEPSEEK_R1 and not prompt_closed_it
+        if parser is ReasoningParserName.DEEPSEEK_R1:
+            self._where = _Where.INSIDE if opened_by_prompt else _Where.AFTER
+        else:
+            self._where = _Where.BEFORE
+        self._may_reopen = opened_by_prompt
         self._held = ""
         self._reasoning = TrimmedStream(strip_leading=True)
         self._answer = TrimmedStream(strip_leading=False)  # an answer after a block: its leading space dropped
@@ -70,3 +77,9 @@ class ThinkBlock:
         if self._where is _Where.INSIDE:
             return self._reasoning.feed(held) + self._reasoning.end(keep_trailing=False), ""
         return "", self._answer.end(keep_trailing=True)
+
+
+def prompt_closes_block(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether the prompt ends with `</think>` (and whitespace): its own tokens, not the model's, closed the
+    reasoning."""
+    return tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(THINK_CLOSE)

@@ -60,7 +60,9 @@ def _call_of(value: object, argument_keys: tuple[str, ...], functions: frozenset
     if not isinstance(value, dict) or value.get("name") not in functions:
         return None
     arguments: object = next((value[key] for key in argument_keys if key in value), {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+    if arguments is None:  # "arguments": null: a call without any (as SGLang reads it)
+        arguments = {}
+    elif isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = _json(arguments)
     if not isinstance(arguments, dict):
         return None
@@ -132,12 +134,16 @@ class TaggedCalls:
 
     def end(self) -> Parsed:
         held, self._held = self._held, ""
-        if self._open is not None and self._open.named:  # cut short after its name went out: it stays a call
+        if self._open is None:
+            return Parsed(held)
+        if (call := _call_of(_json(held.strip()), self.ARGUMENT_KEYS, self._functions)) is not None:
+            calls = self._open.finish(call)  # whole but never closed (the model stopped at its end): a call
+        elif self._open.named:  # cut short after its name went out: it stays a call
             calls = self._close(held)
-            self._open = None
-            return Parsed(calls=calls)
-        cut, self._open = self._open, None
-        return Parsed((self.OPEN if cut is not None else "") + held)  # a call cut short is content
+        else:
+            calls = []
+        self._open = None
+        return Parsed(calls=calls) if calls else Parsed(self.OPEN + held)  # a call cut short is content
 
 
 class JsonCalls:
@@ -172,13 +178,14 @@ class JsonCalls:
         if not self._parses.due(len(self._text)) and not force:
             return []
         items, tail = _complete_objects(self._body())
+        complete = [_call_of(item, self.ARGUMENT_KEYS, self._functions) for item in items]
         names: list[object] = [item.get("name") if isinstance(item, dict) else None for item in items]
         if tail:
             item, named = partial_json(tail), partial_json(tail, complete_strings=True)
             items.append(item)
             names.append(named.get("name") if isinstance(named, dict) else None)
         known: list[object] = [name if name in self._functions else None for name in names]
-        return self._streamed.update(known, items, self.ARGUMENT_KEYS)
+        return self._streamed.update(known, items, self.ARGUMENT_KEYS, complete)
 
     def _body(self) -> str:
         return self._text.strip().removeprefix(PYTHON_TAG)
@@ -195,12 +202,13 @@ class JsonCalls:
         return parsed
 
 
-def _complete_objects(text: str) -> tuple[list[object], str]:
-    """The JSON values that `text` holds complete (`;` and whitespace between them), and what follows them."""
+def _complete_objects(text: str, separator: str = ";") -> tuple[list[object], str]:
+    """The JSON values that `text` holds complete (`separator` and whitespace between them), and what follows
+    them."""
     decoder, at = json.JSONDecoder(), 0
     values: list[object] = []
     while True:
-        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+        while at < len(text) and (text[at].isspace() or text[at] == separator):
             at += 1
         try:
             value, end = decoder.raw_decode(text, at)
@@ -244,12 +252,14 @@ class ForcedCalls:
         named = partial_json(self._text, complete_strings=True)
         names = [item.get("name") if isinstance(item, dict) else None for item in named] if isinstance(
             named, list) else []
-        return self._streamed.update(names, value, ("parameters",))
+        complete = [_call_of(item, ("parameters",), self._functions) for item in value[:-1]]  # a later one began
+        return self._streamed.update(names, value, ("parameters",), complete)
 
     def end(self) -> Parsed:
         value = _json(self._text)
-        if self._function is not None:
-            calls = [_call_of({"name": self._function, "arguments": value}, ("arguments",), self._functions)]
+        if self._function is not None:  # (the grammar makes it an object: None is text that does not parse)
+            calls = [_call_of({"name": self._function, "arguments": value}, ("arguments",), self._functions)
+                     if value is not None else None]
         else:
             calls = [_call_of(item, ("parameters",), self._functions) for item in value] if isinstance(
                 value, list) else []
@@ -257,10 +267,20 @@ class ForcedCalls:
             parsed = Parsed(calls=self._streamed.finish([call for call in calls if call is not None]))
         elif self._streamed.named:  # cut short after a name went out: the calls stay
             parsed = Parsed(calls=self._update(force=True) + self._streamed.close())
+        elif whole := self._complete_calls():  # cut short (max_tokens) after whole calls: those, as a stream has
+            parsed = Parsed(calls=self._streamed.finish(whole))
         else:
             parsed = Parsed(self._text)
         self._text = ""
         return parsed
+
+    def _complete_calls(self) -> list[ToolCall]:
+        """The calls of a required list cut short that are complete, if each of them is a call."""
+        head = self._text.lstrip()
+        if self._function is not None or not head.startswith("["):
+            return []
+        calls = [_call_of(item, ("parameters",), self._functions) for item in _complete_objects(head[1:], ",")[0]]
+        return [call for call in calls if call is not None] if all(calls) else []
 
 
 def tool_call_parser(name: ToolCallParserName, functions: frozenset[str], stream: bool = False) -> ToolCallParser:

@@ -6,7 +6,7 @@ import time
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
-from services.gateway.agents.reasoning import ThinkBlock
+from services.gateway.agents.reasoning import ThinkBlock, prompt_closes_block
 from services.gateway.agents.tool_calls import ForcedCalls, ToolCallParser, tool_call_parser
 from services.gateway.agents.turn import AssistantTurn
 from services.gateway.http.context import Gateway, gateway_of
@@ -67,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
     body = dumps({
         "id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
         "model": gateway.engine.model_name,
-        "choices": [_choice(gateway, req, i, result) for i, result in enumerate(results)],
+        "choices": [_choice(gateway, req, i, result, ids) for i, result in enumerate(results)],
         "usage": usage(len(ids), results, req.n),
         **({"prompt_token_ids": ids} if req.return_token_ids else {}),
     })
@@ -81,12 +81,14 @@ def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogpro
     return chat_logprobs(track, gateway.table, candidates=not req.return_flat_raw_output_top_logprobs)
 
 
-def _turn(gateway: Gateway, req: ChatCompletionRequest) -> AssistantTurn:
+def _turn(gateway: Gateway, req: ChatCompletionRequest, prompt_ids: list[int]) -> AssistantTurn:
     """A choice's parsers: the server's reasoning parser unless the request keeps reasoning in the content,
     and with tools the server's tool-call parser (auto) or the forced calls' JSON (required, a function); calls
     stream piece by piece when the request streams."""
     config = gateway.config
-    think = ThinkBlock(config.reasoning_parser) if config.reasoning_parser and req.separate_reasoning else None
+    think = None
+    if config.reasoning_parser and req.separate_reasoning:
+        think = ThinkBlock(config.reasoning_parser, prompt_closes_block(gateway.engine.tokenizer, prompt_ids))
     tools: ToolCallParser | None = None
     if req.tool_choice_name in ("required", "function"):
         tools = ForcedCalls(req.function_names, req.forced_function, stream=req.stream)
@@ -105,8 +107,9 @@ def _finish(req: ChatCompletionRequest, result: RequestResult, turn: AssistantTu
     return fields
 
 
-def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: RequestResult) -> dict:
-    turn = _turn(gateway, req)
+def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: RequestResult,
+            prompt_ids: list[int]) -> dict:
+    turn = _turn(gateway, req, prompt_ids)
     whole = turn.feed(result.text)
     whole.extend(turn.end())
     choice = {"index": index, "message": assistant.message(whole, turn.separates_reasoning),
@@ -132,7 +135,7 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
             choice["token_ids"] = token_ids
         return event(head | {"choices": [choice]} | (extra or {}))
 
-    turns = [_turn(gateway, req) for _ in range(req.n)]
+    turns = [_turn(gateway, req, prompt_ids) for _ in range(req.n)]
     for i in range(req.n):  # the prompt's ids once, with the first chunk (as vLLM)
         yield chunk_event(i, {"role": "assistant", "content": ""},
                           extra={"prompt_token_ids": prompt_ids} if req.return_token_ids and i == 0 else None)

@@ -192,8 +192,24 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
-    tool_call_id: str | None = None  # a tool's answer: to which call
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool's answer: to which call
     reasoning_content: str | None = None  # an assistant's reasoning, in the history
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _function_role(cls, value):
+        if value == "function":
+            raise ValueError("role 'function' (OpenAI's deprecated function messages) is not supported by this "
+                             "server yet; send a function's result as a 'tool' message with tool_call_id")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value, info: ValidationInfo):
+        """A tool's message says which call it answers (OpenAI requires it)."""
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -255,6 +271,15 @@ class ChatCompletionRequest(OpenAIRequest):
     continue_final_message: Annotated[bool | None, unsupported(None, False)] = None
     input_ids: Annotated[Any, unsupported(None)] = None  # SGLang's: the prompt's ids instead of the template's
     task: Annotated[Any, unsupported(None)] = None  # SGLang's DeepSeek-V4 task tokens
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _newer_tool_choices(cls, value):
+        """OpenAI's newer choices (allowed_tools, custom) get a refusal that says so."""
+        if isinstance(value, dict) and value.get("type") in ("allowed_tools", "custom"):
+            raise ValueError(f"type {value['type']!r} is not supported by this server yet; name a function "
+                             '({"type": "function", "function": {"name": ...}}), or give auto, required or none')
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

@@ -20,8 +20,9 @@ def _calls(deltas: list[CallDelta]) -> list[dict]:
 
 
 def message(turn: TurnPiece, with_reasoning: bool) -> dict:
-    """The whole turn; content null when the turn is only tool calls (as OpenAI)."""
-    out: dict = {"role": "assistant", "content": turn.content if turn.content or not turn.calls else None}
+    """The whole turn; content null when the turn is only tool calls (as OpenAI) or only reasoning (as SGLang)."""
+    out: dict = {"role": "assistant",
+                 "content": turn.content if turn.content or not (turn.calls or turn.reasoning) else None}
     if with_reasoning:
         out["reasoning_content"] = turn.reasoning or None
     if turn.calls:
