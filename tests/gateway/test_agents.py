@@ -244,8 +244,8 @@ def test_deepseek_r1_reads_the_answer_of_a_prompt_that_closed_thinking(stack):
         model = http.get("/v1/models").json()["data"][0]["id"]
 
         def message(**fields) -> dict:
-            body = {"model": model, "messages": ASK, "max_tokens": 16, "temperature": 0, "regex": exact_regex("plain answer"),
-                    **fields}
+            body = {"model": model, "messages": ASK, "max_tokens": 16, "temperature": 0,
+                    "regex": exact_regex("plain answer"), **fields}
             reply = http.post("/v1/chat/completions", json=body)
             assert reply.status_code == 200, reply.text
             return reply.json()["choices"][0]["message"]
