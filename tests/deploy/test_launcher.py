@@ -86,18 +86,31 @@ def test_up_restarts_a_crashed_service(model_dir, tmp_path):
         _stop_up(up)
 
 
-def test_a_taken_port_stops_up_with_one_line_that_names_the_service(model_dir, tmp_path):
-    """A service that exits during startup (here the gateway: its HTTP port is taken) is a setup error: `flatwire
-    up` stops the others and exits 1 with one line naming it, not a traceback."""
+@pytest.mark.parametrize("which", ["--port", "--grpc-port"])
+def test_a_taken_port_stops_up_before_it_starts_anything(model_dir, tmp_path, which):
+    """Another server on the port (here a bare listener; a flatwire answering /health had up report itself up
+    and restart its gateway forever): one line naming the port, exit 1, nothing started."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        up = Launcher(tmp_path / "up.log", model_dir, options=[f"--port={taken.getsockname()[1]}"])
+        port = taken.getsockname()[1]
+        up = Launcher(tmp_path / "up.log", model_dir, options=[f"{which}={port}"])
         up.proc.wait(timeout=240)
+    assert up.proc.returncode == 1, up.log()
+    what = "HTTP" if which == "--port" else "gRPC"
+    assert up.log().strip() == (f"flatwire up: the gateway's {what} port {port} is taken: another process listens "
+                                f"on 127.0.0.1:{port}")
+
+
+def test_a_service_that_exits_while_starting_stops_up_with_one_line_that_names_it(model_dir, tmp_path):
+    """A service that exits during startup (here the gateway: its TLS key is not there) is a setup error: `flatwire
+    up` stops the others and exits 1 with one line naming it."""
+    up = Launcher(tmp_path / "up.log", model_dir, options=["--ssl-keyfile=/no/such.key", "--ssl-certfile=/no/such.crt"])
+    up.proc.wait(timeout=240)
     assert up.proc.returncode == 1, up.log()
     last = up.log().rstrip().splitlines()[-1]
     assert last.startswith("flatwire up: gateway exited with code ") and "its log above says why" in last, up.log()
-    assert "address already in use" in up.log() and "Traceback" not in up.log()
+    assert "/no/such.key" in up.log()
     for service in ("scheduler", "detokenizer"):  # stopped by the launcher, before it exited
         assert f"flatwire.{service}: stopping" in up.log(), up.log()
 
