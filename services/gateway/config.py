@@ -30,9 +30,10 @@ class GatewayConfig(ServiceConfig):
     api_key: str | None = option(None, "require `Authorization: Bearer KEY` on every HTTP route but /health, and "
                                  "`authorization: Bearer KEY` metadata on the public gRPC API (health open); "
                                  "default: none (open); prefer the environment variable to the flag (visible in ps)")
-    admin_api_key: str | None = option(None, "the only key that opens the admin operations (weight updates, pause and "
-                                       "continue, abort_all, update_weight_version; HTTP and public gRPC), as "
-                                       "SGLang's --admin-api-key; unset: they need --api-key like the rest")
+    admin_api_key: str | None = option(None, "the only key that opens the admin operations (weight updates and "
+                                       "weight-sync groups, pause and continue, abort_all, update_weight_version, "
+                                       "flush_cache, memory release and resume; HTTP and public gRPC), as SGLang's "
+                                       "--admin-api-key; unset: they need --api-key like the rest")
     routing_policy: RoutingPolicy = option(
         RoutingPolicy.CACHE_AWARE, "which scheduler replica takes a request: cache_aware, the one its session "
         "(X-SMG-Routing-Key or X-Session-ID header, or gRPC metadata) or the longest prefix of its prompt last went "
