@@ -57,7 +57,7 @@ from services.common.logs import setup_logging
 from services.common.memory import keep_big_blocks
 from services.common.model_store import cache_root, model_name, resolve_model
 from services.common.rpc import add_health, create_server, listen, mark_serving
-from services.common.signals import stop_requested
+from services.common.signals import exit_now, stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import (
     AbortAll,
@@ -388,10 +388,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"{prog or 'scheduler'}: {exc}")
     setup_logging(config.log_level, "scheduler")
+    code: int | str | None = 0
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading
         log.info("interrupted")
+    except SystemExit as exc:  # the engine failed
+        code = exc.code
+    exit_now(code)
 
 
 if __name__ == "__main__":
