@@ -253,6 +253,9 @@ def start_streams(stack, count: int, new_tokens: int, **fields) -> list[Streamin
     return streams
 
 
+HELD = "weight update held until"  # the scheduler's log line
+
+
 def served_version(http) -> str:
     return http.get("/model_info").json()["weight_version"]
 
@@ -274,9 +277,12 @@ def test_update_from_disk_while_serving(stack, http, model_dir, perturbed_dir, r
     assert greedy(http, ids)["output_ids"] == old
 
     running = start_streams(stack, 4, 300)
+    held = stack.procs["scheduler"].log().count(HELD)
     with ThreadPoolExecutor(1) as pool:
         update = pool.submit(update_from_disk, http, perturbed_dir, weight_version="v1")
-        time.sleep(1.0)  # read, checked and held by now: the scheduler admits nothing until the running ones end
+        # Read, checked and held (reading the checkpoint can take seconds on a busy host): from then on the
+        # scheduler admits nothing until the running ones end.
+        wait_until(lambda: stack.procs["scheduler"].log().count(HELD) > held, what="the update held")
         assert not update.done() and all(s.tokens < 300 for s in running)
         late = Streaming(stack.http_url, ids, NEW_TOKENS, ignore_eos=False)  # arrives while they run
         reply = update.result(timeout=120)
