@@ -127,8 +127,8 @@ def test_a_model_that_is_not_there_is_one_line(command):
 def test_ctrl_c_while_the_default_model_is_built_stops_quietly(tmp_path):
     """Ctrl-C before the services start (here: while the default model is built into an empty cache) ends `up`
     with status 130, no traceback, and no half-built model left behind."""
-    up = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", "0"], cwd=ROOT, text=True,
-                          env={**os.environ, "FLATWIRE_CACHE_DIR": str(tmp_path)}, stderr=subprocess.PIPE)
+    up = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", "0", "--grpc-port", "0"], cwd=ROOT,
+                          text=True, env={**os.environ, "FLATWIRE_CACHE_DIR": str(tmp_path)}, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while not any(path.is_dir() for path in tmp_path.iterdir()):  # the build's staging directory

@@ -1,6 +1,7 @@
 """One tool call streamed as OpenAI streams it: its first fragment carries its name (as soon as the name is
-complete), the next ones pieces of its arguments' JSON text, and the pieces join to the arguments the unary
-response gives (json.dumps of the parsed object).
+complete and its arguments have begun as an object), the next ones pieces of its arguments' JSON text, and the
+pieces join to the arguments the unary response gives (json.dumps of the parsed object). Of several calls, each
+is whole before the next begins.
 
 Arguments stream from a partial parse of the text so far (partial-json-parser, as SGLang does): the dump of
 the partial object, cut before its trailing closing marks, is a prefix of the final dump, because a number

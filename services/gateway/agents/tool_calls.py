@@ -11,8 +11,9 @@ With `tool_choice` required or naming a function, the output is JSON that the gr
 A parser is fed the text piece by piece and then ended; it hands on content as soon as it cannot be the
 start of a call, and calls as fragments (call_stream.py). Unary (`stream=False`), each call goes out whole once
 complete, and a call it cannot read, one cut short, or one of a function the request did not declare (OpenAI
-never calls one) is content: malformed model output never fails the request. Streamed, a call goes out from
-the moment its name is complete (and declared), its arguments piece by piece (as OpenAI streams them); one
+never calls one) is content: malformed model output never fails the request; a whole call the output ended on
+without its closing tag is a call. Streamed, a call goes out from the moment its name is complete (and
+declared) and its arguments have begun as an object, its arguments piece by piece (as OpenAI streams them); one
 that breaks after that stays a call, with the arguments that went out (a stream cannot take back what it
 sent). So a streamed llama3 output that starts as a call is calls, where unary reads
 the whole output first: JSON followed by words is content.
