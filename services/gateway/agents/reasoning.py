@@ -34,10 +34,8 @@ class ThinkBlock:
         """`prompt_closed_it`: the prompt ends with a closed block (prompt_closes_block); deepseek-r1's output
         then starts after it."""
         opened_by_prompt = parser is ReasoningParserName.DEEPSEEK_R1 and not prompt_closed_it
-        if parser is ReasoningParserName.DEEPSEEK_R1:
-            self._where = _Where.INSIDE if opened_by_prompt else _Where.AFTER
-        else:
-            self._where = _Where.BEFORE
+        closed_by_prompt = parser is ReasoningParserName.DEEPSEEK_R1 and prompt_closed_it
+        self._where = _Where.INSIDE if opened_by_prompt else _Where.AFTER if closed_by_prompt else _Where.BEFORE
         self._may_reopen = opened_by_prompt
         self._held = ""
         self._reasoning = TrimmedStream(strip_leading=True)
