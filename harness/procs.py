@@ -21,12 +21,17 @@ _HANDED_OUT: set[int] = set()
 def free_port() -> int:
     """A loopback port free now, for a service to bind a moment later: from below the kernel's ephemeral range
     (ip_local_port_range), which the outgoing connections of the tests and the services take their ports from:
-    one of those could take a port of that range in the meantime. None is handed out twice in a process."""
+    one of those could take a port of that range in the meantime. None is handed out twice in a process, nor
+    by two pytest-xdist workers (each picks from a slice of its own)."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except OSError:  # not Linux
         low = 0
-    for port in random.sample(range(max(1024, low - 16384), low), min(64, max(low - 1024, 0))):
+    ports = range(max(1024, low - 16384), low)
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    if worker:  # "gw0", "gw1", ...
+        ports = ports[int(worker.removeprefix("gw"))::workers]
+    for port in random.sample(ports, min(64, len(ports))):
         if port in _HANDED_OUT:
             continue
         with socket.socket() as sock:
