@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.config import ServiceConfig, env_name, option, parse_config
+from services.common.config import ServiceConfig, env_name, flag_help, option, parse_config, shown_default
 from services.common.healthcheck import http_ok
 from services.common.model_store import model_name, resolve_model
 from services.common.rpc import check_health
@@ -79,11 +79,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_option(group: argparse._ArgumentGroup, name: str, help_text: str, kind: Any) -> None:
+def _add_option(group: argparse._ArgumentGroup, name: str, help_text: str, default: str | None, kind: Any) -> None:
     """A flag as parse_config makes it: the raw value, None when not given; a boolean flag alone means true."""
     is_bool = kind in (bool, bool | None)
-    group.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(), help=f"{help_text} "
-                       f"[env {env_name(name)}]", nargs="?" if is_bool else None, const="true" if is_bool else None)
+    group.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(),
+                       help=flag_help(name, help_text, default), nargs="?" if is_bool else None,
+                       const="true" if is_bool else None)
 
 
 def parse_up(argv: list[str] | None, prog: str | None) -> tuple[UpConfig, dict[str, list[str]], dict[str, str]]:
@@ -97,7 +98,7 @@ def parse_up(argv: list[str] | None, prog: str | None) -> tuple[UpConfig, dict[s
                "command lines.")
     own = parser.add_argument_group("flatwire up's own options")
     for field in dataclasses.fields(UpConfig):
-        _add_option(own, field.name, field.metadata["help"], field.type)
+        _add_option(own, field.name, field.metadata["help"], shown_default(field), field.type)
     groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
     for name, fields in options.items():
         services = tuple(fields)
@@ -107,7 +108,9 @@ def parse_up(argv: list[str] | None, prog: str | None) -> tuple[UpConfig, dict[s
         helps = {service: field.metadata["help"] for service, field in fields.items()}
         help_text = (next(iter(helps.values())) if len(set(helps.values())) == 1
                      else "; ".join(f"{service}: {text}" for service, text in helps.items()))
-        _add_option(groups[services], name, help_text, next(iter(fields.values())).type)
+        defaults = {shown_default(field) for field in fields.values()}
+        default = defaults.pop() if len(defaults) == 1 else None  # the services' helps say theirs
+        _add_option(groups[services], name, help_text, default, next(iter(fields.values())).type)
     given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
     config = parse_config(UpConfig, [f"{_flag(name)}={value}" for name, value in given.items()
                                      if name not in options], prog)

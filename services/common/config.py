@@ -55,7 +55,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
         # A boolean flag alone means true (`--incremental-streaming-output`); a value still sets it either way.
         is_bool = _base_type(hints[field.name]) is bool
         parser.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
-                            help=f"{help_text} [env {env_name(field.name)}]", nargs="?" if is_bool else None,
+                            help=flag_help(field.name, help_text, shown_default(field)), nargs="?" if is_bool else None,
                             const="true" if is_bool else None)
     args = parser.parse_args(argv)
     values = {}
@@ -72,6 +72,22 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
         return cls(**values)
     except ValueError as exc:  # a check across options (__post_init__): said as argparse says its own
         parser.error(str(exc))
+
+
+def shown_default(field: dataclasses.Field) -> str | None:
+    """A field's default as a flag would give it; None when there is none to show (None, "", [])."""
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, list):
+        default = ",".join(map(str, default))
+    return None if default is None or default == "" else str(default)
+
+
+def flag_help(name: str, help_text: str, default: str | None) -> str:
+    """A flag's --help line: its text, then its default and its variable."""
+    shown = "" if default is None else f"default {default}; "
+    return f"{help_text} [{shown}env {env_name(name)}]".replace("%", "%%")  # argparse formats help with %
 
 
 def require_positive(config: Any, names: tuple[str, ...]) -> None:

@@ -11,6 +11,7 @@ from services.common.config import ServiceConfig, option, require_positive
 class SchedulerConfig(ServiceConfig):
     """flatwire scheduler: owns the model, batches requests, streams one StepOutput per step."""
 
+    port: int = option(30010, "gRPC port (where the detokenizer's and the gateway's --schedulers look by default)")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (on CUDA the checkpoint's half-precision dtype, bfloat16 for a float32 "
                         "checkpoint or one that names none; float32 on CPU), float32, bfloat16, float16")

@@ -209,7 +209,8 @@ def test_up_help_lists_every_service_option_by_service():
     assert result.returncode == 0, result.stderr
     help_text = " ".join(result.stdout.split())  # argparse wraps lines
     for flag in ("--max-running-requests", "--stream-interval", "--stall-timeout-s", "--resolve-interval-s",
-                 "--restart-delay-s", "[env FLATWIRE_MAX_RUNNING_REQUESTS]"):
+                 "--restart-delay-s", "[default 64; env FLATWIRE_MAX_RUNNING_REQUESTS]",
+                 "[default 1.0; env FLATWIRE_RESTART_DELAY_S]"):
         assert flag in help_text
     for group in ("all three services", "scheduler (options", "detokenizer (options", "gateway (options",
                   "scheduler and detokenizer (options"):
