@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -56,14 +57,70 @@ def test_every_client_returns_the_same_arrays(stack):
             streamed = stream.result
         http = AsyncHttpClient(stack.http_url)
         http_whole = await http.generate(PROMPT, **OPTIONS)
-        http_chunks = [chunk async for chunk in http.stream(PROMPT, **OPTIONS)]
-        return whole, chunks, streamed, http_whole, http_chunks
+        http_stream = http.stream(PROMPT, **OPTIONS)
+        http_chunks = [chunk async for chunk in http_stream]
+        return whole, chunks, streamed, http_whole, http_chunks, http_stream.result
 
-    whole, chunks, streamed, http_whole, http_chunks = asyncio.run(asyncio_clients())
-    for got in (whole, streamed, http_whole):
+    whole, chunks, streamed, http_whole, http_chunks, http_streamed = asyncio.run(asyncio_clients())
+    for got in (whole, streamed, http_whole, http_streamed):
         _same(got, want)
     _streamed(chunks, want)
     _streamed(http_chunks, want)
+
+
+LONG = {"max_new_tokens": 4000, "ignore_eos": True}  # runs for many seconds unless it is aborted
+
+
+def _aborted(stack, before: int) -> bool:
+    """The scheduler has aborted one more request than `before` and runs none."""
+    stats = stack.stats()
+    return stats.aborted == before + 1 and stats.running == 0
+
+
+def _wait_aborted(stack, before: int) -> None:
+    deadline = time.monotonic() + 30
+    while not _aborted(stack, before):
+        assert time.monotonic() < deadline, "the stream left early still runs"
+        time.sleep(0.05)
+
+
+def test_a_stream_left_early_ends_its_request(stack):
+    """Leaving a stream's loop (here after two chunks) stops the request on the server, whichever client read
+    it; the HTTP client's next call still works (it had kept the unread response and refused every call)."""
+    with FlatwireClient(stack.grpc_address) as grpc_client, HttpClient(stack.http_url) as http_client:
+        for client in (grpc_client, http_client):
+            before = stack.stats().aborted
+            stream = client.stream(PROMPT, **LONG)
+            for index, _ in enumerate(stream):
+                if index == 1:
+                    break
+            _wait_aborted(stack, before)  # `stream` is still referenced: leaving the loop did it
+            assert client.generate(PROMPT, max_new_tokens=2).completion_tokens == 2
+        before = stack.stats().aborted
+        stream = grpc_client.stream(PROMPT, **LONG)
+        next(iter(stream))
+        stream.cancel()
+        _wait_aborted(stack, before)
+
+    async def asyncio_clients() -> None:
+        async with AsyncFlatwireClient(stack.grpc_address) as grpc_client:
+            for client in (grpc_client, AsyncHttpClient(stack.http_url)):
+                before = await asyncio.to_thread(lambda: stack.stats().aborted)
+                stream = client.stream(PROMPT, **LONG)
+                async for _ in stream:
+                    break
+                deadline = time.monotonic() + 30
+                while not await asyncio.to_thread(_aborted, stack, before):
+                    assert time.monotonic() < deadline, f"{type(client).__name__}'s stream left early still runs"
+                    await asyncio.sleep(0.05)
+
+    asyncio.run(asyncio_clients())
+
+
+def test_flush_cache_over_grpc(stack):
+    with FlatwireClient(stack.grpc_address) as client:
+        reply = client.flush_cache()
+    assert reply.success and all(replica.success for replica in reply.replicas.values()), reply
 
 
 SCRIPT = """

@@ -67,6 +67,7 @@ class _Methods:
     destroy_weights_update_group: Any
     release_memory_occupation: Any
     resume_memory_occupation: Any
+    flush_cache: Any
 
 
 def _methods(channel) -> _Methods:
@@ -79,7 +80,7 @@ def _methods(channel) -> _Methods:
                     update_weights_from_distributed=calls["UpdateWeightsFromDistributed"],
                     destroy_weights_update_group=calls["DestroyWeightsUpdateGroup"],
                     release_memory_occupation=calls["ReleaseMemoryOccupation"],
-                    resume_memory_occupation=calls["ResumeMemoryOccupation"])
+                    resume_memory_occupation=calls["ResumeMemoryOccupation"], flush_cache=calls["FlushCache"])
 
 
 def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
@@ -137,15 +138,23 @@ def _from_distributed(names: list[str], dtypes: list[str], shapes: list[list[int
 
 
 class GenerationStream(ChunkStream):
-    """`for chunk in stream`, then `stream.result` (see ChunkStream)."""
+    """`for chunk in stream`, then `stream.result` (see ChunkStream). Leaving the loop early (break, an
+    exception) or `cancel()` cancels the call: the gateway aborts the request."""
 
     def __init__(self, responses, input_ids: list[int] | None):
         super().__init__(input_ids)
         self._responses = responses
 
     def __iter__(self) -> Iterator[Generation]:
-        for response in self._responses:
-            yield self._take(response)
+        try:
+            for response in self._responses:
+                yield self._take(response)
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the request (nothing once the stream has ended)."""
+        self._responses.cancel()
 
 
 def _tls_credentials(tls: bool | bytes) -> grpc.ChannelCredentials | None:
@@ -267,17 +276,29 @@ class FlatwireClient:
         return self._calls.resume_memory_occupation(ResumeMemoryOccupationRequest(tags=list(tags or [])),
                                                     timeout=timeout, metadata=self._admin_metadata)
 
+    def flush_cache(self, timeout: float | None = None) -> ControlResponse:
+        """Empty the prefix cache (refused while requests run, as SGLang's /flush_cache)."""
+        return self._calls.flush_cache(EMPTY, timeout=timeout, metadata=self._admin_metadata)
+
 
 class AsyncGenerationStream(ChunkStream):
-    """GenerationStream's asyncio twin: `async for chunk in stream`, then `stream.result`."""
+    """GenerationStream's asyncio twin: `async for chunk in stream`, then `stream.result`. Leaving the loop
+    early cancels the call once asyncio closes the loop's generator (at once with `cancel()`)."""
 
     def __init__(self, responses, input_ids: list[int] | None):
         super().__init__(input_ids)
         self._responses = responses
 
     async def __aiter__(self) -> AsyncIterator[Generation]:
-        async for response in self._responses:
-            yield self._take(response)
+        try:
+            async for response in self._responses:
+                yield self._take(response)
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the request (nothing once the stream has ended)."""
+        self._responses.cancel()
 
 
 class AsyncFlatwireClient:
@@ -389,3 +410,6 @@ class AsyncFlatwireClient:
                                  timeout: float | None = None) -> ControlResponse:
         return await self._calls.resume_memory_occupation(ResumeMemoryOccupationRequest(tags=list(tags or [])),
                                                     timeout=timeout, metadata=self._admin_metadata)
+
+    async def flush_cache(self, timeout: float | None = None) -> ControlResponse:
+        return await self._calls.flush_cache(EMPTY, timeout=timeout, metadata=self._admin_metadata)

@@ -9,6 +9,7 @@ SGLang's /update_weights_from_tensor takes pickled tensors, which flatwire refus
 import asyncio
 import http.client
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
@@ -47,21 +48,44 @@ def _read_varint(read) -> int | None:
 
 class HttpGenerationStream(ChunkStream):
     """`for chunk in stream`, then `stream.result` (see ChunkStream). A stream that ends without a message
-    carrying a finish_reason was cut (a server-side fault): reading it raises IncompleteRead."""
+    carrying a finish_reason was cut (a server-side fault): reading it raises IncompleteRead. Leaving the loop
+    early (break, an exception) or `cancel()` closes the connection: the gateway aborts the request, and the
+    client's next call opens a new one."""
 
-    def __init__(self, response: http.client.HTTPResponse, input_ids: list[int] | None):
+    def __init__(self, response: http.client.HTTPResponse, input_ids: list[int] | None,
+                 connection: http.client.HTTPConnection):
         super().__init__(input_ids)
         self._response = response
+        self._connection = connection
 
     def __iter__(self) -> Iterator[Generation]:
         read = self._response.read
-        while (size := _read_varint(read)) is not None:
-            data = read(size)
-            if len(data) < size:
-                raise http.client.IncompleteRead(data, size - len(data))
-            yield self._take(GenerateResponse.from_bytes(data))
+        try:
+            while (size := _read_varint(read)) is not None:
+                data = read(size)
+                if len(data) < size:
+                    raise http.client.IncompleteRead(data, size - len(data))
+                yield self._take(GenerateResponse.from_bytes(data))
+        finally:
+            if not self.chunks or self.chunks[-1].finish_reason is None:
+                self.cancel()
         if not self.chunks or self.chunks[-1].finish_reason is None:
             raise http.client.IncompleteRead(b"", None)
+
+    def cancel(self) -> None:
+        """Stop the request: close its connection."""
+        _drop(self._connection)
+
+
+def _drop(connection: http.client.HTTPConnection) -> None:
+    """Close the connection, waking a read of it blocked in another thread (a close alone would not)."""
+    sock = connection.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
+    connection.close()
 
 
 class HttpClient:
@@ -108,7 +132,7 @@ class HttpClient:
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None,
                **options) -> HttpGenerationStream:
-        return HttpGenerationStream(self._post(text, input_ids, True, options), input_ids)
+        return HttpGenerationStream(self._post(text, input_ids, True, options), input_ids, self._connection)
 
     # -- rollout control (admin but abort by rid): SGLang's routes, their JSON as a dict --
 
@@ -190,17 +214,34 @@ class AsyncHttpClient:
     async def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
         return await self._call(lambda client: client.generate(text, input_ids, **options))
 
-    async def stream(self, text: str | None = None, input_ids: list[int] | None = None,
-                     **options) -> AsyncIterator[Generation]:
-        """Yields each chunk as it arrives (read by a worker thread)."""
+    def stream(self, text: str | None = None, input_ids: list[int] | None = None,
+               **options) -> "AsyncHttpGenerationStream":
+        return AsyncHttpGenerationStream(HttpClient(*self._args), text, input_ids, options)
+
+
+class AsyncHttpGenerationStream(ChunkStream):
+    """HttpGenerationStream's asyncio twin: `async for chunk in stream` (a worker thread reads them), then
+    `stream.result`. Leaving the loop early closes the connection once asyncio closes the loop's generator (at
+    once with `cancel()`): the gateway aborts the request and the thread ends."""
+
+    def __init__(self, client: HttpClient, text: str | None, input_ids: list[int] | None, options: dict):
+        super().__init__(input_ids)
+        self._client = client
+        self._request = (text, input_ids, options)
+        self._cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[Generation]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Generation | Exception | object] = asyncio.Queue()
         done = object()
+        text, input_ids, options = self._request
 
         def pump() -> None:
             try:
-                with HttpClient(*self._args) as client:
+                with self._client as client:
                     for chunk in client.stream(text, input_ids, **options):
+                        if self._cancelled:  # before the connection was there to close
+                            break
                         loop.call_soon_threadsafe(queue.put_nowait, chunk)
             except Exception as exc:  # handed to the reader, raised there
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
@@ -208,8 +249,17 @@ class AsyncHttpClient:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
         threading.Thread(target=pump, daemon=True).start()
-        while (item := await queue.get()) is not done:
-            if isinstance(item, Exception):
-                raise item
-            assert isinstance(item, Generation)
-            yield item
+        try:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, Exception):
+                    raise item
+                assert isinstance(item, Generation)
+                self.chunks.append(item)
+                yield item
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the request (nothing once the stream has ended): close the stream's own connection."""
+        self._cancelled = True
+        _drop(self._client._connection)
