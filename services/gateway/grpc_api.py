@@ -41,7 +41,7 @@ from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
 from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render.packed import packed_response
-from services.gateway.rollout import control_response, init_weights_update_group
+from services.gateway.rollout import InitWeightsUpdateGroupInput, control_response, init_weights_update_group
 from services.gateway.routing import routing_key
 
 SERVICE_NAME = public.GENERATION.name
@@ -227,7 +227,16 @@ class GenerationService:
 
     async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context
                                         ) -> public.ControlResponse:
-        return await init_weights_update_group(self.engine.schedulers, request)
+        # proto3's unset strings are absent fields to the checks: "" would pass as an address and fail as a backend
+        fields = {name: value for name, value in dataclasses.asdict(request).items() if value != ""}
+        try:
+            join = parse_data(InitWeightsUpdateGroupInput, fields, self.limits)
+        except InvalidRequest as exc:
+            message = _refusal(exc).message
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(message)
+            return public.ControlResponse(success=False, message=message)
+        return await init_weights_update_group(self.engine.schedulers, join.message())
 
     async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, context
                                               ) -> public.ControlResponse:

@@ -6,11 +6,33 @@ success only when every replica succeeded, each replica's reply kept.
 """
 
 import dataclasses
+from typing import Literal
 
+from flatwire_wire import control
 from flatwire_wire.control import ControlReply, InitWeightsUpdateGroupRequest
 from flatwire_wire.public import ControlResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.schedulers import SchedulerPool
+
+
+class InitWeightsUpdateGroupInput(BaseModel):
+    """SGLang's InitWeightsUpdateGroupReqInput, checked the same way for both APIs (a bad address or port would
+    have every replica wait out the rendezvous). Replica i (in address order) joins as rank rank_offset + i: a
+    trainer sizes world_size as 1 + the replicas. backend: none, nccl on CUDA and gloo on CPU."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = control.DEFAULT_GROUP
+    backend: Literal["nccl", "gloo"] | None = None
+
+    def message(self) -> InitWeightsUpdateGroupRequest:
+        return InitWeightsUpdateGroupRequest(
+            master_address=self.master_address, master_port=self.master_port, rank_offset=self.rank_offset,
+            world_size=self.world_size, group_name=self.group_name, backend=self.backend or "")
 
 
 def control_response(replies: dict[str, ControlReply]) -> ControlResponse:

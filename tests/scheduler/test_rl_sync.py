@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -158,6 +159,20 @@ def test_refused_updates_change_nothing(stack, http, model_dir):
                                                          "rank_offset": 1, "world_size": 3, "backend": "nccl"})
     assert not nccl.json()["success"] and "nccl needs CUDA" in nccl.json()["message"]
     assert http.post("/destroy_weights_update_group", json={"group_name": "checked"}).json()["success"]
+
+
+def test_a_join_without_a_host_and_port_is_refused_by_name(stack, http):
+    """Refused before any replica tries the rendezvous (which would wait out --weights-sync-timeout-s, or fail
+    inside torch): a 400 over HTTP, INVALID_ARGUMENT over gRPC (whose unset values are "" and 0), by name."""
+    good = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 1 + REPLICAS}
+    with FlatwireClient(stack.grpc_address, admin_api_key=ADMIN_KEY) as client:
+        for field, value in (("master_address", ""), ("master_port", 0), ("master_port", 70000)):
+            reply = http.post("/init_weights_update_group", json={**good, field: value})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+            with pytest.raises(grpc.RpcError) as refused:
+                client.init_weights_update_group(**{**good, field: value}, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(f"{field}: "), refused.value.details()
 
 
 def rss_mb(stack, name: str) -> float:

@@ -28,7 +28,7 @@ from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
-from services.gateway.rollout import control_response, init_weights_update_group
+from services.gateway.rollout import InitWeightsUpdateGroupInput, control_response, init_weights_update_group
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -47,19 +47,6 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
-
-
-class InitWeightsUpdateGroupRequest(BaseModel):
-    """SGLang's InitWeightsUpdateGroupReqInput. Replica i (in address order) joins as rank rank_offset + i: a
-    trainer sizes world_size as 1 + the replicas. backend: none, nccl on CUDA and gloo on CPU."""
-
-    model_config = ConfigDict(extra="forbid")
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = control.DEFAULT_GROUP
-    backend: Literal["nccl", "gloo"] | None = None
 
 
 class UpdateWeightsFromDistributedRequest(BaseModel):
@@ -169,14 +156,11 @@ def _success_body(response: ControlResponse, **fields) -> Response:
                   "replicas": _replicas(response)}, 200 if response.success else 400)
 
 
-@router.post("/init_weights_update_group", openapi_extra=request_body(InitWeightsUpdateGroupRequest))
+@router.post("/init_weights_update_group", openapi_extra=request_body(InitWeightsUpdateGroupInput))
 async def init_weights_update_group_route(request: Request) -> Response:
     gateway = gateway_of(request)
-    req = await _parse(InitWeightsUpdateGroupRequest, request, gateway)
-    message = control.InitWeightsUpdateGroupRequest(
-        master_address=req.master_address, master_port=req.master_port, rank_offset=req.rank_offset,
-        world_size=req.world_size, group_name=req.group_name, backend=req.backend or "")
-    return _success_body(await init_weights_update_group(gateway.engine.schedulers, message))
+    req = await _parse(InitWeightsUpdateGroupInput, request, gateway)
+    return _success_body(await init_weights_update_group(gateway.engine.schedulers, req.message()))
 
 
 @router.post("/update_weights_from_distributed", openapi_extra=request_body(UpdateWeightsFromDistributedRequest))

@@ -83,6 +83,9 @@ class WeightGroups:
             raise WeightsRefused(f"backend: {backend!r}: expected nccl or gloo")
         if backend == "nccl" and self.device.type != "cuda":
             raise WeightsRefused(f"backend: nccl needs CUDA, and this scheduler runs on {self.device}: use gloo")
+        if not request.master_address or not 0 < request.master_port < 65536:  # torch would assert, or wait it out
+            raise WeightsRefused(f"master_address, master_port: {request.master_address!r}:{request.master_port} "
+                                 "is not a host and port")
         if not 0 < request.rank_offset < request.world_size:
             raise WeightsRefused(f"rank_offset: {request.rank_offset} is not a rank of a world of "
                                  f"{request.world_size} besides the trainer's 0")
