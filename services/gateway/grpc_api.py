@@ -198,7 +198,7 @@ class GenerationService:
 
     async def abort(self, request: public.AbortGenerationRequest, context) -> public.ControlResponse:
         stopped = self.engine.abort(request.rid)
-        return public.ControlResponse(success=True, message="aborted" if stopped else
+        return public.ControlResponse(success=stopped, message="aborted" if stopped else
                                       f"no running request {request.rid!r} on this gateway")
 
     async def _everywhere(self, call) -> public.ControlResponse:

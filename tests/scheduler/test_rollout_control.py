@@ -466,7 +466,8 @@ def test_ordinary_routes_stay_open_and_grpc_admin_methods_need_the_key(stack, ht
     assert http.get("/model_info").status_code == 200
     with FlatwireClient(stack.grpc_address) as client:
         assert client.generate(input_ids=prompt(2), max_new_tokens=2, ignore_eos=True).completion_tokens == 2
-        assert client.abort("no-such-request").success  # Abort by rid is an ordinary method
+        missed = client.abort("no-such-request")  # Abort by rid is an ordinary method
+        assert not missed.success and missed.message == "no running request 'no-such-request' on this gateway"
         for call in (client.continue_generation, client.abort_all, lambda: client.push_weights({})):
             with pytest.raises(grpc.RpcError) as refused:
                 call()

@@ -138,7 +138,8 @@ class GenerationServicer:
 
     def Abort(self, request, context):
         """Stop one request of this gateway by its rid (GenerateResponse.rid): it ends with
-        FINISH_REASON_ABORT and the tokens it had. Needs the API key, like Generate.
+        FINISH_REASON_ABORT and the tokens it had. success: a running request of that rid was
+        found (a finished or unknown one is not). Needs the API key, like Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
