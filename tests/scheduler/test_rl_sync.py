@@ -138,6 +138,18 @@ def test_a_flattened_bucket_in_another_dtype_is_cast_and_swapped_in(stack, model
         assert served_greedy(http) == [want.tolist()]
 
 
+def test_a_float64_state_dict_is_received_whole(stack, http, model_dir):
+    """Twice the served model's float32 bytes: received and cast (it was refused before the broadcast, so that
+    the trainer's collective hung until it timed out)."""
+    trainer = Trainer(model_dir, "--dtype", "float64", group="wide")
+    assert trainer.join(http)["success"]
+    reply = http.post("/update_weights_from_distributed", json={**trainer.tensors, "group_name": "wide"})
+    assert reply.json()["success"], reply.text
+    assert trainer.wait() == 0
+    assert served_greedy(http) == [transformers_greedy(model_dir)]
+    assert http.post("/destroy_weights_update_group", json={"group_name": "wide"}).json()["success"]
+
+
 def test_refused_updates_change_nothing(stack, http, model_dir):
     before = served_greedy(http)
     trainer = Trainer(model_dir, group="checked")

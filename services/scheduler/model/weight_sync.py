@@ -117,9 +117,9 @@ class WeightGroups:
             raise WeightsRefused(f"group_name: no group {name!r} (init_weights_update_group first)")
         specs = self._specs(request)
         declared = sum(shape.numel() * dtype.itemsize for _, dtype, shape in specs)
-        if declared > weights.max_push_bytes:
-            raise WeightsRefused(f"the tensors declared take {declared} bytes, more than the served model in "
-                                 "float32: not a subset of its tensors")
+        if declared > weights.max_broadcast_bytes:
+            raise WeightsRefused(f"the tensors declared take {declared} bytes, more than every tensor of the served "
+                                 "model in float64: not a subset of its tensors")
         if not group.busy.acquire(blocking=False):
             raise WeightsRefused(f"group {name!r} is receiving another update")
         try:

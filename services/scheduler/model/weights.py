@@ -112,6 +112,9 @@ class ServedWeights:
             names.setdefault(id(tensor), []).append(name)
         self._names_per_tensor = list(names.values())
         self.max_push_bytes = MAX_HEADER_BYTES + 4 * sum(self._tensors[n[0]].numel() for n in self._names_per_tensor)
+        # A broadcast's bound: every name (a trainer's state_dict carries a tied lm_head.weight beside the
+        # embedding) in dtypes of up to 8 bytes (float64): what a trainer holds is received whole.
+        self.max_broadcast_bytes = 8 * sum(tensor.numel() for tensor in self._tensors.values())
 
     # -- reading (a worker thread) -----------------------------------------------------------------------
 
