@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from flatwire_wire.control import (
@@ -122,6 +123,9 @@ class SchedulerService:
                              behind=self._behind, occupation=occupation)
         self.weights = weights
         self.weight_groups = WeightGroups(runner.device, config.weights_sync_timeout_s) if weights else None
+        # Their own threads: a join waits up to --weights-sync-timeout-s for a trainer that may never come, and a
+        # few of them must not take the default pool's threads, which the other controls read weights on.
+        self._group_calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-group")
         self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
 
     def _wait_for_room(self) -> None:
@@ -281,7 +285,7 @@ class SchedulerService:
         if self.weight_groups is None:
             return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
         try:
-            message = await asyncio.to_thread(call, self.weight_groups)
+            message = await asyncio.get_running_loop().run_in_executor(self._group_calls, call, self.weight_groups)
         except WeightsRefused as exc:
             log.warning("weight update group call refused: %s", exc)
             return self._refused(str(exc))

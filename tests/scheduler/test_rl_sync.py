@@ -187,6 +187,21 @@ def test_a_join_without_a_host_and_port_is_refused_by_name(stack, http):
             assert refused.value.details().startswith(f"{field}: "), refused.value.details()
 
 
+def test_joins_that_wait_for_a_trainer_hold_up_no_other_control(stack, http, model_dir):
+    """Joins to a port no trainer listens on wait out the rendezvous (60 s here); their callers leave. An update
+    meanwhile is not held up (the joins had filled the thread pool the updates read weights on, for minutes),
+    and a master_address that does not resolve is refused at once."""
+    nowhere = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+               "world_size": 1 + REPLICAS, "group_name": "nowhere"}
+    for _ in range(8):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{stack.http_url}/init_weights_update_group", json=nowhere, headers=ADMIN, timeout=0.3)
+    update = http.post("/update_weights_from_disk", json={"model_path": str(model_dir)}, timeout=30)
+    assert update.json()["success"], update.text
+    unresolved = http.post("/init_weights_update_group", timeout=30, json={**nowhere, "master_address": "no host!"})
+    assert "master_address: 'no host!' does not resolve" in unresolved.json()["message"], unresolved.text
+
+
 def rss_mb(stack, name: str) -> float:
     status = Path(f"/proc/{stack.procs[name].proc.pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024

@@ -10,6 +10,7 @@ and swaps them in between two steps like any other update (weights.py).
 """
 
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,6 +87,10 @@ class WeightGroups:
         if not request.master_address or not 0 < request.master_port < 65536:  # torch would assert, or wait it out
             raise WeightsRefused(f"master_address, master_port: {request.master_address!r}:{request.master_port} "
                                  "is not a host and port")
+        try:  # a name that does not resolve is refused now, not after the rendezvous's retries
+            socket.getaddrinfo(request.master_address, request.master_port)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise WeightsRefused(f"master_address: {request.master_address!r} does not resolve: {exc}") from None
         if not 0 < request.rank_offset < request.world_size:
             raise WeightsRefused(f"rank_offset: {request.rank_offset} is not a rank of a world of "
                                  f"{request.world_size} besides the trainer's 0")
