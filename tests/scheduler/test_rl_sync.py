@@ -223,7 +223,7 @@ def test_released_memory_is_given_back_and_resumed(stack, http, model_dir):
         assert routed.status_code == 200, routed.text
     busy.join()
 
-    released = http.post("/release_memory_occupation", json={})  # each replica's call is idempotent
+    released = http.get("/release_memory_occupation")  # GET, as SGLang's; each replica's call is idempotent
     assert released.json()["success"], released.text
     after = {name: rss_mb(stack, name) for name in before}
     for name in before:  # the default model's weights and 32768 tokens of KV memory

@@ -263,9 +263,24 @@ def served_version(http) -> str:
 @slow
 def test_weight_version_starts_as_default(http):
     assert served_version(http) == "default"
+    assert http.get("/get_weight_version").json() == {"weight_version": "default"}  # SGLang's route
     meta = greedy(http, prompt(1))["meta_info"]
     assert meta["weight_version"] == "default"
     assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": meta["completion_tokens"]}]
+
+
+@slow
+def test_sglangs_other_update_fields_are_taken_at_what_flatwire_does(http, model_dir):
+    """A client that sends every field of SGLang's UpdateWeightFromDiskReqInput sends them at their defaults;
+    a value flatwire would not honour is refused by name."""
+    neutral = {"is_async": False, "torch_empty_cache": False, "keep_pause": False, "recapture_cuda_graph": False,
+               "token_step": 0, "flush_cache": True, "manifest": None}
+    reply = update_from_disk(http, model_dir, **neutral)
+    assert reply.status_code == 200 and reply.json()["success"], reply.text
+    assert http.get("/get_weight_version").json() == {"weight_version": served_version(http)}
+    for field, value in (("keep_pause", True), ("token_step", 3), ("is_async", True)):
+        refused = update_from_disk(http, model_dir, **{**neutral, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
 
 @slow

@@ -82,6 +82,12 @@ async def model_info(request: Request) -> Response:
                   "preferred_sampling_params": None, "weight_version": engine.schedulers.weight_version()})
 
 
+@router.get("/get_weight_version")
+async def weight_version(request: Request) -> Response:
+    """SGLang's: the version of the served weights (slime reads it after an update)."""
+    return _json({"weight_version": gateway_of(request).engine.schedulers.weight_version()})
+
+
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(request: Request) -> Response:

@@ -40,13 +40,21 @@ NO_PICKLE = ("update_weights_from_tensor is not supported: SGLang's serialized_n
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
-    """SGLang's UpdateWeightFromDiskReqInput (the fields flatwire honours)."""
+    """SGLang's UpdateWeightFromDiskReqInput. Its other fields are taken at what flatwire does (a client that
+    sends every field sends those), and refused by name otherwise: flush_cache as in the distributed update."""
 
     model_config = ConfigDict(extra="forbid")
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: Literal[False] = False
+    torch_empty_cache: Literal[False] = False
+    keep_pause: Literal[False] = False
+    recapture_cuda_graph: Literal[False] = False
+    token_step: Literal[0] = 0
+    manifest: None = None
 
 
 class UpdateWeightsFromDistributedRequest(BaseModel):
@@ -62,6 +70,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    torch_empty_cache: Literal[False] = False
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):
@@ -190,13 +199,13 @@ async def _memory_route(request: Request, call: Callable[[SchedulerClient, list[
     return _success_body(await _everywhere(gateway, lambda client: call(client, tags)))
 
 
-@router.post("/release_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"], openapi_extra=request_body(MemoryOccupationRequest))
 async def release_memory_occupation(request: Request) -> Response:
     return await _memory_route(request, lambda client, tags: client.release_memory_occupation(
         control.ReleaseMemoryOccupationRequest(tags=tags)))
 
 
-@router.post("/resume_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"], openapi_extra=request_body(MemoryOccupationRequest))
 async def resume_memory_occupation(request: Request) -> Response:
     return await _memory_route(request, lambda client, tags: client.resume_memory_occupation(
         control.ResumeMemoryOccupationRequest(tags=tags)))
