@@ -61,6 +61,7 @@ from services.common.rpc import add_health, create_server, listen, mark_serving
 from services.common.signals import exit_now, stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import (
+    WEIGHTS_RELEASED,
     AbortAll,
     Continue,
     Control,
@@ -241,6 +242,9 @@ class SchedulerService:
     # -- rollout control --------------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> ControlReply:
+        if self._weights_released():  # said before the checkpoint is read against weights that are not there
+            return self._refused(WEIGHTS_RELEASED)
+
         def read(weights: ServedWeights) -> StagedWeights:
             return weights.read_checkpoint(request.model_path, request.load_format)
 
@@ -249,6 +253,8 @@ class SchedulerService:
     async def push_weights(self, chunks, context) -> ControlReply:
         if self.weights is None:  # refused before a byte is buffered
             return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
+        if self._weights_released():
+            return self._refused(WEIGHTS_RELEASED)
         first, parts, size = None, [], 0
         limit = self.weights.max_push_bytes
         async for chunk in chunks:
@@ -328,6 +334,8 @@ class SchedulerService:
         A call whose client leaves after that still applies (SGLang's too)."""
         if self.weights is None:
             return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
+        if version == "":  # as update_weight_version's new_version (None: the version stays)
+            return self._refused("weight_version: must not be empty")
         async with self._updating:
             try:
                 staged = await asyncio.to_thread(read, self.weights)
@@ -336,6 +344,12 @@ class SchedulerService:
                 return self._refused(str(exc))
             return await self._control(UpdateWeights(staged=staged, abort_all_requests=abort_all_requests,
                                                      weight_version=version))
+
+    def _weights_released(self) -> bool:
+        """A disk or pushed update would be checked against released (empty) tensors; the engine refuses it
+        anyway. (A broadcast is still received, so that the trainer's collective completes.)"""
+        occupation = self.engine.occupation
+        return occupation is not None and "weights" in occupation.released
 
     async def _control(self, command: Control) -> ControlReply:
         return await asyncio.wrap_future(self.engine.control(command))

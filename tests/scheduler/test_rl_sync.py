@@ -230,6 +230,8 @@ def test_released_memory_is_given_back_and_resumed(stack, http, model_dir):
         assert before[name] - after[name] > 100, (before, after)
     blocked = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     assert blocked.status_code == 503 and "resume_memory_occupation" in blocked.text
+    stale = http.post("/update_weights_from_disk", json={"model_path": str(model_dir)})  # was: "shapes differ"
+    assert stale.json()["message"].endswith("they are released; resume_memory_occupation first."), stale.text
 
     resumed = http.post("/resume_memory_occupation", json={"tags": ["weights"]})
     assert resumed.json()["success"] and "read again from" in resumed.json()["message"], resumed.text

@@ -281,6 +281,8 @@ def test_sglangs_other_update_fields_are_taken_at_what_flatwire_does(http, model
     for field, value in (("keep_pause", True), ("token_step", 3), ("is_async", True)):
         refused = update_from_disk(http, model_dir, **{**neutral, field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    unnamed = update_from_disk(http, model_dir, weight_version="")  # as /update_weight_version refuses it
+    assert not unnamed.json()["success"] and unnamed.json()["message"] == "weight_version: must not be empty"
 
 
 @slow

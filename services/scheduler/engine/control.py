@@ -11,6 +11,7 @@ from flatwire_wire.control import ControlReply, PauseMode
 from services.scheduler.model.weights import StagedWeights
 
 ABORTING_PAUSES = (PauseMode.UNSPECIFIED, PauseMode.ABORT)
+WEIGHTS_RELEASED = "Weights not updated: they are released; resume_memory_occupation first."
 
 
 @dataclass(kw_only=True)

@@ -46,6 +46,7 @@ from services.scheduler.cache.prefix_cache import PrefixCache
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import (
     ABORTING_PAUSES,
+    WEIGHTS_RELEASED,
     AbortAll,
     Continue,
     Control,
@@ -351,7 +352,7 @@ class Engine:
                 return self._reply("Aborted every request.", aborted_requests=self._abort_all(out, "aborted: all"))
             case UpdateWeights():
                 if self.occupation is not None and "weights" in self.occupation.released:
-                    return self._refused("Weights not updated: they are released; resume_memory_occupation first.")
+                    return self._refused(WEIGHTS_RELEASED)
                 if control.abort_all_requests:
                     control.aborted_requests = self._abort_all(out, "aborted: weight update")
                 self._held_updates.append(control)
