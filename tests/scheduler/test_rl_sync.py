@@ -187,6 +187,27 @@ def test_a_join_without_a_host_and_port_is_refused_by_name(stack, http):
             assert refused.value.details().startswith(f"{field}: "), refused.value.details()
 
 
+def test_retracted_requests_wait_out_a_memory_release(stack, http):
+    """SGLang's partial rollout: pause (retract), release, resume, continue. The retracted requests hold no KV, so
+    the release goes ahead (it was refused while any request waited), and they finish after it, prefilled again."""
+    results: list[httpx.Response] = []
+    busy = threading.Thread(target=lambda: results.append(httpx.post(f"{stack.http_url}/generate", timeout=300, json={
+        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})))
+    busy.start()
+    deadline = time.monotonic() + 60
+    while not any(stack.stats(name).running for name in ("scheduler", "scheduler-1")):
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.05)
+    assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    released = http.post("/release_memory_occupation", json={})
+    assert released.json()["success"], released.text
+    assert http.post("/resume_memory_occupation", json={}).json()["success"]
+    assert http.post("/continue_generation").status_code == 200
+    busy.join()
+    meta = results[0].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 300
+
+
 def test_joins_that_wait_for_a_trainer_hold_up_no_other_control(stack, http, model_dir):
     """Joins to a port no trainer listens on wait out the rendezvous (60 s here); their callers leave. An update
     meanwhile is not held up (the joins had filled the thread pool the updates read weights on, for minutes),

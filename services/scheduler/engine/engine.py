@@ -372,9 +372,12 @@ class Engine:
             case ReleaseMemory(tags=tags):
                 if self.occupation is None:
                     return self._refused("Memory not released: --engine synthetic holds no model memory.")
-                if self.scheduler.requests:  # their KV lives in the memory: pause (abort) or abort them first
+                # Running requests hold KV in that memory; retracted ones hold none and wait for a continue (SGLang's
+                # partial rollout: pause retract, release, update, resume, continue), as do the waiting ones while
+                # paused.
+                if self.scheduler.running or (self.scheduler.requests and not self._paused):
                     return self._refused(f"Memory not released: {len(self.scheduler.requests)} requests are "
-                                         "running or waiting; pause_generation or abort them first.")
+                                         "running or waiting; pause_generation (abort or retract) first.")
                 if "kv_cache" in tags:
                     self.prefix_cache.flush()  # its pages are about to hold nothing
                 reply = self._reply(self.occupation.release(tags))
