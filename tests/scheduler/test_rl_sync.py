@@ -187,9 +187,11 @@ def test_a_join_without_a_host_and_port_is_refused_by_name(stack, http):
             assert refused.value.details().startswith(f"{field}: "), refused.value.details()
 
 
-def test_retracted_requests_wait_out_a_memory_release(stack, http):
-    """SGLang's partial rollout: pause (retract), release, resume, continue. The retracted requests hold no KV, so
-    the release goes ahead (it was refused while any request waited), and they finish after it, prefilled again."""
+def test_retracted_requests_wait_out_a_memory_release(stack, http, model_dir):
+    """SGLang's partial rollout: pause (retract), release, resume, update, continue. The retracted requests hold
+    no KV, so the release goes ahead (it was refused while any request waited), and they finish after it,
+    prefilled again on the new weights (weights that came from a broadcast resume as zeros until the next
+    update: the update is part of the cycle)."""
     results: list[httpx.Response] = []
     busy = threading.Thread(target=lambda: results.append(httpx.post(f"{stack.http_url}/generate", timeout=300, json={
         "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})))
@@ -202,6 +204,7 @@ def test_retracted_requests_wait_out_a_memory_release(stack, http):
     released = http.post("/release_memory_occupation", json={})
     assert released.json()["success"], released.text
     assert http.post("/resume_memory_occupation", json={}).json()["success"]
+    assert http.post("/update_weights_from_disk", json={"model_path": str(model_dir)}).json()["success"]
     assert http.post("/continue_generation").status_code == 200
     busy.join()
     meta = results[0].json()["meta_info"]

@@ -199,15 +199,15 @@ async def _memory_route(request: Request, call: Callable[[SchedulerClient, list[
     return _success_body(await _everywhere(gateway, lambda client: call(client, tags)))
 
 
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"],
-                  openapi_extra=request_body(MemoryOccupationRequest))
+@router.get("/release_memory_occupation")  # a route per method (one operationId each), as /flush_cache
+@router.post("/release_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
 async def release_memory_occupation(request: Request) -> Response:
     return await _memory_route(request, lambda client, tags: client.release_memory_occupation(
         control.ReleaseMemoryOccupationRequest(tags=tags)))
 
 
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"],
-                  openapi_extra=request_body(MemoryOccupationRequest))
+@router.get("/resume_memory_occupation")  # a route per method (one operationId each), as /flush_cache
+@router.post("/resume_memory_occupation", openapi_extra=request_body(MemoryOccupationRequest))
 async def resume_memory_occupation(request: Request) -> Response:
     return await _memory_route(request, lambda client, tags: client.resume_memory_occupation(
         control.ResumeMemoryOccupationRequest(tags=tags)))
