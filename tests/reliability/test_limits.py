@@ -498,9 +498,12 @@ def holding(url: str, count: int, expect_outstanding: int):
             sock.close()
 
 
-def _wait_idle(url: str) -> None:
+def _wait_idle(stack: Stack) -> None:
+    """Until the gateway has no generation out and the scheduler holds none (it drops an aborted one at its next
+    step, after the gateway has let go of it)."""
     deadline = time.monotonic() + 30
-    while metric(url, "flatwire_outstanding_generations") > 0:
+    while metric(stack.http_url, "flatwire_outstanding_generations") > 0 or stack.stats().running or \
+            stack.stats().waiting:
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
@@ -519,7 +522,7 @@ def test_past_the_gateways_limit_requests_get_429(tight):
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert metric(tight.http_url, "flatwire_admission_rejected_total", 'queue="gateway"') == rejected + 2
         assert metric(tight.http_url, "flatwire_request_errors_total", 'endpoint="/generate",status="429"') >= 1
-    _wait_idle(tight.http_url)
+    _wait_idle(tight)
     response = post(tight.http_url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert response.status_code == 200, response.text[:300]
 
@@ -530,7 +533,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole(tight):
         response = post(tight.http_url, "/generate", batch)
         assert_error((response.status_code, response.json()), 429, None, "2 generations")
         assert metric(tight.http_url, "flatwire_outstanding_generations") == 1  # none of the batch started
-    _wait_idle(tight.http_url)
+    _wait_idle(tight)
     response = post(tight.http_url, "/generate", batch)
     assert response.status_code == 200 and len(response.json()) == 2, response.text[:300]
 
@@ -547,7 +550,7 @@ def test_past_the_schedulers_waiting_list_requests_get_429(tight):
         assert_error((response.status_code, response.json()), 429, None, "max_waiting_requests")
         assert metric(second, "flatwire_admission_rejected_total", 'queue="scheduler"') == 1
         assert httpx.get(second + "/health", timeout=10).json()["healthy"]
-    _wait_idle(tight.http_url)
+    _wait_idle(tight)
     deadline = time.monotonic() + 30
     while (response := post(second, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
            ).status_code == 429:  # the scheduler drops the aborted requests at its next step
