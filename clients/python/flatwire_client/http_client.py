@@ -67,9 +67,9 @@ class HttpGenerationStream(ChunkStream):
                     raise http.client.IncompleteRead(data, size - len(data))
                 yield self._take(GenerateResponse.from_bytes(data))
         finally:
-            if not self.chunks or self.chunks[-1].finish_reason is None:
+            if not self.ended:
                 self.cancel()
-        if not self.chunks or self.chunks[-1].finish_reason is None:
+        if not self.ended:
             raise http.client.IncompleteRead(b"", None)
 
     def cancel(self) -> None:

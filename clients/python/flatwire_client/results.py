@@ -66,6 +66,11 @@ class ChunkStream:
         return chunk
 
     @property
+    def ended(self) -> bool:
+        """The last chunk read carries a finish_reason: the server ended the stream."""
+        return bool(self.chunks) and self.chunks[-1].finish_reason is not None
+
+    @property
     def result(self) -> Generation:
         last = self.chunks[-1]
         output = Logprobs.concatenate([c.output for c in self.chunks if c.output is not None])

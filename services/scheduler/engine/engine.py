@@ -356,8 +356,9 @@ class Engine:
                 if control.abort_all_requests:
                     control.aborted_requests = self._abort_all(out, "aborted: weight update")
                 self._held_updates.append(control)
-                log.info("weight update held until the %d running requests end (none is admitted meanwhile)",
-                         len(self.scheduler.running))
+                if self.scheduler.running and not self._paused:  # else it applies at once (_apply_held_updates)
+                    log.info("weight update held until the %d running requests end (none is admitted meanwhile)",
+                             len(self.scheduler.running))
                 return None
             case SetWeightVersion():
                 aborted = self._abort_all(out, "aborted: weight version update") if control.abort_all_requests else 0
