@@ -33,16 +33,16 @@ RECONNECT_MAX_S = 0.5
 class DetokenizerStreams:
     def __init__(self, config: GatewayConfig, owner: str, on_step: Callable[[StepMessage], None],
                  on_step_failed: Callable[[StepMessage], None], on_cut: Callable[[str], None],
-                 on_connected: Callable[[], None]):
+                 on_change: Callable[[], None]):
         """on_step(message): a message for this gateway's requests; on_step_failed(message): handling it raised;
-        on_cut(address): a stream from the same process broke, its messages in transit lost; on_connected(): a
-        stream is up (again)."""
+        on_cut(address): a stream from the same process broke, its messages in transit lost; on_change(): a
+        stream came up or went down."""
         self.config = config
         self.owner = owner
         self._on_step = on_step
         self._on_step_failed = on_step_failed
         self._on_cut = on_cut
-        self._on_connected = on_connected
+        self._on_change = on_change
         self._resolved: dict[str, list[str]] = {}  # configured entry -> its addresses
         self._names: dict[str, str] = {}  # address -> the configured host it was resolved from
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> the channel of its health checks
@@ -116,10 +116,12 @@ class DetokenizerStreams:
                     self._on_cut(address)  # the same process after a cut: what was in transit is lost
                 self._instances[address] = instance
                 self._connected.add(address)
-                self._on_connected()
+                self._on_change()
                 yield call
             finally:
-                self._connected.discard(address)
+                if address in self._connected:
+                    self._connected.discard(address)
+                    self._on_change()
                 await channel.close()
 
         async def handle(step: StepMessage) -> None:

@@ -134,7 +134,7 @@ class EngineClient:
         self.owner = config.owner_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.detokenizers = DetokenizerStreams(config, self.owner, on_step=self._dispatch,
                                                on_step_failed=self._undelivered, on_cut=self._fail_requests_via,
-                                               on_connected=lambda: self.schedulers.recheck())
+                                               on_change=lambda: self.schedulers.recheck())
         self.schedulers = SchedulerPool(config, self.detokenizers, on_replica_lost=self._fail_requests_on)
         self.model_info: ModelInfo | None = None
         self.model_name = config.served_model_name or ""

@@ -61,6 +61,9 @@ class Replica:
     slow: bool = False  # out of rotation only for answering late: it may come back any moment
     late_answers: int = 0  # checks (and submits) in a row that got no answer in time
     whole_at: float = field(default_factory=time.monotonic)  # when its path was last found working
+    # Since when its path is broken: when a check found it so (a hop down is rechecked at once), or, for one
+    # that answers late, its last answer.
+    broken_since: float = field(default_factory=time.monotonic)
     instance_id: str = ""
     max_running_requests: int = 0  # its running slots (ModelInfo), for admission control
     outstanding: set[str] = field(default_factory=set)
@@ -360,6 +363,8 @@ class SchedulerPool:
         """Out of rotation; its requests wait for the path to come back until the hop timeout."""
         if replica.healthy:
             log.warning("out of rotation: %s", why)
+        if replica.problem is None:
+            replica.broken_since = replica.whole_at if slow else time.monotonic()
         replica.healthy, replica.problem, replica.slow = False, why, slow
 
     def _lose(self, replica: Replica, why: str) -> None:
@@ -384,6 +389,6 @@ class SchedulerPool:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
             now = time.monotonic()
             for replica in list(self.replicas.values()):
-                broken_for = now - replica.whole_at
+                broken_for = now - replica.broken_since
                 if replica.problem and replica.outstanding and broken_for > self.config.hop_timeout_s:
                     self._lose(replica, f"{replica.problem} (for {broken_for:.1f}s)")

@@ -317,7 +317,7 @@ def test_gateway_follows_the_detokenizers_a_name_resolves_to(monkeypatch):
     async def scenario() -> None:
         streams = detokenizers.DetokenizerStreams(config, "gw-test", on_step=lambda _: None,
                                                   on_step_failed=lambda _: None, on_cut=lambda _: None,
-                                                  on_connected=lambda: None)
+                                                  on_change=lambda: None)
         await streams.refresh()
         assert sorted(streams.addresses) == ["127.0.0.2:1", "127.0.0.3:1"]
         first = dict(streams._streams)
