@@ -45,9 +45,11 @@ def message_options(max_message_mb: int, keepalive_s: float = DEFAULT_KEEPALIVE_
         ("grpc.keepalive_timeout_ms", max(keepalive_ms // 2, 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # A restarted peer should be found again within seconds, not gRPC's default two minutes.
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2000),
+        # A restarted peer should be found again within half a second, not gRPC's default two minutes: requests
+        # wait for it only up to the gateway's hop timeout. Every channel to one address shares this backoff (gRPC
+        # pools connections process-wide), so a consumer that resubscribes on a fresh channel waits it out too.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 500),
     ]
 
 
