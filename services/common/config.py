@@ -113,7 +113,8 @@ class ServiceConfig:
     model: str | None = option(None, "local Hugging Face checkpoint directory, or a Hub model id (Org/Name) from "
                                "the Hugging Face cache; default: the embedded default model")
     cache_dir: str | None = option(None, "where flatwire keeps what it builds: the default model, the "
-                                     "vocabulary for structured output (default ~/.cache/flatwire)")
+                                     "vocabulary for structured output, the detokenizer's decoding tokenizer "
+                                     "(default ~/.cache/flatwire)")
     max_message_mb: int = option(1024, "gRPC message limit in MiB of what servers send and channels send and "
                                  "receive: step streams carry up to --max-running-requests requests' logprob rows "
                                  "(each bounded by the gateway's --max-logprob-elements) in one message")

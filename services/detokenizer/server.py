@@ -26,7 +26,7 @@ from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.discovery import INSTANCE_METADATA, subscription_health_name
 from services.common.logs import setup_logging
-from services.common.model_store import resolve_model
+from services.common.model_store import cache_root, resolve_model
 from services.common.rpc import add_health, create_server, listen
 from services.common.signals import stop_requested
 from services.detokenizer.batch_decode import load_batch_decoder
@@ -166,7 +166,7 @@ async def _report_health(streams: SchedulerStreams, servicer) -> None:
 
 async def serve(config: DetokenizerConfig) -> None:
     resolve_internal_secret(config, log)
-    decode = load_batch_decoder(resolve_model(config.model, config.cache_dir))
+    decode = load_batch_decoder(resolve_model(config.model, config.cache_dir), cache_root(config.cache_dir))
     router = Router(adopt_for_s=config.owner_grace_s)
     relay = Relay(DetokenizerManager(decode), router, config)
 

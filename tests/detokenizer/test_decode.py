@@ -123,11 +123,40 @@ def test_direct_rust_decode_equals_transformers_batch_decode(tokenizer, skip):
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_the_checkpoint_decoder_loaded_without_transformers_decodes_as_transformers(model_dir, tokenizer, skip):
+def test_the_checkpoint_decoder_loaded_without_transformers_decodes_as_transformers(model_dir, tokenizer, skip,
+                                                                                  tmp_path):
     sequences = [tokenizer.encode(text) + [248046, 248058, 248068] for text in ("plain words", "中文 🎉", "")]
-    assert load_batch_decoder(model_dir)(sequences, skip, True) == tokenizer.batch_decode(sequences,
-                                                                                          skip_special_tokens=skip)
-    assert _rust_tokenizer(model_dir) is not None  # the default model's tokenizer.json is enough
+    sequences.append(random.Random(7).sample(range(len(tokenizer)), 2000))  # ids all over the vocabulary
+    expected = tokenizer.batch_decode(sequences, skip_special_tokens=skip)
+    assert load_batch_decoder(model_dir, tmp_path)(sequences, skip, True) == expected  # writes the kept copy
+    kept = list((tmp_path / "decoding-tokenizers").iterdir())
+    assert [path.suffix for path in kept] == [".json"]
+    assert json.loads(kept[0].read_bytes())["model"]["merges"] == []  # the part decoding never reads
+    assert load_batch_decoder(model_dir, tmp_path)(sequences, skip, True) == expected  # reads it
+    assert load_batch_decoder(model_dir, None)(sequences, skip, True) == expected  # keeps nothing
+    assert _rust_tokenizer(model_dir, None) is not None  # the default model's tokenizer.json is enough
+
+
+def test_the_kept_decoding_tokenizer_is_the_checkpoint_s_own(model_dir, tokenizer, tmp_path):
+    """Keyed by tokenizer.json's content: another vocabulary beside it is not mistaken for it."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer_config.json").write_bytes((model_dir / "tokenizer_config.json").read_bytes())
+    content = json.loads((model_dir / "tokenizer.json").read_bytes())
+    first = next(token for token, i in content["model"]["vocab"].items() if i == 0)
+    content["model"]["vocab"][first + "x"] = content["model"]["vocab"].pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(content))
+    cache = tmp_path / "cache"
+    assert load_batch_decoder(model_dir, cache)([[0]], False, True) == [tokenizer.decode([0])]
+    assert load_batch_decoder(other, cache)([[0]], False, True) == [tokenizer.decode([0]) + "x"]
+    assert len(list((cache / "decoding-tokenizers").iterdir())) == 2
+
+
+def test_a_cache_directory_that_cannot_be_written_costs_only_the_copy(model_dir, tokenizer, tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache directory would be")
+    assert load_batch_decoder(model_dir, blocked)([[0, 1]], False, True) == [tokenizer.decode([0, 1])]
+    assert "could not keep the decoding tokenizer" in caplog.text
 
 
 def test_a_checkpoint_whose_config_adds_special_tokens_decodes_through_transformers(model_dir, tmp_path):
@@ -136,7 +165,7 @@ def test_a_checkpoint_whose_config_adds_special_tokens_decodes_through_transform
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["extra_special_tokens"] = [*config["extra_special_tokens"], "<think>"]  # not special in tokenizer.json
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert _rust_tokenizer(tmp_path) is None
+    assert _rust_tokenizer(tmp_path, None) is None
 
 
 def test_skip_special_tokens(tokenizer):

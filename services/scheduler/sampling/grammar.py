@@ -18,11 +18,9 @@ vLLM use).
 
 import hashlib
 import logging
-import os
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import version
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from services.common.cache_files import write_atomically
 from services.common.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,16 +76,9 @@ class VocabularyCache:
             return None
 
     def write(self, serialized: str) -> None:
-        written: str | None = None
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as out:
-                written = out.name
-                out.write(serialized)
-            os.replace(written, self.path)
+            write_atomically(self.path, serialized.encode())
         except OSError as exc:
-            if written is not None:
-                Path(written).unlink(missing_ok=True)
             log.warning("structured output: could not keep the vocabulary in %s (%s); the next start reads it "
                         "again", self.path.parent, exc)
 
