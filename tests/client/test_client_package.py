@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 from flatwire_client import AsyncFlatwireClient, AsyncHttpClient, FlatwireClient, Generation, HttpClient, HttpError
+from transformers import AutoTokenizer
 
 from harness.procs import ROOT
 
@@ -22,7 +23,7 @@ def _same(got: Generation, want: Generation) -> None:
     assert got.token_ids.tolist() == want.token_ids.tolist() and got.text == want.text
     for side in ("output", "prompt"):
         a, b = getattr(got, side), getattr(want, side)
-        for name in ("token_logprobs", "topk_values", "topk_ids"):
+        for name in ("token_ids", "null_token_ids", "token_logprobs", "topk_values", "topk_ids"):
             assert getattr(a, name).tobytes() == getattr(b, name).tobytes(), (side, name)
     assert got.finish_reason == want.finish_reason == "length" and got.completion_tokens == 9
     assert got.weight_version == want.weight_version == "default"
@@ -35,9 +36,13 @@ def _streamed(chunks: list[Generation], want: Generation) -> None:
     assert np.concatenate([chunk.token_ids for chunk in chunks]).tolist() == want.token_ids.tolist()
 
 
-def test_every_client_returns_the_same_arrays(stack):
+def test_every_client_returns_the_same_arrays(stack, model_dir):
     with FlatwireClient(stack.grpc_address) as grpc_client, HttpClient(stack.http_url) as http_client:
         want = grpc_client.generate(PROMPT, **OPTIONS)
+        # A text prompt: the server says which tokens its rows are for (the first, without a row, included).
+        prompt_ids = AutoTokenizer.from_pretrained(model_dir).encode(PROMPT)
+        assert want.prompt.null_prefix == 1 and want.prompt.null_token_ids.tolist() == prompt_ids[:1]
+        assert want.prompt.token_ids.tolist() == prompt_ids[1:] and want.prompt.n == len(prompt_ids) - 1
         stream = grpc_client.stream(PROMPT, **OPTIONS)
         _streamed(list(stream), want)
         _same(stream.result, want)

@@ -56,5 +56,7 @@ def test_grpc_max_new_tokens_0_is_explicit_and_unset_is_128(stack):
 
         scored = call(max_new_tokens=0)
         # Every position but the first (nothing precedes it) has a row.
-        assert scored.completion_tokens == 0 and scored.prompt_logprobs(PROMPT_IDS).n == len(PROMPT_IDS) - 1
+        assert scored.completion_tokens == 0 and scored.prompt_logprobs().n == len(PROMPT_IDS) - 1
+        assert scored.prompt_logprobs().token_ids.tolist() == PROMPT_IDS[1:]
+        assert scored.prompt_logprobs().null_token_ids.tolist() == PROMPT_IDS[:1]
         assert call().completion_tokens == 128

@@ -141,8 +141,8 @@ class GenerationStream(ChunkStream):
     """`for chunk in stream`, then `stream.result` (see ChunkStream). Leaving the loop early (break, an
     exception) or `cancel()` cancels the call: the gateway aborts the request."""
 
-    def __init__(self, responses, input_ids: list[int] | None):
-        super().__init__(input_ids)
+    def __init__(self, responses):
+        super().__init__()
         self._responses = responses
 
     def __iter__(self) -> Iterator[Generation]:
@@ -196,12 +196,12 @@ class FlatwireClient:
                  **options) -> Generation:
         request = Options(**options).grpc_request(text, input_ids, stream=False)
         *_, last = self._calls.generate(request, timeout=timeout, metadata=self._metadata)
-        return generation(last, input_ids)
+        return generation(last)
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float | None = None,
                **options) -> GenerationStream:
         request = Options(**options).grpc_request(text, input_ids, stream=True)
-        return GenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata), input_ids)
+        return GenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata))
 
     def abort(self, rid: str, timeout: float | None = None) -> ControlResponse:
         """Stop this gateway's request `rid` (a response's rid): it ends with finish_reason "abort"."""
@@ -285,8 +285,8 @@ class AsyncGenerationStream(ChunkStream):
     """GenerationStream's asyncio twin: `async for chunk in stream`, then `stream.result`. Leaving the loop
     early cancels the call once asyncio closes the loop's generator (at once with `cancel()`)."""
 
-    def __init__(self, responses, input_ids: list[int] | None):
-        super().__init__(input_ids)
+    def __init__(self, responses):
+        super().__init__()
         self._responses = responses
 
     async def __aiter__(self) -> AsyncIterator[Generation]:
@@ -331,13 +331,12 @@ class AsyncFlatwireClient:
         request = Options(**options).grpc_request(text, input_ids, stream=False)
         responses = [response async for response in self._calls.generate(request, timeout=timeout,
                                                                                metadata=self._metadata)]
-        return generation(responses[-1], input_ids)  # without stream: one response
+        return generation(responses[-1])  # without stream: one response
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None, timeout: float | None = None,
                **options) -> AsyncGenerationStream:
         request = Options(**options).grpc_request(text, input_ids, stream=True)
-        return AsyncGenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata),
-                                     input_ids)
+        return AsyncGenerationStream(self._calls.generate(request, timeout=timeout, metadata=self._metadata))
 
     async def abort(self, rid: str, timeout: float | None = None) -> ControlResponse:
         return await self._calls.abort(AbortGenerationRequest(rid=rid), timeout=timeout,

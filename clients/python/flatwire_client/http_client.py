@@ -52,9 +52,8 @@ class HttpGenerationStream(ChunkStream):
     early (break, an exception) or `cancel()` closes the connection: the gateway aborts the request, and the
     client's next call opens a new one."""
 
-    def __init__(self, response: http.client.HTTPResponse, input_ids: list[int] | None,
-                 connection: http.client.HTTPConnection):
-        super().__init__(input_ids)
+    def __init__(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection):
+        super().__init__()
         self._response = response
         self._connection = connection
 
@@ -128,11 +127,11 @@ class HttpClient:
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None, **options) -> Generation:
         response = self._post(text, input_ids, False, options)
-        return generation(GenerateResponse.from_bytes(response.read()), input_ids)
+        return generation(GenerateResponse.from_bytes(response.read()))
 
     def stream(self, text: str | None = None, input_ids: list[int] | None = None,
                **options) -> HttpGenerationStream:
-        return HttpGenerationStream(self._post(text, input_ids, True, options), input_ids, self._connection)
+        return HttpGenerationStream(self._post(text, input_ids, True, options), self._connection)
 
     # -- rollout control (admin but abort by rid): SGLang's routes, their JSON as a dict --
 
@@ -225,7 +224,7 @@ class AsyncHttpGenerationStream(ChunkStream):
     once with `cancel()`): the gateway aborts the request and the thread ends."""
 
     def __init__(self, client: HttpClient, text: str | None, input_ids: list[int] | None, options: dict):
-        super().__init__(input_ids)
+        super().__init__()
         self._client = client
         self._request = (text, input_ids, options)
         self._cancelled = False

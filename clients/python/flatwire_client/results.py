@@ -33,7 +33,7 @@ class Generation:
     routed_experts: np.ndarray | None = None
 
 
-def generation(response: GenerateResponse, input_ids: list[int] | None) -> Generation:
+def generation(response: GenerateResponse) -> Generation:
     matched: int | str | None = None
     if response.finish_reason == FinishReason.STOP_TOKEN:
         matched = response.matched_token
@@ -41,7 +41,7 @@ def generation(response: GenerateResponse, input_ids: list[int] | None) -> Gener
         matched = response.matched_stop
     finish = response.finish_reason.api_name if response.finish_reason != FinishReason.UNSPECIFIED else None
     return Generation(response.rid, response.tokens, response.text, response.output_logprobs(),
-                      response.prompt_logprobs(input_ids), finish, matched, response.prompt_tokens,
+                      response.prompt_logprobs(), finish, matched, response.prompt_tokens,
                       response.completion_tokens, response.weight_version, response.weight_versions,
                       response.cached_tokens, _routed_experts(response))
 
@@ -56,12 +56,11 @@ class ChunkStream:
     """A stream's chunks, each a Generation of its new tokens and rows, kept as they are read; `result` is
     them all joined (the Generation the same request returns without streaming) once the stream has ended."""
 
-    def __init__(self, input_ids: list[int] | None):
-        self._input_ids = input_ids
+    def __init__(self) -> None:
         self.chunks: list[Generation] = []
 
     def _take(self, response: GenerateResponse) -> Generation:
-        chunk = generation(response, self._input_ids)
+        chunk = generation(response)
         self.chunks.append(chunk)
         return chunk
 

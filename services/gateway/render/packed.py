@@ -20,6 +20,9 @@ def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) ->
         weight_version=chunk.weight_versions[-1].version if chunk.weight_versions else "",
         output=LogprobBlock.of_request(chunk.output) if chunk.output is not None else None,
         prompt=LogprobBlock.of_request(chunk.prompt) if chunk.prompt is not None else None)
+    if chunk.prompt is not None:
+        response.prompt_token_ids = np.concatenate([chunk.prompt.null_token_ids, chunk.prompt.token_ids]).astype(
+            I32, copy=False).tobytes()
     if (result := chunk.result) is not None and result.finish_reason is not None:
         response.finish_reason = result.finish_reason
         response.cached_tokens = result.cached_tokens

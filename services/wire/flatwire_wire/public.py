@@ -97,6 +97,7 @@ class GenerateResponse:
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held; set on the last chunk
     routed_experts: bytes = b""  # <i4 [tokens, layers, top_k], with return_routed_experts, on the last chunk
     routed_experts_shape: list[int] = field(default_factory=list)
+    prompt_token_ids: bytes = b""  # <i4: the tokens `prompt` is for (its null prefix's, then a row's each)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "GenerateResponse":
@@ -112,7 +113,7 @@ class GenerateResponse:
                    weight_version=m.weight_version,
                    weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in m.weight_versions],
                    cached_tokens=m.cached_tokens, routed_experts=m.routed_experts,
-                   routed_experts_shape=list(m.routed_experts_shape))
+                   routed_experts_shape=list(m.routed_experts_shape), prompt_token_ids=m.prompt_token_ids)
 
     def to_bytes(self) -> bytes:
         message = generate_pb2.GenerateResponsePacked(
@@ -120,7 +121,7 @@ class GenerateResponse:
             matched_token=self.matched_token, matched_stop=self.matched_stop, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, weight_version=self.weight_version,
             cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
-            routed_experts_shape=self.routed_experts_shape,
+            routed_experts_shape=self.routed_experts_shape, prompt_token_ids=self.prompt_token_ids,
             weight_versions=[generate_pb2.WeightVersionSpan(version=s.version, start=s.start, end=s.end)
                              for s in self.weight_versions])
         if self.output is not None:
@@ -136,13 +137,15 @@ class GenerateResponse:
     def output_logprobs(self) -> RequestLogprobs | None:
         return self.output.request_logprobs(0, self.tokens) if self.output is not None and len(self.output) else None
 
-    def prompt_logprobs(self, prompt_ids: list[int] | None) -> RequestLogprobs | None:
-        """The prompt's rows, for the tokens they are for when `prompt_ids` (the request's) is known."""
+    def prompt_logprobs(self) -> RequestLogprobs | None:
+        """The prompt's rows, with the tokens they are for."""
         if self.prompt is None or not len(self.prompt):
             return None
-        n = self.prompt.rows[0]
-        tokens = np.asarray(prompt_ids[len(prompt_ids) - n:] if prompt_ids is not None else [], I32)
-        return self.prompt.request_logprobs(0, tokens)
+        null_prefix = self.prompt.null_prefix[0] if self.prompt.null_prefix else 0
+        tokens = np.frombuffer(self.prompt_token_ids, I32)
+        logprobs = self.prompt.request_logprobs(0, tokens[null_prefix:])
+        logprobs.null_token_ids = tokens[:null_prefix]
+        return logprobs
 
 
 @twin(generate_pb2.ModelInfo)

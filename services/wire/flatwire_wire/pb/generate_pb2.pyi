@@ -99,7 +99,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., stream: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape")
+    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape", "prompt_token_ids")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class GenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -130,10 +131,11 @@ class GenerateResponse(_message.Message):
     cached_tokens: int
     routed_experts: _containers.RepeatedScalarFieldContainer[int]
     routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[_Iterable[int]] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[_Iterable[int]] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponsePacked(_message.Message):
-    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape")
+    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape", "prompt_token_ids")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,7 @@ class GenerateResponsePacked(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_ids: bytes
     text: str
@@ -164,7 +167,8 @@ class GenerateResponsePacked(_message.Message):
     cached_tokens: int
     routed_experts: bytes
     routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids: bytes
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "logit_bias", "json_schema", "regex", "ebnf")
