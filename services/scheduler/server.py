@@ -413,6 +413,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.info("interrupted")
     except SystemExit as exc:  # the engine failed
         code = exc.code
+    except Exception:  # a bug: said, then ended at once (a weight-group join may wait minutes for its trainer)
+        log.exception("the scheduler failed")
+        code = 1
     exit_now(code)
 
 
