@@ -6,6 +6,7 @@ Against real services as processes: the session's default stack, and a `tight` o
 so that each bound is reached with a handful of requests.
 """
 
+import dataclasses
 import json
 import random
 import re
@@ -23,12 +24,14 @@ import httpx
 import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire import public
+from flatwire_wire.scheduler import LogprobParams
 
 from harness.http import post
 from harness.stack import Stack, another_gateway
 from services.common.rpc import message_options
 from services.gateway.config import GatewayConfig
 from services.gateway.http.parsers import MAX_HEAD_BYTES
+from services.gateway.protocol.cost import logprob_elements
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -298,15 +301,24 @@ def test_stop_strings_are_bounded(stack, model):
 # -- response size (logprob values) -----------------------------------------------------------------------
 
 
+def test_the_bound_counts_the_rows_a_response_would_carry():
+    """A prompt from position 0 has a row for every token but the first; from position s, for s on."""
+    params = LogprobParams(return_logprob=True, top_logprobs_num=4, token_ids_logprob=[1, 2], logprob_start_len=0)
+    assert logprob_elements(1025, 0, params) == (1024, 6)
+    assert logprob_elements(1025, 16, dataclasses.replace(params, logprob_start_len=25)) == (1016, 6)
+    assert logprob_elements(1025, 16, dataclasses.replace(params, logprob_start_len=-1)) == (16, 6)
+
+
 def test_the_response_a_request_asks_for_is_bounded(stack, model):
-    """positions x (k + ids): the issue's 1000-token prompt from position 0 at top-256 with 4000 ids is
-    (1000 + 128) x 4256 = 4.8M values, past the 4Mi default; each API names its own fields."""
+    """positions x (k + ids): the issue's 1000-token prompt from position 0 (999 rows: the first token has
+    none) at top-256 with 4000 ids is (999 + 128) x 4256 = 4.8M values, past the 4Mi default; each API names
+    its own fields."""
     limit = DEFAULTS.max_logprob_elements
     prompt = list(range(1000, 2000))
     body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 256,
             "token_ids_logprob": list(range(4000))}
     response = post(stack.http_url, "/generate", body)
-    assert_error((response.status_code, response.json()), 400, "top_logprobs_num", "4800768", str(limit),
+    assert_error((response.status_code, response.json()), 400, "top_logprobs_num", "4796512", str(limit),
                  "sampling_params.max_new_tokens", "logprob_start_len", "token_ids_logprob")
     # ids alone name token_ids_logprob
     response = post(stack.http_url, "/generate", {**body, "top_logprobs_num": 0,

@@ -55,8 +55,8 @@ def logprob_elements(prompt_len: int, max_new_tokens: int, logprob: LogprobParam
         return 0, 0
     per_position = logprob.top_logprobs_num + len(logprob.token_ids_logprob)
     positions = max_new_tokens
-    if logprob.logprob_start_len >= 0:
-        positions += max(prompt_len - logprob.logprob_start_len, 0)
+    if logprob.logprob_start_len >= 0:  # the first prompt token has no logprob: nothing precedes it
+        positions += max(prompt_len - max(logprob.logprob_start_len, 1), 0)
     return positions, per_position
 
 
