@@ -114,12 +114,16 @@ def test_llama3_json_calls():
     ("get_weather", '{"city": "Rome"}', [(0, "get_weather", {"city": "Rome"})]),
     (None, '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]',
      [(0, "a", {"x": 1}), (1, "b", {})]),
-    ("get_weather", '{"city": "Ro', []),  # cut short (length): the text, as content
+    # Cut short (max_tokens): still the call, with its arguments as far as they go, unary as streamed.
+    ("get_weather", '{"city": "Ro', [(0, "get_weather", {"city": "Ro"})]),
+    (None, '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": "tw',
+     [(0, "a", {"x": 1}), (1, "b", {"y": "tw"})]),
+    ("get_weather", ' ', []),  # nothing of it yet: the text, as content
+    (None, '[{"name": "get_w', []),
 ])
 def test_forced_calls(function, text, calls):
     reasoning, content, parsed = same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(NAMES, function)), text,
-                                                   (lambda: AssistantTurn(None, ForcedCalls(NAMES, function, True)))
-                                                   if calls else None)
+                                                   lambda: AssistantTurn(None, ForcedCalls(NAMES, function, True)))
     assert (parsed, content) == (calls, "" if calls else text)
 
 
@@ -248,16 +252,18 @@ def test_whole_calls_read_the_same_unary_and_streamed(text, calls):
     assert (parsed, content) == (calls, "" if calls else text)
 
 
-def test_required_cut_short_answers_its_whole_calls():
-    """max_tokens cut the list: the whole calls before the cut are the answer (a stream has sent them), not the
-    list's text."""
+def test_required_cut_short_answers_its_calls_so_far():
+    """max_tokens cut the list: the calls before the cut are the answer, unary as streamed, not the list's text;
+    a call whose arguments have not begun is not one yet."""
     text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": 2}}, {"name": "a", "param'
-    assert run(lambda: AssistantTurn(None, ForcedCalls(NAMES, None)), text, len(text)) == (
+    assert same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(NAMES, None)), text,
+                             lambda: AssistantTurn(None, ForcedCalls(NAMES, None, True))) == (
         "", "", [(0, "a", {"x": 1}), (1, "b", {"y": 2})])
-    streamed = run(lambda: AssistantTurn(None, ForcedCalls(NAMES, None, True)), text, 5)
-    assert streamed[2][:2] == [(0, "a", {"x": 1}), (1, "b", {"y": 2})]
-    not_calls = '[{"name": "a", "parameters": {"x": 1}}, {"name": "elsewhere", "parameters": {}}, {"na'
-    assert run(lambda: AssistantTurn(None, ForcedCalls(NAMES, None)), not_calls, 9) == ("", not_calls, [])
+    # A function the request did not declare (the grammar allows none) is never called.
+    undeclared = '[{"name": "a", "parameters": {"x": 1}}, {"name": "elsewhere", "parameters": {}}, {"na'
+    assert same_at_every_cut(lambda: AssistantTurn(None, ForcedCalls(NAMES, None)), undeclared,
+                             lambda: AssistantTurn(None, ForcedCalls(NAMES, None, True))) == (
+        "", "", [(0, "a", {"x": 1})])
 
 
 def test_deepseek_r1_after_a_prompt_that_closed_the_block_is_all_answer():

@@ -130,6 +130,24 @@ def test_named_tool_choice_is_constrained_to_its_arguments(agent, model, stream)
     assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"]] == [("get_time", {"zone": "CET"})]
 
 
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_a_forced_call_cut_short_reads_the_same_unary_and_streamed(agent, model, tool_choice):
+    """max_tokens cut the forced JSON: a call once its name is known and its arguments have begun (with them as
+    far as they go), unary as streamed; the text before that."""
+    cut_calls = []
+    for max_tokens in (1, 6, 24, 48):
+        fields = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": max_tokens}
+        unary = chat(agent, model, **fields).choices[0]
+        streamed = chat(agent, model, stream=True, **fields)
+        calls = [(call.function.name, call.function.arguments) for call in unary.message.tool_calls or []]
+        assert calls == [(call["name"], call["arguments"]) for call in streamed["calls"]], max_tokens
+        assert (unary.message.content or "") == streamed["content"], max_tokens
+        assert unary.finish_reason == streamed["finish"], max_tokens
+        if unary.finish_reason == "length":
+            cut_calls += calls
+    assert cut_calls, "no cut came after a call began"
+
+
 def test_required_tool_choice_calls_one_of_the_tools(agent, model):
     # (Without parallel_tool_calls: a random model, free to, writes calls until max_tokens.)
     for seed in (1, 2, 3):

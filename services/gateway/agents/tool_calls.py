@@ -6,7 +6,8 @@
   optional `<|python_tag|>`), several separated by `;`; any other output is content.
 
 With `tool_choice` required or naming a function, the output is JSON that the grammar forced
-(tool_choice.py), whatever the model's format: ForcedCalls reads it.
+(tool_choice.py), whatever the model's format: ForcedCalls reads it, and cut short (max_tokens) it is still
+the calls it had begun, unary as streamed.
 
 A parser is fed the text piece by piece and then ended; it hands on content as soon as it cannot be the
 start of a call, and calls as fragments (call_stream.py). Unary (`stream=False`), each call goes out whole once
@@ -253,8 +254,9 @@ class ForcedCalls:
         named = partial_json(self._text, complete_strings=True)
         names = [item.get("name") if isinstance(item, dict) else None for item in named] if isinstance(
             named, list) else []
+        known = [name if name in self._functions else None for name in names]
         complete = [_call_of(item, ("parameters",), self._functions) for item in value[:-1]]  # a later one began
-        return self._streamed.update(names, value, ("parameters",), complete)
+        return self._streamed.update(known, value, ("parameters",), complete)
 
     def end(self) -> Parsed:
         value = _json(self._text)
@@ -266,22 +268,14 @@ class ForcedCalls:
                 value, list) else []
         if calls and all(calls):
             parsed = Parsed(calls=self._streamed.finish([call for call in calls if call is not None]))
-        elif self._streamed.named:  # cut short after a name went out: the calls stay
-            parsed = Parsed(calls=self._update(force=True) + self._streamed.close())
-        elif whole := self._complete_calls():  # cut short (max_tokens) after whole calls: those, as a stream has
-            parsed = Parsed(calls=self._streamed.finish(whole))
         else:
-            parsed = Parsed(self._text)
+            # Cut short (max_tokens): every call whose name is complete, with its arguments as far as they were
+            # written (closed), unary as streamed: a forced call stays a call (OpenAI's answer too, with
+            # finish_reason length). Nothing named yet is content.
+            fragments = self._update(force=True)
+            parsed = Parsed(calls=fragments + self._streamed.close()) if self._streamed.named else Parsed(self._text)
         self._text = ""
         return parsed
-
-    def _complete_calls(self) -> list[ToolCall]:
-        """The calls of a required list cut short that are complete, if each of them is a call."""
-        head = self._text.lstrip()
-        if self._function is not None or not head.startswith("["):
-            return []
-        calls = [_call_of(item, ("parameters",), self._functions) for item in _complete_objects(head[1:], ",")[0]]
-        return [call for call in calls if call is not None] if all(calls) else []
 
 
 def tool_call_parser(name: ToolCallParserName, functions: frozenset[str], stream: bool = False) -> ToolCallParser:
