@@ -373,6 +373,20 @@ def test_a_field_no_api_has_is_refused_by_name(http, served_model, endpoint, bod
     assert response.json()["error"]["message"] == f"{field}: unrecognized field"
 
 
+@pytest.mark.parametrize(("endpoint", "body", "field", "says"), [
+    (CHAT_ENDPOINT, {**CHAT, "include_stop_str_in_output": True}, "include_stop_str_in_output", "; use no_stop_trim"),
+    (COMPLETIONS_ENDPOINT, {**COMPLETION, "guided_regex": "a+"}, "guided_regex", "; use regex"),
+    ("/generate", {**GENERATE, "sampling_params": {"max_new_tokens": 3, "use_beam_search": True}},
+     "sampling_params.use_beam_search", ""),
+])
+def test_a_vllm_field_is_refused_as_one(http, served_model, endpoint, body, field, says):
+    """Not as a misspelling: the message says whose field it is, and this server's way where it has one."""
+    response = http.post(endpoint, json={**body, "model": served_model} if endpoint != "/generate" else body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    assert response.json()["error"]["message"] == f"{field}: vLLM's field, not supported by this server{says}"
+
+
 def test_labels_and_hints_are_taken(openai_client, served_model):
     """metadata, safety_identifier and user label a request; prompt_cache_key routes it (with one replica, here,
     to that one); none of them changes the output."""

@@ -166,6 +166,26 @@ def parse_body(model: type[M], body: bytes, limits: ModelLimits) -> M:
     return parse_data(model, data, limits)
 
 
+# vLLM's own request fields, which neither SGLang's nor OpenAI's APIs have: refused as what they are (not as a
+# misspelling), naming this server's way to ask for the same where it has one.
+VLLM_FIELDS = {
+    "include_stop_str_in_output": "no_stop_trim", "guided_json": "response_format or json_schema",
+    "guided_regex": "regex", "guided_choice": "regex", "guided_grammar": "ebnf",
+    "structured_outputs": "response_format, json_schema, regex or ebnf", "allowed_token_ids": "logit_bias",
+    "prompt_logprobs": "logprob_start_len on /generate, echo with logprobs on completions",
+    **dict.fromkeys(("bad_words", "use_beam_search", "length_penalty", "truncate_prompt_tokens",
+                     "add_generation_prompt", "add_special_tokens", "chat_template", "documents", "request_id",
+                     "mm_processor_kwargs", "guided_decoding_backend"), ""),
+}
+
+
+def _unrecognized(field: object) -> str:
+    if not isinstance(field, str) or field not in VLLM_FIELDS:
+        return "unrecognized field"
+    instead = VLLM_FIELDS[field]
+    return "vLLM's field, not supported by this server" + (f"; use {instead}" if instead else "")
+
+
 def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
     """A decoded body (or the public gRPC request as /generate's fields) -> the validated model."""
     try:
@@ -177,7 +197,7 @@ def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
         errors = exc.errors(include_url=False, include_context=False, include_input=False)
         error = max(errors, key=_reach)  # the first of the furthest
         param = _location(error["loc"]) or None
-        message = ("unrecognized field" if error["type"] == "extra_forbidden"
+        message = (_unrecognized(error["loc"][-1]) if error["type"] == "extra_forbidden"
                    else error["msg"].removeprefix("Value error, "))
         raise InvalidRequest(param, f"{param}: {message}" if param else message) from None
 
