@@ -7,7 +7,8 @@ that exits is restarted with the same command after an exponential backoff
 (--restart-delay-s doubling up to --restart-max-delay-s, back to the first delay once
 the service has stayed up --restart-reset-s). A service that exits during startup
 stops everything instead, since that is usually a setup error (port taken, bad model)
-that a restart would not fix. Ctrl-C or SIGTERM stops all three.
+that a restart would not fix. Ctrl-C or SIGTERM stops the gateway first, and once it has drained (its
+requests need the other two) the detokenizer and the scheduler; the launcher killed, they stop by themselves.
 
 Besides its own options (UpConfig) it takes every option of the services it starts, derived from their
 configs: each one given is passed on, as a flag, to every service whose config has it; the rest are left to
@@ -15,6 +16,7 @@ the services' own FLATWIRE_* variables and defaults.
 """
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import secrets
@@ -24,6 +26,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +45,12 @@ SERVICES: dict[str, type[ServiceConfig]] = {
 WIRING = {"schedulers", "detokenizers"}
 # Passed on in the environment, not on the services' command lines (which ps shows).
 SECRETS = {"internal_secret", "api_key", "admin_api_key"}
+STOP_TIMEOUT_S = 15.0  # for a service to exit once told to (a gateway: once its drain is over), before a kill
+PR_SET_PDEATHSIG = 1  # prctl(2)
+try:
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
 
 
 @dataclass
@@ -131,8 +140,7 @@ class Supervised:
     restart_at: float | None = None  # set while the service is down, waiting to be restarted
 
     def start(self) -> subprocess.Popen:
-        # The services handle SIGINT themselves; the launcher forwards it.
-        self.proc = subprocess.Popen(self.command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        self.proc = subprocess.Popen(self.command, preexec_fn=_as_child_of(os.getpid()))
         self.started_at = time.monotonic()
         self.restart_at = None
         return self.proc
@@ -152,6 +160,46 @@ class Supervised:
                   f"restarting it in {self.backoff_s:g} s", file=sys.stderr, flush=True)
             self.restart_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, config.restart_max_delay_s)
+
+
+def _as_child_of(launcher: int) -> Callable[[], None]:
+    """What a service runs before its command: Ctrl-C (the terminal signals the whole process group) is left to
+    the launcher, which stops the services in order; and the launcher's death (kill -9, the OOM killer) stops it
+    too (SIGTERM, Linux's parent-death signal), rather than leaving it serving on the ports."""
+
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before the signal was set
+            raise RuntimeError("flatwire up is gone")
+
+    return setup
+
+
+def _stop(services: list[Supervised], drain_timeout_s: float) -> None:
+    """The gateways first, and only once they have drained (their requests need the other two to finish) the
+    detokenizer and the scheduler; a second Ctrl-C meanwhile ends the drain (the gateways' second signal)."""
+    gateways = [s.proc for s in services if s.name.startswith("gateway") and s.proc is not None]
+    others = [s.proc for s in services if not s.name.startswith("gateway") and s.proc is not None]
+    for group, timeout in ((gateways, drain_timeout_s + STOP_TIMEOUT_S), (others, STOP_TIMEOUT_S)):
+        running = [proc for proc in group if proc.poll() is None]
+        for proc in running:
+            proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in running:
+            while True:
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                except KeyboardInterrupt:
+                    for other in running:
+                        if other.poll() is None:
+                            other.terminate()
+                    continue
+                break
 
 
 def internal_ports(config: UpConfig) -> tuple[int, int]:
@@ -284,7 +332,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         print(f"\nflatwire is up (model {model_name(shared.model, model_dir)} from {model_dir})\n"
               f"  HTTP  {http}  (POST /generate, /v1/chat/completions, /v1/completions; GET /v1/models, /metrics)\n"
               f"  gRPC  {config.host}:{config.grpc_port}  (flatwire.v1.Generation)\n"
-              f"  Ctrl-C stops all three; a service that crashes is restarted.\n", flush=True)
+              f"  Ctrl-C stops all three (the gateway drains first); a service that crashes is restarted.\n",
+              flush=True)
         while True:
             for service in services:
                 service.supervise(config)
@@ -294,12 +343,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except StartupFailed as exc:
         sys.exit(f"{prog or 'flatwire up'}: {exc}")  # once `finally` has stopped the others
     finally:
-        procs = [service.proc for service in services if service.proc is not None]
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        gateway_config = configs["gateway"]
+        assert isinstance(gateway_config, GatewayConfig)
+        _stop(services, gateway_config.drain_timeout_s)

@@ -56,7 +56,7 @@ from services.common.auth import resolve_internal_secret
 from services.common.config import parse_config
 from services.common.logs import setup_logging
 from services.common.memory import keep_big_blocks
-from services.common.model_store import cache_root, model_name, resolve_model
+from services.common.model_store import ModelNotFound, cache_root, model_name, resolve_model
 from services.common.rpc import add_health, create_server, listen, mark_serving
 from services.common.signals import exit_now, stop_requested
 from services.scheduler.config import SchedulerConfig
@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.info("interrupted")
     except SystemExit as exc:  # the engine failed
         code = exc.code
+    except ModelNotFound as exc:  # a setup error, said in one line
+        code = f"{prog or 'scheduler'}: {exc}"
     except Exception:  # a bug: said, then ended at once (a weight-group join may wait minutes for its trainer)
         log.exception("the scheduler failed")
         code = 1

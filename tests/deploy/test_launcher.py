@@ -1,6 +1,8 @@
 """`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C; two run
 side by side on their own internal ports; it takes every option of the services and passes those given on."""
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -84,6 +86,53 @@ def test_up_restarts_a_crashed_service(model_dir, tmp_path):
         assert up.child_pid("detokenizer") not in (None, detokenizer)
     finally:
         _stop_up(up)
+
+
+def test_ctrl_c_lets_the_requests_in_flight_finish(model_dir, tmp_path):
+    """The gateway drains first; the scheduler and the detokenizer stop only after it (they had stopped with it,
+    and its drain failed every request with 503)."""
+    up = _start_up(model_dir, tmp_path / "up.log")
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = [pool.submit(post, up.http_url, "/generate", body, timeout=120) for _ in range(2)]
+        time.sleep(1.5)  # generating
+        assert not any(reply.done() for reply in replies)
+        _stop_up(up)
+        for reply in replies:
+            assert reply.result().status_code == 200, reply.result().text
+            assert reply.result().json()["meta_info"]["completion_tokens"] == 200
+
+
+def test_a_killed_launcher_takes_its_services_with_it(model_dir, tmp_path):
+    """kill -9 (or the OOM killer) of `flatwire up`: its services stop too, and free the ports for the next one."""
+    up = _start_up(model_dir, tmp_path / "up.log")
+    children = [pid for service in ("scheduler", "detokenizer", "gateway") for pid in up.children(service)]
+    assert len(children) == 3
+    up.proc.kill()
+    up.proc.wait()
+    deadline = time.monotonic() + 30
+    try:
+        while alive := [pid for pid in children if Path(f"/proc/{pid}").exists() and not _zombie(pid)]:
+            assert time.monotonic() < deadline, f"still running: {alive}"
+            time.sleep(0.2)
+    finally:
+        for pid in children:  # what a failure left
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for port in up.ports.values():
+        assert not _taken(port), port
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.mark.parametrize("which", ["--port", "--grpc-port"])
