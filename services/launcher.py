@@ -31,7 +31,15 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.config import ServiceConfig, env_name, flag_help, option, parse_config, shown_default
+from services.common.config import (
+    ServiceConfig,
+    env_name,
+    flag_help,
+    option,
+    parse_config,
+    require_ports,
+    shown_default,
+)
 from services.common.healthcheck import http_ok
 from services.common.model_store import model_name, resolve_model
 from services.common.rpc import check_health
@@ -70,6 +78,15 @@ class UpConfig:
     restart_delay_s: float = option(1.0, "wait before restarting a crashed service; doubles on each crash")
     restart_max_delay_s: float = option(30.0, "cap on the restart delay")
     restart_reset_s: float = option(60.0, "a service up this long gets the first restart delay again")
+
+    def __post_init__(self):
+        ports = ("port", "grpc_port", "scheduler_port", "detokenizer_port")
+        require_ports(self, ports)
+        given = [getattr(self, name) for name in ports if getattr(self, name)]
+        if len(set(given)) < len(given):
+            raise ValueError("--port, --grpc-port, --scheduler-port and --detokenizer-port: one port each")
+        if self.gateway_workers < 1:
+            raise ValueError("--gateway-workers: at least 1")
 
 
 def service_options() -> dict[str, dict[str, dataclasses.Field]]:
@@ -305,8 +322,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         "gateway": ["--host", config.host, "--port", str(config.port), "--grpc-port", str(config.grpc_port),
                     "--schedulers", scheduler, "--detokenizers", detokenizer],
     }
-    if config.gateway_workers < 1:
-        sys.exit(f"{prog or 'flatwire up'}: --gateway-workers: at least 1")
     if config.gateway_workers > 1:
         commands["gateway"].append("--reuse-port")
     services = [Supervised(name, [sys.executable, "-m", "services", name, *args, *model, *flags[name]],

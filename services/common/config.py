@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 ENV_PREFIX = "FLATWIRE_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 T = TypeVar("T", bound="DataclassInstance")
 
 
@@ -97,6 +98,13 @@ def require_positive(config: Any, names: tuple[str, ...]) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be positive")
 
 
+def require_ports(config: Any, names: tuple[str, ...]) -> None:
+    """Each a TCP port (0: one the system picks): 70000 would otherwise listen on 70000 mod 65536."""
+    for name in names:
+        if getattr(config, name) is not None and not 0 <= getattr(config, name) <= 65535:
+            raise ValueError(f"--{name.replace('_', '-')}: a port, 0 to 65535")
+
+
 def option(default: Any, help: str) -> Any:
     """A config field with its help text; mutable defaults are copied per instance."""
     if isinstance(default, list):
@@ -122,7 +130,7 @@ class ServiceConfig:
                                  "RESOURCE_EXHAUSTED) and, on the gateway, an HTTP body (more is 413)")
     keepalive_s: float = option(20.0, "gRPC keepalive ping interval of this service's channels; its server permits "
                                 "pings twice as often (keep it equal on every service)")
-    log_level: str = option("info", "logging level")
+    log_level: str = option("info", "logging level: debug, info, warning, error or critical")
     internal_secret: str | None = option(None, "shared secret of the internal hops: the scheduler and detokenizer "
                                          "refuse gRPC calls without it (health excepted) and every service sends "
                                          "it; the same on every service; prefer the environment variable to the "
@@ -147,6 +155,9 @@ class ServiceConfig:
 
     def __post_init__(self):
         require_positive(self, ("max_message_mb", "max_request_mb", "keepalive_s"))
+        require_ports(self, ("port",))
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"--log-level: one of {', '.join(LOG_LEVELS).lower()}, not {self.log_level!r}")
         _ = self.tls  # checked now: a key without its certificate is a startup error
 
     @property

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, option, require_positive
+from services.common.config import ServiceConfig, option, require_ports, require_positive
 from services.common.event_loop import EventLoop
 from services.gateway.agents.reasoning import ReasoningParserName
 from services.gateway.agents.tool_calls import ToolCallParserName
@@ -101,6 +101,7 @@ class GatewayConfig(ServiceConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        require_ports(self, ("grpc_port",))
         require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",
                                 "max_logprob_elements", "http_header_timeout_s", "http_body_timeout_s",

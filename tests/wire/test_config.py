@@ -4,6 +4,7 @@ import pytest
 
 from services.common.config import parse_config
 from services.gateway.config import GatewayConfig
+from services.launcher import UpConfig
 from services.scheduler.config import SchedulerConfig
 
 
@@ -22,6 +23,21 @@ def test_flags_environment_and_booleans(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_config(GatewayConfig, ["--ssl-keyfile", "key.pem"])
     assert "give both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("config", "argv", "says"), [
+    (SchedulerConfig, ["--log-level", "bogus"], "--log-level: one of debug, info, warning, error, critical"),
+    (SchedulerConfig, ["--port", "70000"], "--port: a port, 0 to 65535"),  # it listened on 70000 mod 65536
+    (GatewayConfig, ["--grpc-port", "-1"], "--grpc-port: a port, 0 to 65535"),
+    (UpConfig, ["--port", "31600", "--grpc-port", "31600"], "one port each"),
+    (UpConfig, ["--detokenizer-port", "30000"], "one port each"),  # the gateway's default HTTP port
+    (UpConfig, ["--gateway-workers", "0"], "--gateway-workers: at least 1"),
+])
+def test_bad_options_are_usage_errors(capsys, config, argv, says):
+    """Said at once, as argparse says its own (exit status 2), not as a traceback or a surprise later."""
+    with pytest.raises(SystemExit) as exited:
+        parse_config(config, argv)
+    assert exited.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_help_gives_each_default_and_variable(capsys):
