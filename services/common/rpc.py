@@ -162,11 +162,19 @@ def check_health(address: str, timeout: float = 2.0, credentials: grpc.ChannelCr
                  server_name: str | None = None) -> bool:
     """True when the server at `address` answers SERVING (blocking; for CLIs and probes; `credentials`: TLS, the
     certificate checked for `server_name`, default the address's host)."""
+    return health_problem(address, timeout, credentials, server_name) is None
+
+
+def health_problem(address: str, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None,
+                   server_name: str | None = None) -> str | None:
+    """Why the server at `address` is not healthy (its status, or the call's error); None when it is SERVING."""
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     with (grpc.secure_channel(address, credentials, options=options) if credentials is not None
           else grpc.insecure_channel(address)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return None

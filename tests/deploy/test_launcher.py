@@ -20,7 +20,7 @@ from flatwire_client import FlatwireClient
 from harness.certificates import make_certificates
 from harness.http import post
 from harness.launcher import Launcher
-from harness.procs import ROOT
+from harness.procs import ROOT, free_port
 from services.common.config import env_name
 from services.common.rpc import check_health
 from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
@@ -162,6 +162,17 @@ def test_a_service_that_exits_while_starting_stops_up_with_one_line_that_names_i
     assert "/no/such.key" in up.log()
     for service in ("scheduler", "detokenizer"):  # stopped by the launcher, before it exited
         assert f"flatwire.{service}: stopping" in up.log(), up.log()
+
+
+def test_the_health_command_says_why_a_target_is_unhealthy():
+    """On stderr (a container's health log shows it): it exited 1 saying nothing."""
+    port = free_port()
+    for kind, target, says in (("grpc", f"127.0.0.1:{port}", "UNAVAILABLE"),
+                               ("http", f"http://127.0.0.1:{port}/health", "Connection refused")):
+        result = subprocess.run([sys.executable, "-m", "services", "health", kind, target], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1 and result.stderr.startswith(f"flatwire health: {target}: "), result.stderr
+        assert says in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("command", ["up", "scheduler", "detokenizer", "gateway"])
