@@ -76,6 +76,12 @@ class Router:
         self._outboxes[owner] = asyncio.Queue()
         self._away_since[owner] = time.monotonic()
 
+    def close(self) -> None:
+        """End every subscriber's stream after what waits for it (the detokenizer is stopping)."""
+        for owner, queue in self._outboxes.items():
+            if owner not in self._away_since:
+                queue.put_nowait(None)
+
     def forget(self, owner: str) -> None:
         self._outboxes.pop(owner, None)
         self._away_since.pop(owner, None)

@@ -186,6 +186,7 @@ async def serve(config: DetokenizerConfig) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    router.close()  # the gateways' streams end, rather than being cancelled by the server's stop
     await server.stop(grace=1.0)
 
 

@@ -271,3 +271,22 @@ def test_a_second_server_on_a_taken_port_does_not_start(detokenizer_address, sch
     finally:
         proc.stop()
     assert f"cannot listen on 127.0.0.1:{detokenizer_address.rsplit(':', 1)[1]}" in proc.log()
+
+
+def test_a_detokenizer_stopped_ends_its_subscribers_streams_cleanly(start_service, scheduler_address):
+    """Its subscribers' streams end (they resubscribe elsewhere, or when it is back); the server's stop had
+    cancelled them, and gRPC logged each as an unhandled exception with its traceback."""
+    proc, detokenizer = start_service("detokenizer", "--schedulers", scheduler_address)
+
+    async def scenario(peers: Peers):
+        call = await peers.owner_stream("gw-stopping")
+        proc.proc.terminate()
+        return [message async for message in call], await call.code()
+
+    try:
+        messages, code = run(scenario, scheduler_address, detokenizer)
+        proc.proc.wait(timeout=30)
+    finally:
+        proc.stop()
+    assert (messages, code) == ([], grpc.StatusCode.OK)
+    assert "Traceback" not in proc.log() and "Exception not handled" not in proc.log(), proc.log()
