@@ -19,6 +19,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 FIRST_BACKOFF_S = 0.1
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 M = TypeVar("M")
 
 
@@ -32,11 +33,12 @@ async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextM
     backoff = FIRST_BACKOFF_S
     down_since: float | None = None  # when the stream last broke, while it stays down
     ever_up = False
+    refused = False  # the last attempts were refused (said once until a stream is up)
     loop = asyncio.get_running_loop()
     while True:
         try:
             async with subscribe() as messages:
-                backoff = FIRST_BACKOFF_S
+                backoff, refused = FIRST_BACKOFF_S, False
                 if not ever_up:
                     log.info("%s stream is up", name)
                 elif down_since is not None:
@@ -50,7 +52,12 @@ async def follow_stream(name: str, subscribe: Callable[[], AbstractAsyncContextM
                         on_failure(message)
                 log.warning("%s ended its stream", name)
         except grpc.aio.AioRpcError as exc:
-            if not ever_up and down_since is None:
+            if exc.code() in REFUSALS:  # not a server that is starting or gone: a misconfiguration, said as one
+                if not refused:
+                    log.error("%s refuses this service (%s: %s): is the internal secret (or the TLS CA) the same on "
+                              "every service? Retrying", name, exc.code().name, exc.details())
+                refused = True
+            elif not ever_up and down_since is None:
                 log.info("%s is not up yet (%s); waiting for it", name, exc.code())
             elif down_since is None:
                 log.warning("%s stream: %s %s; retrying until it is back", name, exc.code(), exc.details())

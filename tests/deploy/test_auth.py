@@ -9,6 +9,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 import uuid
 
 import grpc
@@ -23,6 +24,7 @@ from flatwire_wire.scheduler import SCHEDULER, AbortRequest, SamplingParams, Sub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from harness.procs import ServiceProcess, free_port
 from harness.stack import running
 from services.common.auth import SECRET_METADATA, load_internal_secret
 from services.common.rpc import check_health, message_options
@@ -101,6 +103,22 @@ def test_scheduler_refuses_calls_without_the_secret(stack, method):
 def test_detokenizer_refuses_calls_without_the_secret(stack):
     for metadata in WRONG:
         assert code_of(stream_outputs, stack.detokenizer_address, metadata) == UNAUTHENTICATED, metadata
+
+
+def test_a_service_with_another_secret_says_so(stack, model_dir, log_dir):
+    """An error naming the likely cause, not the INFO line of a server that is not up yet, forever."""
+    detokenizer = ServiceProcess("detokenizer", ["--port", str(free_port()), "--model", str(model_dir),
+                                                 "--schedulers", stack.scheduler_address], log_dir,
+                                 {"FLATWIRE_INTERNAL_SECRET": SECRET + "-other"})
+    try:
+        deadline = time.monotonic() + 60
+        while "refuses this service (UNAUTHENTICATED" not in detokenizer.log():
+            assert time.monotonic() < deadline and detokenizer.proc.poll() is None, detokenizer.log()
+            time.sleep(0.2)
+        assert "ERROR" in detokenizer.log() and "internal secret" in detokenizer.log()
+        assert "not up yet" not in detokenizer.log()
+    finally:
+        detokenizer.stop()
 
 
 def test_internal_methods_are_served_with_the_secret(stack):
