@@ -238,6 +238,12 @@ def _scheduler_killed(stack: Stack) -> list[str]:
     return []
 
 
+def _scheduler_terminated(stack: Stack) -> list[str]:
+    stack.procs["scheduler"].proc.terminate()  # SIGTERM: a restart or a scale-down, not a crash
+    stack.procs["scheduler"].proc.wait(timeout=30)
+    return []
+
+
 @contextmanager
 def busy_cores() -> Iterator[None]:
     """A process spinning on each core, for as long as the block runs (a host busy with other work)."""
@@ -293,6 +299,7 @@ SCENARIOS = {
     "detokenizer killed and restarted": Scenario(_detokenizer_restarted),
     "detokenizer killed for good": Scenario(_detokenizer_killed, restart=("detokenizer",), probe_admission=True),
     "scheduler killed": Scenario(_scheduler_killed, restart=("scheduler",), probe_admission=True),
+    "scheduler terminated": Scenario(_scheduler_terminated, restart=("scheduler",)),
     "scheduler stopped 20s": Scenario(_scheduler_stopped, orphans_after="SIGCONT"),
     "gateway killed": Scenario(_gateway_killed, restart=("gateway",), orphans_after="the gateway's death",
                                tokens_factor=3),

@@ -87,6 +87,14 @@ def test_scheduler_killed_fails_every_request_explicitly(stack, tokenizer):
     assert stack.procs["detokenizer"].log()[detokenizer_logged:].count("retrying until it is back") == 1
 
 
+def test_scheduler_terminated_fails_its_requests_at_once(stack, tokenizer):
+    """A scheduler told to stop (SIGTERM) fails what it holds in a last step, naming the stop: its clients learn
+    it at once, not one hop timeout later as from a crash."""
+    result = run(stack, tokenizer, "scheduler terminated", fails_within_s=HOP_TIMEOUT_S - 1)
+    assert result.counts["failed explicitly"] == REQUESTS
+    assert any("the scheduler was stopped" in detail for detail in result.details), result.details
+
+
 def _refused_at_once(admission, missing: str):
     """While the hop is down, a new request gets 503 at once, and /health says what is missing."""
     assert admission.status == 503 and admission.seconds < 2, admission

@@ -182,6 +182,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loop()
+            self._fail_on_stop()
         except BaseException as exc:  # a bug: a scheduler without its engine must not look healthy
             log.critical("the engine thread failed; stopping the scheduler so that it is restarted", exc_info=True)
             self.failure = exc
@@ -255,6 +256,9 @@ class Engine:
             self._launch(batch, out)
             if not self.config.enable_overlap_schedule:
                 self._land(out)
+        self._publish(out)
+
+    def _publish(self, out: _Outgoing) -> None:
         # An ended request ships what it has left with its Finish (an aborted one too: the client gets
         # the tokens it had); the others when an entry's worth is pending.
         shipping = [r for r in out.ended if r.pending.count] + [r for r in out.due if r.pending.count]
@@ -264,6 +268,17 @@ class Engine:
                                       self.weight_version))
             for request in out.prompts:
                 request.prompt_logprobs_sent, request.prompt_logprobs = True, None
+
+    def _fail_on_stop(self) -> None:
+        """Stopped (SIGTERM: a restart, a scale-down): every request it holds fails in one last step, with the
+        output it has, so that its clients learn it now rather than after the gateway's hop timeout."""
+        out = _Outgoing([])
+        if self._in_flight is not None:
+            self._land(out)
+        failed = self._end_all(out, "the scheduler was stopped", FinishReason.ERROR)
+        self._publish(out)
+        if failed:
+            log.warning("stopping: %d requests failed", failed)
 
     def _launch(self, batch: Batch, out: _Outgoing) -> None:
         try:
@@ -340,7 +355,7 @@ class Engine:
     def _control(self, control: Control, out: _Outgoing) -> ControlReply | None:
         match control:
             case Pause(mode=mode):
-                aborted = self._abort_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
+                aborted = self._end_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
                 if mode is PauseMode.RETRACT:
                     self.scheduler.retract_running()
                 self._paused = True
@@ -349,19 +364,19 @@ class Engine:
                 self._paused = False
                 return self._reply("Generation continued.")
             case AbortAll():
-                return self._reply("Aborted every request.", aborted_requests=self._abort_all(out, "aborted: all"))
+                return self._reply("Aborted every request.", aborted_requests=self._end_all(out, "aborted: all"))
             case UpdateWeights():
                 if self.occupation is not None and "weights" in self.occupation.released:
                     return self._refused(WEIGHTS_RELEASED)
                 if control.abort_all_requests:
-                    control.aborted_requests = self._abort_all(out, "aborted: weight update")
+                    control.aborted_requests = self._end_all(out, "aborted: weight update")
                 self._held_updates.append(control)
                 if self.scheduler.running and not self._paused:  # else it applies at once (_apply_held_updates)
                     log.info("weight update held until the %d running requests end (none is admitted meanwhile)",
                              len(self.scheduler.running))
                 return None
             case SetWeightVersion():
-                aborted = self._abort_all(out, "aborted: weight version update") if control.abort_all_requests else 0
+                aborted = self._end_all(out, "aborted: weight version update") if control.abort_all_requests else 0
                 self._set_version(control.version, out)
                 return self._reply(f"Weight version updated to {control.version}.", aborted_requests=aborted)
             case FlushCache():
@@ -401,11 +416,11 @@ class Engine:
     def _refused(self, message: str) -> ControlReply:
         return ControlReply(success=False, message=message, weight_version=self.weight_version)
 
-    def _abort_all(self, out: _Outgoing, message: str) -> int:
-        """End every running and waiting request with ABORT (and the output it has); how many."""
+    def _end_all(self, out: _Outgoing, message: str, reason: FinishReason = FinishReason.ABORT) -> int:
+        """End every running and waiting request (with the output it has); how many."""
         requests = self.scheduler.requests
         for request in requests:
-            out.end(request, self._finish(request, FinishReason.ABORT, message=message))
+            out.end(request, self._finish(request, reason, message=message))
         return len(requests)
 
     def _apply_held_updates(self, out: _Outgoing) -> None:
