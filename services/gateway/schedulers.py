@@ -140,13 +140,19 @@ class SchedulerPool:
                 for a, r in self.replicas.items()}
 
     async def model_info(self) -> ModelInfo:
-        """From the first replica that answers (waits for one)."""
+        """From the first replica that answers (waits for one, saying so once: the gateway serves after it)."""
+        said = False
         while True:
+            errors = []
             for replica in list(self.replicas.values()):
                 try:
                     return await replica.client.model_info(timeout=5)
-                except grpc.aio.AioRpcError:
-                    continue
+                except grpc.aio.AioRpcError as exc:
+                    errors.append(f"{replica.address}: {exc.code().name}")
+            if not said:
+                log.info("waiting for a scheduler to answer before serving (%s)", "; ".join(errors) or
+                         f"{', '.join(self.config.schedulers)} resolves to no address yet")
+                said = True
             await asyncio.sleep(0.2)
             await self._refresh()
 

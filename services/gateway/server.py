@@ -74,7 +74,7 @@ async def serve(config: GatewayConfig) -> None:
     app = Draining(create_app(engine, config))
     protocol = with_timeouts(config.http, config.http_header_timeout_s, config.http_write_timeout_s)
     http = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                                     access_log=False, http=protocol,
+                                     access_log=False, http=protocol, log_config=None,  # our log format
                                      timeout_graceful_shutdown=SHUTDOWN_AFTER_DRAIN_S,
                                      ssl_keyfile=config.tls.keyfile, ssl_certfile=config.tls.certfile))
     log.info("gateway %s: HTTP%s on %s:%d, gRPC%s on %s:%d", engine.owner, "S" if config.tls.public else "",

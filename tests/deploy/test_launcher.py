@@ -20,7 +20,7 @@ from flatwire_client import FlatwireClient
 from harness.certificates import make_certificates
 from harness.http import post
 from harness.launcher import Launcher
-from harness.procs import ROOT, free_port
+from harness.procs import ROOT, ServiceProcess, free_port
 from services.common.config import env_name
 from services.common.rpc import check_health
 from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
@@ -173,6 +173,21 @@ def test_the_health_command_says_why_a_target_is_unhealthy():
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 1 and result.stderr.startswith(f"flatwire health: {target}: "), result.stderr
         assert says in result.stderr, result.stderr
+
+
+def test_a_gateway_alone_says_it_waits_for_its_scheduler(model_dir, tmp_path):
+    """It serves once a scheduler answers; until then its log says which one it waits for (it said nothing)."""
+    scheduler = f"127.0.0.1:{free_port()}"
+    gateway = ServiceProcess("gateway", ["--port", str(free_port()), "--grpc-port", str(free_port()), "--model",
+                                         str(model_dir), "--schedulers", scheduler, "--detokenizers",
+                                         f"127.0.0.1:{free_port()}"], tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while f"waiting for a scheduler to answer before serving ({scheduler}: UNAVAILABLE)" not in gateway.log():
+            assert time.monotonic() < deadline and gateway.proc.poll() is None, gateway.log()
+            time.sleep(0.2)
+    finally:
+        gateway.stop()
 
 
 @pytest.mark.parametrize("command", ["up", "scheduler", "detokenizer", "gateway"])

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
 
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
@@ -86,6 +87,7 @@ class ModelRunner:
             with self.device:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
         else:
+            transformers_logging.disable_progress_bar()  # a bar of carriage returns in the service's log
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype,
                                                          attn_implementation=ATTENTION_NAME)
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
