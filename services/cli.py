@@ -2,6 +2,7 @@
 
 import importlib
 import sys
+from importlib.metadata import version
 
 from services.common.model_store import ModelNotFound
 
@@ -16,10 +17,18 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--version":
+        print(f"flatwire {version('flatwire')}")
+        return
     if not argv or argv[0] not in COMMANDS:
         lines = [f"  {name:<12} {summary}" for name, (_, summary) in COMMANDS.items()]
-        print("usage: flatwire COMMAND [--help]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
-        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        usage = "usage: flatwire COMMAND [--help] | --version\n\ncommands:\n" + "\n".join(lines)
+        if argv and argv[0] in ("-h", "--help"):  # asked for: on stdout, as argparse prints a command's help
+            print(usage)
+            return
+        unknown = f"\n\nflatwire: unknown command {argv[0]!r}" if argv else ""
+        print(usage + unknown, file=sys.stderr)
+        sys.exit(2)
     module, _ = COMMANDS[argv[0]]
     prog = f"flatwire {argv[0]}"
     try:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from services.cli import main
 from services.common.config import parse_config
 from services.gateway.config import GatewayConfig
 from services.launcher import UpConfig
@@ -52,3 +53,13 @@ def test_help_gives_each_default_and_variable(capsys):
 def test_services_started_alone_find_each_other_on_their_default_ports():
     assert parse_config(SchedulerConfig, []).port == 30010
     assert parse_config(GatewayConfig, []).schedulers == ["127.0.0.1:30010"]
+
+
+def test_the_flatwire_command_helps_on_stdout_and_refuses_an_unknown_command(capsys):
+    main(["--help"])
+    assert "commands:" in capsys.readouterr().out
+    main(["--version"])
+    assert capsys.readouterr().out.startswith("flatwire ")
+    with pytest.raises(SystemExit) as exited:
+        main(["bogus"])
+    assert exited.value.code == 2 and "unknown command 'bogus'" in capsys.readouterr().err
