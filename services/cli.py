@@ -1,10 +1,12 @@
 """The `flatwire` command: `flatwire up | scheduler | detokenizer | gateway | health`."""
 
 import importlib
+import os
 import sys
 from importlib.metadata import version
 
 from services.common.model_store import ModelNotFound
+from services.launcher import unknown_variables
 
 COMMANDS = {
     "up": ("services.launcher", "run all three services on loopback until Ctrl-C"),
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     module, _ = COMMANDS[argv[0]]
     prog = f"flatwire {argv[0]}"
+    for name in unknown_variables(os.environ):
+        print(f"{prog}: warning: {name} is no option of any flatwire service (misspelt?); ignored", file=sys.stderr)
     try:
         importlib.import_module(module).main(argv[1:], prog=prog)
     except ModelNotFound as exc:  # a setup error, said in one line

@@ -26,12 +26,13 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.config import (
+    ENV_PREFIX,
     ServiceConfig,
     env_name,
     flag_help,
@@ -53,6 +54,7 @@ SERVICES: dict[str, type[ServiceConfig]] = {
 WIRING = {"schedulers", "detokenizers"}
 # Passed on in the environment, not on the services' command lines (which ps shows).
 SECRETS = {"internal_secret", "api_key", "admin_api_key"}
+COMPOSE_VARIABLES = {"FLATWIRE_TAG"}  # docker-compose.yml's own, read by compose, not by a service
 STOP_TIMEOUT_S = 15.0  # for a service to exit once told to (a gateway: once its drain is over), before a kill
 PR_SET_PDEATHSIG = 1  # prctl(2)
 try:
@@ -87,6 +89,12 @@ class UpConfig:
             raise ValueError("--port, --grpc-port, --scheduler-port and --detokenizer-port: one port each")
         if self.gateway_workers < 1:
             raise ValueError("--gateway-workers: at least 1")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """The FLATWIRE_* variables that are no option of any service, nor of `up` (a misspelling does nothing)."""
+    known = {env_name(field.name) for config in (*SERVICES.values(), UpConfig) for field in dataclasses.fields(config)}
+    return sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known | COMPOSE_VARIABLES)
 
 
 def service_options() -> dict[str, dict[str, dataclasses.Field]]:

@@ -2,10 +2,11 @@
 
 import pytest
 
+from harness.procs import free_port
 from services.cli import main
 from services.common.config import parse_config
 from services.gateway.config import GatewayConfig
-from services.launcher import UpConfig
+from services.launcher import UpConfig, unknown_variables
 from services.scheduler.config import SchedulerConfig
 
 
@@ -63,3 +64,13 @@ def test_the_flatwire_command_helps_on_stdout_and_refuses_an_unknown_command(cap
     with pytest.raises(SystemExit) as exited:
         main(["bogus"])
     assert exited.value.code == 2 and "unknown command 'bogus'" in capsys.readouterr().err
+
+
+def test_a_misspelt_variable_is_warned_about(monkeypatch, capsys):
+    assert unknown_variables({"FLATWIRE_MAX_RUNING_REQUESTS": "8", "FLATWIRE_MAX_RUNNING_REQUESTS": "8",
+                              "FLATWIRE_GATEWAY_WORKERS": "2", "FLATWIRE_TAG": "dev", "HOME": "/root"}) == [
+        "FLATWIRE_MAX_RUNING_REQUESTS"]
+    monkeypatch.setenv("FLATWIRE_MAX_RUNING_REQUESTS", "8")
+    with pytest.raises(SystemExit):
+        main(["health", "grpc", f"127.0.0.1:{free_port()}", "--timeout", "0.2"])
+    assert "FLATWIRE_MAX_RUNING_REQUESTS is no option of any flatwire service" in capsys.readouterr().err
