@@ -43,6 +43,7 @@ from services.common.config import (
 )
 from services.common.healthcheck import http_ok
 from services.common.model_store import model_name, resolve_model
+from services.common.ports import port_taken
 from services.common.rpc import check_health
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
@@ -258,18 +259,6 @@ def _wait(check, what: str, services: list[Supervised], deadline: float) -> None
         time.sleep(0.25)
 
 
-def _taken(host: str, port: int) -> bool:
-    """Whether a socket listens on host:port (binding it fails as the gateway's would; SO_REUSEADDR, as uvicorn
-    sets it, so that connections of an earlier run still closing do not count)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def _listening(port: int) -> int:
     """TCP sockets listening on `port` on this host (/proc/net/tcp and tcp6: state 0A)."""
     count = 0
@@ -304,7 +293,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # A port another server holds is refused before anything starts: the gateway would exit, while that server's
     # /health answered the launcher as if the gateway had come up.
     for port, what in ((config.port, "HTTP port"), (config.grpc_port, "gRPC port")):
-        if _taken(config.host, port):
+        if port_taken(config.host, port):
             sys.exit(f"{prog or 'flatwire up'}: the gateway's {what} {port} is taken: another process listens on "
                      f"{config.host}:{port}")
     # Ctrl-C or `kill`: both stop the three services. Set explicitly, since a shell that starts

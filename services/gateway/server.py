@@ -14,6 +14,7 @@ from services.common.event_loop import run
 from services.common.logs import setup_logging
 from services.common.memory import freeze_heap, use_mmap_for_big_blocks
 from services.common.model_store import resolve_model
+from services.common.ports import port_taken
 from services.common.rpc import add_health_and_reflection, create_server, listen
 from services.common.tokenizer import load_tokenizer
 from services.gateway.config import GatewayConfig
@@ -51,6 +52,11 @@ async def _until_healthy(engine: EngineClient, most_s: float) -> None:
 
 
 async def serve(config: GatewayConfig) -> None:
+    if not config.reuse_port:  # said now, not once a scheduler has answered and the server binds
+        for flag, port in (("--port", config.port), ("--grpc-port", config.grpc_port)):
+            if port and port_taken(config.host, port):
+                raise SystemExit(f"flatwire gateway: {flag} {port} is taken: another process listens on "
+                                 f"{config.host}:{port}")
     resolve_internal_secret(config, log, internal_server=False)
     if not config.api_key and not is_loopback(config.host):
         log.warning("no API key (FLATWIRE_API_KEY) while listening on %s: the HTTP and gRPC APIs are open to "

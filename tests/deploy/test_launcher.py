@@ -190,6 +190,20 @@ def test_a_gateway_alone_says_it_waits_for_its_scheduler(model_dir, tmp_path):
         gateway.stop()
 
 
+def test_a_gateway_alone_on_a_taken_port_says_so_before_it_waits():
+    """One line at once, as `up` says it: it found out only once a scheduler had answered and it bound."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "services", "gateway", "--port", str(port), "--grpc-port",
+                                 str(free_port()), "--schedulers", f"127.0.0.1:{free_port()}", "--detokenizers",
+                                 f"127.0.0.1:{free_port()}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == f"flatwire gateway: --port {port} is taken: another process listens on " \
+                                    f"127.0.0.1:{port}"
+
+
 @pytest.mark.parametrize("command", ["up", "scheduler", "detokenizer", "gateway"])
 def test_a_model_that_is_not_there_is_one_line(command):
     result = subprocess.run([sys.executable, "-m", "services", command, "--model", "/no/such/checkpoint"], cwd=ROOT,
