@@ -3,10 +3,10 @@
 import importlib
 import os
 import sys
+import threading
 from importlib.metadata import version
 
 from services.common.model_store import ModelNotFound
-from services.launcher import unknown_variables
 
 COMMANDS = {
     "up": ("services.launcher", "run all three services on loopback until Ctrl-C"),
@@ -15,6 +15,17 @@ COMMANDS = {
     "gateway": ("services.gateway.server", "run the gateway (HTTP + public gRPC)"),
     "health": ("services.common.healthcheck", "exit 0 when a gRPC service or HTTP URL is healthy"),
 }
+
+
+# The check reads every service's config: a tenth of a second that a restarting service should not wait for.
+UNKNOWN_VARIABLES_AFTER_S = 10.0
+
+
+def _warn_unknown_variables(prog: str) -> None:
+    from services.launcher import unknown_variables  # every service's config: see UNKNOWN_VARIABLES_AFTER_S
+
+    for name in unknown_variables(os.environ):
+        print(f"{prog}: warning: {name} is no option of any flatwire service (misspelt?); ignored", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,8 +44,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     module, _ = COMMANDS[argv[0]]
     prog = f"flatwire {argv[0]}"
-    for name in unknown_variables(os.environ):
-        print(f"{prog}: warning: {name} is no option of any flatwire service (misspelt?); ignored", file=sys.stderr)
+    if argv[0] == "up":  # it reads every service's config anyway
+        _warn_unknown_variables(prog)
+    elif argv[0] != "health":  # a service: once it is up (a probe's output stays what it checked)
+        later = threading.Timer(UNKNOWN_VARIABLES_AFTER_S, _warn_unknown_variables, (prog,))
+        later.daemon = True
+        later.start()
     try:
         importlib.import_module(module).main(argv[1:], prog=prog)
     except ModelNotFound as exc:  # a setup error, said in one line
