@@ -239,8 +239,7 @@ def _scheduler_killed(stack: Stack) -> list[str]:
 
 
 def _scheduler_terminated(stack: Stack) -> list[str]:
-    stack.procs["scheduler"].proc.terminate()  # SIGTERM: a restart or a scale-down, not a crash
-    stack.procs["scheduler"].proc.wait(timeout=30)
+    stack.stop("scheduler")  # told to stop (SIGINT, as SIGTERM: a restart, a scale-down), not a crash
     return []
 
 
