@@ -1,29 +1,29 @@
-"""The scheduler's model step in process, without its thread or gRPC: the policy (engine/scheduler.py) chooses
-the rows over the runner's KV pages, the runner (the model, or the synthetic stand-in) computes them, the sampled
-tokens are appended and a request that has all its tokens ends. For the benchmarks that time steps of the model,
-or watch the policy."""
+"""The scheduler's model step in process, without its thread, its messages or gRPC: the policy (engine/policy.py)
+chooses the rows within the KV memory (kv/manager.py), the runner (the model, or the synthetic stand-in) computes
+them, and the policy takes the results (update_from_output: tokens appended, requests that have all their tokens
+end). For the benchmarks that time steps of the model, or watch the policy."""
 
 import time
 
 import numpy as np
 from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
 
-from services.scheduler.cache.pages import PagePool
-from services.scheduler.cache.prefix_cache import PrefixCache
-from services.scheduler.engine.scheduler import Scheduler, SlotPool
+from services.scheduler.engine.policy import Scheduler, SlotPool
+from services.scheduler.kv.manager import KVManager, KVState
+from services.scheduler.output.step_output import Outgoing
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.step import StepResult, StepRunner
 from services.scheduler.submit import SubmitLimits, parse_request
 
 
 class InProcessSteps:
-    def __init__(self, runner: StepRunner, slots: SlotPool | int, pages: PagePool | None = None,
+    def __init__(self, runner: StepRunner, slots: SlotPool | int, kv: KVManager | None = None,
                  prefill_budget: int = 1 << 20, prefix_cache: bool = False, chunked: bool = True):
-        """Several share the runner's request slots and KV pages by sharing `slots` and `pages`."""
-        pages = pages or PagePool(runner.num_pages, runner.page_size)
+        """Several share the runner's request slots and KV memory by sharing `slots` and `kv`."""
+        kv = kv or KVManager(runner.num_pages, runner.page_size, prefix_cache)
         self.runner = runner
-        self.policy = Scheduler(slots if isinstance(slots, SlotPool) else SlotPool(slots), pages,
-                                PrefixCache(pages, enabled=prefix_cache), prefill_budget, chunked=chunked)
+        self.policy = Scheduler(kv, slots if isinstance(slots, SlotPool) else SlotPool(slots), prefill_budget,
+                                chunked=chunked, max_context=runner.max_context)
         self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 256, tuple(runner.eos_token_ids), 1,
                                    max_total_tokens=(runner.num_pages - 1) * runner.page_size)
 
@@ -41,15 +41,17 @@ class InProcessSteps:
             if request.compiling is not None:
                 request.compiling.result()
             self.policy.add(request)
-        if failed := self.policy.compiled():
-            raise failed[0][1]
+        out = Outgoing()
+        self.policy.compiled(out)
+        if out.finished:
+            raise RuntimeError(out.finished[0].message)
 
     def place(self, request: Request) -> None:
         """Start a request as if its prompt had been prefilled (its KV pages hold zeros): for timing decode steps at
         a context length without computing the prefill."""
-        pages = self.policy.pages
-        request.page_table = pages.allocate(pages.pages_for(request.prompt_len))
-        request.computed = request.prompt_len - 1
+        request.kv = KVState()
+        self.policy.kv.allocate(request, request.prompt_len)
+        request.kv.computed = request.prompt_len - 1
         self.policy.waiting.append(request)
         self.policy._move(request, RequestStatus.RUNNING)
 
@@ -57,12 +59,7 @@ class InProcessSteps:
         """One step: the policy's rows, run; each sampled token appended; requests with all their tokens end."""
         batch = self.policy.schedule()
         result = self.runner.step(batch)
-        self.policy.computed(batch)
-        for row, token in zip(batch.sampling, result.next_ids.tolist()):
-            request = row.request
-            request.append_output(token)
-            if len(request.output_ids) >= request.max_new_tokens:
-                self.policy.finish(request)
+        self.policy.update_from_output(batch, result, Outgoing())
         return result
 
     def run(self) -> list[float]:

@@ -47,7 +47,7 @@ def run(page_size: int, mix: list[tuple[int, int]]) -> dict:
         engine.step()
         if engine.policy.waiting:  # while there is a backlog: what the memory holds at once
             running.append(len(engine.policy.running))
-            used.append(sum(r.computed for r in engine.policy.running))
+            used.append(sum(r.kv.computed for r in engine.policy.running))
     return {"page_size": page_size, "steps": len(running), "peak_running": max(running),
             "mean_running": float(np.mean(running)), "mean_tokens_in_use": float(np.mean(used)),
             "retractions": engine.policy.retractions}

@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> None:
         request = steps[True].policy.running[0]
         routing = runners[True].expert_routing
         assert routing is not None
-        read = measure(lambda: routing.of(request.page_table, request.computed))
+        read = measure(lambda: routing.of(request.kv.page_table, request.kv.computed))
     ratio = recorded.median / plain.median
     table = Table(f"Decode step at B={args.batch} on the MoE test model", ["step ms, not recording",
                                                                            "step ms, recording", "recording / not",
                                                                            "reading one request's routing"],
-                  f"Medians of {args.rounds} interleaved rounds; the read is of a {request.computed}-token "
+                  f"Medians of {args.rounds} interleaved rounds; the read is of a {request.kv.computed}-token "
                   f"sequence ({PROMPT_TOKENS}-token prompt and the output so far), [tokens, 3, 2] int32.")
     table.add(f"{plain.ms:.2f}", f"{recorded.ms:.2f}", fmt_ratio(ratio), f"{read.us:.0f} us")
     checks = Table("Targets", ["target", "measured", "verdict"])

@@ -27,8 +27,8 @@ from bench.common import Interleaved, Table, fmt_ratio, write_results
 from bench.in_process import InProcessSteps
 from services.common.memory import keep_big_blocks
 from services.common.model_store import resolve_model
-from services.scheduler.cache.pages import PagePool
-from services.scheduler.engine.scheduler import SlotPool
+from services.scheduler.engine.policy import SlotPool
+from services.scheduler.kv.manager import KVManager
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.sampling.logit_adjust import AdjustedRow, adjust_logits
@@ -47,9 +47,9 @@ LOGPROB_CASES = {"sampled": dict(temperature=0.8, top_k=50), "greedy": dict(temp
 
 
 def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields: dict, slots: SlotPool,
-                     pages: PagePool, logprob: LogprobParams | None = None) -> InProcessSteps:
+                     kv: KVManager, logprob: LogprobParams | None = None) -> InProcessSteps:
     """`batch` requests with these SamplingParams fields (and logprobs), past their prefill (each case its own
-    slots and pages of the runner's)."""
+    slots and KV memory of the runner's)."""
     limits = SubmitLimits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 1)
     rng = np.random.default_rng(0)
     requests = []
@@ -59,17 +59,17 @@ def running_requests(runner: ModelRunner, grammars: Grammars, batch: int, fields
         requests.append(parse_request(TokenizedRequest(rid=f"r{i}", owner="bench", input_ids=prompt,
                                                        sampling=sampling, logprob=logprob or LogprobParams(
                                                            logprob_start_len=-1)), limits, grammars))
-    engine = InProcessSteps(runner, slots, pages)
+    engine = InProcessSteps(runner, slots, kv)
     engine.add(requests)
     engine.step()  # the prefills
     return engine
 
 
 def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch: int, slots: SlotPool,
-              pages: PagePool) -> None:
+              kv: KVManager) -> None:
     requests = {}
     for name, fields in CASES.items():
-        engine = running_requests(runner, grammars, batch, fields, slots, pages)
+        engine = running_requests(runner, grammars, batch, fields, slots, kv)
         requests[name] = list(engine.policy.running)
         bench.add(("step", batch, name), engine.step)
     logits = torch.randn(batch, runner.vocab_size, device=runner.device)
@@ -79,26 +79,26 @@ def add_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, batch
 
     @torch.inference_mode()  # as the scheduler's step runs (its penalty tensors are inference tensors)
     def adjust():
-        runner.penalties.add(slots, adjust_logits(logits, adjusted, runner.penalties).argmax(dim=-1))
+        runner.sampler.penalties.add(slots, adjust_logits(logits, adjusted, runner.sampler.penalties).argmax(dim=-1))
 
     constrained = [(i, r.grammar) for i, r in enumerate(requests["constrained"]) if r.grammar is not None]
 
     def fill():
         for row, matcher in constrained:
-            matcher.fill_next_token_bitmask(runner.token_mask.host, row)
+            matcher.fill_next_token_bitmask(runner.sampler.token_mask.host, row)
 
     bench.add(("adjust", batch), adjust)
-    bench.add(("mask", batch), lambda: runner.token_mask.apply(logits, constrained))
+    bench.add(("mask", batch), lambda: runner.sampler.token_mask.apply(logits, constrained))
     bench.add(("fill", batch), fill)
 
 
 def add_logprob_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammars, slots: SlotPool,
-                      pages: PagePool) -> None:
+                      kv: KVManager) -> None:
     for name, fields in LOGPROB_CASES.items():
         for mode in (LogprobsMode.RAW, LogprobsMode.PROCESSED):
             logprob = LogprobParams(return_logprob=True, top_logprobs_num=20, logprob_start_len=-1,
                                     logprobs_mode=mode)
-            engine = running_requests(runner, grammars, LOGPROB_BATCH, fields, slots, pages, logprob)
+            engine = running_requests(runner, grammars, LOGPROB_BATCH, fields, slots, kv, logprob)
             bench.add(("logprobs", name, mode), engine.step)
 
 
@@ -110,14 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(None)
     slot_count = len(CASES) * sum(args.batch) + 2 * len(LOGPROB_CASES) * LOGPROB_BATCH
     runner = ModelRunner(model_dir, "auto", "auto", 0, slot_count)
-    slots, pages = SlotPool(slot_count), PagePool(runner.num_pages, runner.page_size)
+    slots, kv = SlotPool(slot_count), KVManager(runner.num_pages, runner.page_size, prefix_cache=False)
     if runner.device.type == "cpu":
         keep_big_blocks()  # as the scheduler process does
     grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
     bench = Interleaved(min_time=0.1)
     for batch in args.batch:
-        add_cases(bench, runner, grammars, batch, slots, pages)
-    add_logprob_cases(bench, runner, grammars, slots, pages)
+        add_cases(bench, runner, grammars, batch, slots, kv)
+    add_logprob_cases(bench, runner, grammars, slots, kv)
     for _ in range(args.rounds):
         bench.round()
 

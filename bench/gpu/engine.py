@@ -14,6 +14,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.attention import ATTENTION_NAME
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.output.step_output import Outgoing
 from services.scheduler.submit import SubmitLimits, parse_request
 
 GIB = 1 << 30
@@ -218,11 +219,10 @@ def overlap_rows(runner: ModelRunner, shape: str, batches: list[int], context: i
                     logprob=LogprobParams(return_logprob=True, top_logprobs_num=k)), limits))
 
             def one_pass(engine: Engine = engine) -> None:
-                engine._iterate(*engine._drain_inbox(block=False))
+                engine.step()
 
             for _ in range(3):  # admission and prefill, the first decodes
                 one_pass()
             rows.append(OverlapRow(shape, batch, k, overlap, timed(one_pass, runner.device, steps)))
-            while engine.scheduler.requests:
-                engine.scheduler.finish(engine.scheduler.requests[0])
+            engine.scheduler.end_all(Outgoing(), "the benchmark is done")
     return rows

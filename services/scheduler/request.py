@@ -11,12 +11,13 @@ import xgrammar as xgr
 from flatwire_wire.logprobs import LogprobRows
 from flatwire_wire.steps import DetokenizeParams
 
+from services.scheduler.kv.manager import KVState
 from services.scheduler.output.pending import PendingOutput
 from services.scheduler.sampling.logit_adjust import LogitAdjustment
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is; the scheduling policy (engine/scheduler.py) alone moves it, through ALLOWED."""
+    """Where a request is; the scheduling policy (engine/policy.py) alone moves it, through ALLOWED."""
 
     COMPILING = "compiling"  # accepted; its grammar compiles (sampling/grammar.py) before it may wait its turn
     WAITING = "waiting"  # accepted, holds no KV yet
@@ -64,14 +65,9 @@ class Request:
     compile_deadline: float = 0.0  # time.monotonic() past which a COMPILING request fails
     slot: int = -1  # its row of per-request sampling state while RUNNING
     output_ids: list[int] = field(default_factory=list)  # appended through append_output
-    # KV: the pages of its sequence (prompt then output), and how many of its tokens they hold so far.
-    page_table: list[int] = field(default_factory=list)
-    computed: int = 0
-    committed_pages: int = 0  # leading full pages put in the prefix cache
-    kv_epoch: int = 0  # the prefix cache's epoch when its KV began (older KV is never cached)
+    kv: KVState = field(default_factory=KVState)  # its KV memory, the KV manager's (kv/manager.py)
     cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
     admitted: bool = False  # it ran once (cached_tokens is known)
-    sampling_ready: bool = False  # its per-slot sampling state was set since it took its slot
     prompt_logprobs: LogprobRows | None = None  # the prompt's rows, gathered chunk by chunk until they ship
     prompt_logprobs_sent: bool = False  # a request prefilled again (after a retract) does not send them twice
     length: int = field(init=False)  # tokens in the sequence so far (prompt + generated): read every step
@@ -92,7 +88,7 @@ class Request:
     @property
     def decoding(self) -> bool:
         """Its KV holds every token but the last: its next row is one token."""
-        return self.computed == self.length - 1
+        return self.kv.computed == self.length - 1
 
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)

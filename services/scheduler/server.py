@@ -348,7 +348,7 @@ class SchedulerService:
     def _weights_released(self) -> bool:
         """A disk or pushed update would be checked against released (empty) tensors; the engine refuses it
         anyway. (A broadcast is still received, so that the trainer's collective completes.)"""
-        occupation = self.engine.occupation
+        occupation = self.engine.rollout.occupation
         return occupation is not None and "weights" in occupation.released
 
     async def _control(self, command: Control) -> ControlReply:

@@ -1,51 +1,108 @@
-"""The paged engine in process, stepped by a test, and the reference it is checked against (transformers)."""
+"""The engine in process, stepped by a test (Engine.step: no thread, no gRPC), and the reference it is checked
+against (transformers). Every in-process engine test drives it through `Run`."""
+
+import functools
+from pathlib import Path
 
 import numpy as np
 import torch
 from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
-from flatwire_wire.steps import StepMessage
+from flatwire_wire.steps import Finish, StepMessage
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.sampling.grammar import Grammars
+from services.scheduler.step import StepRunner
 from services.scheduler.submit import SubmitLimits, parse_request
 
 K = 5
 ATOL = 1e-4
 
 
-class Run:
-    """An Engine on the model, stepped by the test; what it published, per request."""
+@functools.lru_cache(maxsize=4)
+def model_runner(model_dir: Path, slots: int, page_size: int, max_total_tokens: int, attention_backend: str,
+                 cuda_graph_max_bs: int) -> ModelRunner:
+    """A float32 CPU runner of the model, shared by the tests that ask for the same one: an engine's steps leave
+    nothing in it that another engine reads (its pages are handed out anew, its sampling state is per request)."""
+    return ModelRunner(model_dir, "cpu", "float32", 0, slots, page_size, max_total_tokens,
+                       attention_backend=attention_backend, cuda_graph_max_bs=cuda_graph_max_bs)
 
-    def __init__(self, model_dir, slots: int = 8, behind=lambda: False, **options):
-        """`behind`: the engine's question whether its subscribers are behind (coalescing streamed output)."""
+
+class Run:
+    """An Engine on a model (a checkpoint's path: its runner shared with other tests of the same options) or on a
+    given runner (the synthetic stand-in), stepped by the test; what it published, per request."""
+
+    def __init__(self, model: Path | StepRunner, slots: int = 8, behind=lambda: False, grammars: Grammars | None = None,
+                 own_runner: bool = False, **options):
+        """`behind`: the engine's question whether its subscribers are behind (coalescing streamed output);
+        `grammars`: compile structured-output constraints; `own_runner`: the test changes its model's runner (its
+        weights, its methods, its CUDA graphs), which no other test then shares; `options`: SchedulerConfig's
+        fields."""
         options = {"page_size": 4, "max_total_tokens": 4096, **options}
         self.config = SchedulerConfig(max_running_requests=slots, **options)
-        graphs = self.config.cuda_graph_max_bs if self.config.enable_cuda_graph else 0
-        self.runner = ModelRunner(model_dir, "cpu", "float32", 0, slots, self.config.page_size,
-                                  self.config.max_total_tokens, attention_backend=self.config.attention_backend,
-                                  cuda_graph_max_bs=graphs)
+        if isinstance(model, Path):
+            graphs = self.config.cuda_graph_max_bs if self.config.enable_cuda_graph else 0
+            build = model_runner.__wrapped__ if own_runner else model_runner
+            model = build(model, slots, self.config.page_size, self.config.max_total_tokens,
+                          self.config.attention_backend, graphs)
+        self.runner = model
+        self.grammars = grammars
         self.published: list[StepMessage] = []
-        self.engine = Engine(self.runner, self.config, publish=self.published.append, behind=behind)
-        self.limits = SubmitLimits(self.runner.vocab_size, self.runner.max_context, 16,
-                                   tuple(self.runner.eos_token_ids), 50,
+        self.engine = Engine(model, self.config, publish=self.published.append, behind=behind)
+        self.limits = SubmitLimits(model.vocab_size, model.max_context, 16, tuple(model.eos_token_ids), 50,
                                    stream_coalesce_tokens=self.config.stream_coalesce_tokens,
-                                   max_total_tokens=(self.runner.num_pages - 1) * self.runner.page_size)
+                                   max_total_tokens=(model.num_pages - 1) * model.page_size)
+
+    def send(self, rid: str, input_ids: list[int], logprob: LogprobParams | None = None, stream_interval: int = 0,
+             **sampling) -> None:
+        """Submit a request; `sampling`: SamplingParams' fields."""
+        self.engine.submit(parse_request(TokenizedRequest(
+            rid=rid, owner="test", input_ids=input_ids, stream_interval=stream_interval,
+            sampling=SamplingParams(**sampling), logprob=logprob or LogprobParams(logprob_start_len=-1)),
+            self.limits, self.grammars))
 
     def submit(self, rid: str, prompt: list[int], new_tokens: int, logprob_start_len: int = -1,
                stream_interval: int = 0) -> None:
-        self.engine.submit(parse_request(TokenizedRequest(
-            rid=rid, owner="test", input_ids=prompt, stream_interval=stream_interval,
-            sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True),
-            logprob=LogprobParams(return_logprob=True, top_logprobs_num=K, logprob_start_len=logprob_start_len)),
-            self.limits))
+        """A greedy request of exactly `new_tokens` tokens with top-K logprobs (prompt logprobs from
+        `logprob_start_len`)."""
+        self.send(rid, prompt, LogprobParams(return_logprob=True, top_logprobs_num=K,
+                                             logprob_start_len=logprob_start_len),
+                  stream_interval, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+
+    def step(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.engine.step()
 
     def run(self, most_steps: int = 500) -> None:
+        """Step until the engine holds no request."""
         for _ in range(most_steps):
-            self.engine._iterate(*self.engine._drain_inbox(block=False))
+            self.engine.step()
             if not self.engine.scheduler.requests:
                 return
         raise AssertionError(f"requests still held after {most_steps} steps")
+
+    def run_out(self, most_steps: int = 100) -> None:
+        """Step until no request runs (waiting ones may stay)."""
+        for _ in range(most_steps):
+            if not self.running():
+                return
+            self.engine.step()
+        raise AssertionError(f"still running after {most_steps} steps: {self.running()}")
+
+    def running(self) -> list[str]:
+        return [request.rid for request in self.engine.scheduler.running]
+
+    def finish(self, rid: str) -> Finish | None:
+        return next((f for m in self.published for f in m.finished if f.rid == rid), None)
+
+    def output(self, rid: str) -> list[int]:
+        return [t for m in self.published for i, r in enumerate(m.rids) if r == rid for t in m.entry_tokens(i)]
+
+    def shipped(self, rid: str) -> list[tuple[int, int, str]]:
+        """(position, count, weight_version) of each entry of `rid` published so far."""
+        return [(position, count, message.weight_version) for message in self.published
+                for r, position, count in zip(message.rids, message.positions, message.counts) if r == rid]
 
     def result(self, rid: str) -> dict:
         tokens, values, ids, chosen, prompt, finish = [], [], [], [], None, None

@@ -28,7 +28,7 @@ def test_the_ladder_covers_every_batch_up_to_the_largest():
 
 
 def graph_run(path, **options) -> Run:
-    return Run(path, attention_backend="triton", enable_cuda_graph=True, **options)
+    return Run(path, attention_backend="triton", enable_cuda_graph=True, own_runner=True, **options)
 
 
 def test_graph_decodes_equal_transformers(gqa):
@@ -65,8 +65,8 @@ def test_an_update_or_a_memory_release_drops_the_captures(gqa_model):
     run.run()
     assert graphs._captured
     runner = run.runner
-    run.engine.occupation = MemoryOccupation(runner.kv, ServedWeights(runner.model, gqa_model, runner.eos_token_ids),
-                                             runner.device, gqa_model)
+    weights = ServedWeights(runner.model, gqa_model, runner.eos_token_ids)
+    run.engine.rollout.occupation = MemoryOccupation(runner.kv, weights, runner.device, gqa_model)
     for command in (ReleaseMemory(tags=["kv_cache"]), ResumeMemory(tags=["kv_cache"])):
         run.engine.control(command)
         run.run()

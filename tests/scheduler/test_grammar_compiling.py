@@ -1,7 +1,7 @@
 """A constrained request's grammar compiles after its Submit answered (RequestStatus.COMPILING): the engine runs
 everything else meanwhile, then gets it in line; an abort or a failed compile ends only that request.
 
-The engine runs in process, stepped by the test (as test_paged_engine does), on the default model, with
+The engine runs in process, stepped by the test (engine_run.Run), on the default model, with
 Grammars that compile for real once the test lets them (HeldGrammars)."""
 
 import re
@@ -9,16 +9,15 @@ import threading
 import time
 
 import pytest
-from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams, TokenizedRequest
-from flatwire_wire.steps import FinishReason, StepMessage
+from flatwire_wire.scheduler import AbortRequest
+from flatwire_wire.steps import FinishReason
 from transformers import AutoTokenizer
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine.engine import Engine
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.request import RequestStatus
 from services.scheduler.sampling.grammar import Grammars, VocabularyCache
-from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
+from services.scheduler.submit import InvalidTokenizedRequest
+from tests.scheduler.engine_run import Run
 
 REGEX = "[a-z]{3}-[0-9]{2}"
 
@@ -48,44 +47,27 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-class Run:
-    """An Engine stepped by the test, its requests' grammars compiled by HeldGrammars; what it published."""
+def constrained_run(runner: ModelRunner, model_dir, **options) -> Run:
+    """The engine stepped by the test, its requests' grammars compiled by HeldGrammars."""
+    # The default model's cache directory: the vocabulary a scheduler of this session kept, if one did.
+    grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids, model_dir.parent)
+    return Run(runner, slots=4, grammars=grammars, max_total_tokens=2048, **options)
 
-    def __init__(self, runner: ModelRunner, model_dir, **options):
-        self.published: list[StepMessage] = []
-        config = SchedulerConfig(max_running_requests=4, page_size=4, max_total_tokens=2048, **options)
-        self.engine = Engine(runner, config, publish=self.published.append)
-        # The default model's cache directory: the vocabulary a scheduler of this session kept, if one did.
-        self.grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids, model_dir.parent)
-        self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 16, tuple(runner.eos_token_ids), 50)
 
-    def submit(self, rid: str, **sampling) -> None:
-        self.engine.submit(parse_request(TokenizedRequest(
-            rid=rid, owner="test", input_ids=[9707, 11, 1879],
-            sampling=SamplingParams(max_new_tokens=12, temperature=0, **sampling),
-            logprob=LogprobParams(logprob_start_len=-1)), self.limits, self.grammars))
-
-    def step(self, times: int = 1) -> None:
-        for _ in range(times):
-            self.engine._iterate(*self.engine._drain_inbox(block=False))
-
-    def finish(self, rid: str):
-        return next((f for m in self.published for f in m.finished if f.rid == rid), None)
-
-    def output(self, rid: str) -> list[int]:
-        return [t for m in self.published for i, r in enumerate(m.rids) if r == rid for t in m.entry_tokens(i)]
+def ask(run: Run, rid: str, **sampling) -> None:
+    run.send(rid, [9707, 11, 1879], max_new_tokens=12, temperature=0, **sampling)
 
 
 @pytest.fixture
 def run(runner, model_dir):
-    run = Run(runner, model_dir)
+    run = constrained_run(runner, model_dir)
     yield run
     run.grammars.go.set()
 
 
 def test_others_run_while_a_grammar_compiles(run, tokenizer):
-    run.submit("constrained", regex=REGEX)
-    run.submit("free", ignore_eos=True)
+    ask(run, "constrained", regex=REGEX)
+    ask(run, "free", ignore_eos=True)
     run.step(20)
     assert run.finish("free").reason is FinishReason.LENGTH  # done while the other compiles
     [held] = run.engine.scheduler.requests
@@ -134,7 +116,7 @@ def test_the_vocabulary_is_read_outside_the_server_process_and_kept(runner, mode
 
 
 def test_an_abort_while_compiling_ends_it(run):
-    run.submit("constrained", regex=REGEX)
+    ask(run, "constrained", regex=REGEX)
     run.step()
     run.engine.abort(AbortRequest(rid="constrained"))
     run.step()
@@ -147,8 +129,8 @@ def test_an_abort_while_compiling_ends_it(run):
 
 def test_a_failed_compile_fails_that_request_alone(run):
     run.grammars.failure = RuntimeError("out of memory")
-    run.submit("constrained", regex=REGEX)
-    run.submit("free", ignore_eos=True)
+    ask(run, "constrained", regex=REGEX)
+    ask(run, "free", ignore_eos=True)
     run.grammars.go.set()
     run.step(20)
     finish = run.finish("constrained")
@@ -158,21 +140,20 @@ def test_a_failed_compile_fails_that_request_alone(run):
 
 def test_a_constraint_that_does_not_parse_is_refused_at_submit(run):
     with pytest.raises(InvalidTokenizedRequest, match="Unclosed"):
-        run.submit("bad", regex="[a-")
+        ask(run, "bad", regex="[a-")
 
 
 def test_a_compile_past_its_bound_fails_that_request_alone(runner, model_dir):
     """--grammar-compile-timeout-s: the engine wakes at the deadline by itself (no other request arrives)."""
-    run = Run(runner, model_dir, grammar_compile_timeout_s=2.0)
+    run = constrained_run(runner, model_dir, grammar_compile_timeout_s=2.0)
     try:
-        run.submit("constrained", regex=REGEX)
-        run.submit("free", ignore_eos=True)
+        ask(run, "constrained", regex=REGEX)
+        ask(run, "free", ignore_eos=True)
         run.step()
         assert run.finish("constrained") is None
         run.step(20)
         assert run.finish("free").reason is FinishReason.LENGTH
-        assert run.engine._drain_inbox(block=True) == ([], [], [])  # returns at the deadline, nothing new
-        run.step()
+        run.engine.step(block=True)  # nothing new comes: it waits until the deadline, then fails the request
         finish = run.finish("constrained")
         assert finish.reason is FinishReason.ERROR and "not compiled within 2 s" in finish.message
         assert not run.engine.scheduler.requests

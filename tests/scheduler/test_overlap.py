@@ -26,7 +26,7 @@ def test_outputs_equal_transformers_with_overlap(gqa):
 
 
 def test_a_steps_message_is_published_after_the_next_step_launches(gqa_model):
-    run = Run(gqa_model, enable_overlap_schedule=True)
+    run = Run(gqa_model, enable_overlap_schedule=True, own_runner=True)
     events: list[str] = []
     launch = run.runner.launch
     publish = run.engine.publish
@@ -60,8 +60,7 @@ def test_an_abort_while_a_step_is_in_flight_lands_it_first(gqa_model):
     run = Run(gqa_model, enable_overlap_schedule=True)
     run.submit("kept", prompt(2, 7), 6)
     run.submit("aborted", prompt(3, 7), 50)
-    for _ in range(4):  # prefill, then decodes: one step in flight after each pass
-        run.engine._iterate(*run.engine._drain_inbox(block=False))
+    run.step(4)  # prefill, then decodes: one step in flight after each pass
     assert run.engine._in_flight is not None
     run.engine.abort(AbortRequest(rid="aborted"))
     run.run()

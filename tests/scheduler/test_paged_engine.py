@@ -3,7 +3,7 @@ equal the reference model's across page boundaries, chunked prompts, full and pa
 of one prompt, preemption and resume, and a weight update with a warm cache; on the default model and on a
 second one of another shape (more layers, one KV head per four query heads: tests/scheduler/conftest.py).
 
-The engine runs in process: its loop body one pass at a time (no thread, no gRPC), as test_rollout_control does.
+The engine runs in process, stepped by the test (engine_run.Run).
 """
 
 import numpy as np
@@ -91,11 +91,11 @@ def test_preempted_requests_resume_identical(model):
 
 def test_a_weight_update_never_serves_kv_of_the_old_weights(model):
     path, _ = model
-    run = Run(path)
+    run = Run(path, own_runner=True)
     ids = prompt(30, 21)
     run.submit("before", ids, 6)
     run.run()
-    assert run.engine.prefix_cache.nodes > 0
+    assert run.engine.kv.stats().pages_cached > 0
     new_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for parameter in new_model.parameters():

@@ -11,10 +11,11 @@ from flatwire_wire.steps import FinishReason
 from transformers import AutoModelForCausalLM
 
 from harness.scheduler_client import SchedulerClient
-from services.scheduler.cache.pages import PagePool
-from services.scheduler.cache.prefix_cache import PrefixCache
-from services.scheduler.engine.scheduler import Scheduler, SlotPool
+from services.scheduler.engine.policy import Scheduler, SlotPool
+from services.scheduler.kv.manager import KVManager
+from services.scheduler.output.step_output import Outgoing
 from services.scheduler.request import RequestStatus
+from services.scheduler.step import StepResult
 from services.scheduler.submit import SubmitLimits, parse_request
 
 SLOTS, BUDGET, CONTEXT, CHUNK = 2, 16, 64, 7
@@ -55,12 +56,11 @@ def test_queued_requests_match_solo_and_respect_slots(client):
     assert any(r.steps[0] > r.start_step for r in results)  # some waited for a slot
 
 
-def _policy(budget: int, chunked: bool, slots: int = 3, pages: int = 65) -> Scheduler:
-    pool = PagePool(pages, 4)
-    return Scheduler(SlotPool(slots), pool, PrefixCache(pool, enabled=False), budget, chunked)
+def _policy(budget: int, chunked: bool, slots: int = 3, pages: int = 65, prefix_cache: bool = False) -> Scheduler:
+    return Scheduler(KVManager(pages, 4, prefix_cache), SlotPool(slots), budget, chunked)
 
 
-def _request(i: int, length: int, new_tokens: int = 3):
+def _request(i: int, length: int, new_tokens: int = 50):
     limits = SubmitLimits(240_000, 1 << 20, 8, (), output_interval=50)
     return parse_request(TokenizedRequest(rid=f"r{i}", input_ids=prompt(i, length), sampling=greedy(new_tokens)),
                          limits)
@@ -69,9 +69,7 @@ def _request(i: int, length: int, new_tokens: int = 3):
 def _step(scheduler: Scheduler) -> list[tuple[int, int, int]]:
     """One step as the engine runs it (a sampled token is 1); (prompt length, start, end) of its prefill rows."""
     batch = scheduler.schedule()
-    scheduler.computed(batch)
-    for row in batch.sampling:
-        row.request.append_output(1)
+    scheduler.update_from_output(batch, StepResult(next_ids=np.ones(len(batch.sampling), dtype=np.int64)), Outgoing())
     return [(row.request.prompt_len, row.start, row.end) for row in batch.rows if row.end - row.start > 1]
 
 
@@ -85,9 +83,9 @@ def test_admission_policy():
     assert _step(scheduler) == [(4, 0, 4), (10, 0, 10)]  # 4 + 10 + 12 > 16
     assert _step(scheduler) == [(12, 0, 12)]  # 12 + 30 > 16
     assert _step(scheduler) == []  # the slots are full
-    scheduler.finish(requests[0])
+    scheduler.finish(requests[0], FinishReason.ABORT)
     assert _step(scheduler) == [(30, 0, 30)]  # over the budget, admitted alone
-    scheduler.finish(requests[1])
+    scheduler.finish(requests[1], FinishReason.ABORT)
     assert _step(scheduler) == [(3, 0, 3)]
 
 
@@ -108,18 +106,15 @@ def test_requests_are_retracted_when_pages_run_short_and_resume():
     """A pool of 8 pages of 4 tokens: three requests of 4 + 20 tokens (6 pages), each fits alone, not together.
     The newest is retracted when decoding runs out of pages (it waits first in line), the others go on, and every
     request ends with all its tokens; no page is lost on the way."""
-    scheduler = _policy(64, chunked=True, pages=9)
-    pool = scheduler.pages
-    scheduler.prefix_cache.enabled = True
+    scheduler = _policy(64, chunked=True, pages=9, prefix_cache=True)
+    pool, cache = scheduler.kv.pages, scheduler.kv.prefix_cache
     requests = [_request(i, 4, new_tokens=20) for i in range(3)]
     for request in requests:
         scheduler.add(request)
     for _ in range(200):
         _step(scheduler)
-        for request in [r for r in scheduler.running if len(r.output_ids) == 20]:
-            scheduler.finish(request)
-        held = {page for r in scheduler.running for page in r.page_table}
-        assert pool.free + len(held | {n.page for n in scheduler.prefix_cache._nodes()}) == pool.usable
+        held = {page for r in scheduler.running for page in r.kv.page_table}
+        assert pool.free + len(held | {n.page for n in cache._nodes()}) == pool.usable
         if all(r.status is RequestStatus.FINISHED for r in requests):
             break
     assert all(len(r.output_ids) == 20 for r in requests)

@@ -21,20 +21,16 @@ import pytest
 import torch
 from flatwire_client import FlatwireClient, HttpClient
 from flatwire_wire.control import PauseMode
-from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
-from flatwire_wire.steps import StepMessage
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from harness.checkpoints import perturbed_checkpoint
 from harness.stack import running
 from services.common.auth import AccessKeys
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
-from services.scheduler.engine.engine import Engine
 from services.scheduler.model.synthetic import SyntheticRunner
 from services.scheduler.model.weights import StagedWeights
-from services.scheduler.submit import SubmitLimits, parse_request
+from tests.scheduler.engine_run import Run
 
 ADMIN_KEY = f"admin-{secrets.token_hex(8)}"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -57,54 +53,25 @@ def synthetic(model_dir):
     return SyntheticRunner(model_dir, 256, 8, step_ms=0)
 
 
-class Harness:
-    """An Engine whose loop body the test runs one pass at a time, and what it published."""
-
-    def __init__(self, runner: SyntheticRunner):
-        self.published: list[StepMessage] = []
-        self.engine = Engine(runner, SchedulerConfig(max_running_requests=4), publish=self.published.append)
-        self.limits = SubmitLimits(runner.vocab_size, runner.max_context, 8, tuple(runner.eos_token_ids), 50)
-
-    def iterate(self) -> None:
-        self.engine._iterate(*self.engine._drain_inbox(block=False))
-
-    def submit(self, rid: str, max_new_tokens: int) -> None:
-        self.engine.submit(parse_request(TokenizedRequest(
-            rid=rid, input_ids=prompt(1), sampling=SamplingParams(max_new_tokens=max_new_tokens)),
-            self.limits))
-
-    def running(self) -> list[str]:
-        return [request.rid for request in self.engine.scheduler.running]
-
-    def run_out(self, most_steps: int = 100) -> None:
-        """Iterate until no request runs; a request that never ends fails the test."""
-        for _ in range(most_steps):
-            if not self.running():
-                return
-            self.iterate()
-        raise AssertionError(f"still running after {most_steps} steps: {self.running()}")
-
-    def shipped(self, rid: str) -> list[tuple[int, int, str]]:
-        """(position, count, weight_version) of each entry of `rid` published so far."""
-        return [(position, count, message.weight_version) for message in self.published
-                for r, position, count in zip(message.rids, message.positions, message.counts) if r == rid]
+def harness_of(runner: SyntheticRunner) -> Run:
+    return Run(runner, slots=4, page_size=16, max_total_tokens=0)
 
 
 def test_engine_holds_an_update_until_running_requests_finish(synthetic):
-    harness = Harness(synthetic)
-    harness.submit("old", max_new_tokens=3)
-    harness.iterate()  # admitted: its first token
+    harness = harness_of(synthetic)
+    harness.send("old", prompt(1), max_new_tokens=3)
+    harness.step()  # admitted: its first token
     served, new = torch.zeros(2), torch.ones(2)
     update = UpdateWeights(staged=StagedWeights([(served, new)], "test"), abort_all_requests=False,
                            weight_version="v1")
     harness.engine.control(update)
-    harness.submit("late", max_new_tokens=2)
-    harness.iterate()
+    harness.send("late", prompt(1), max_new_tokens=2)
+    harness.step()
     assert not served.any() and not update.done.done()
     assert harness.running() == ["old"]  # "late" is not admitted while the update waits
-    harness.iterate()  # "old" ends on the old weights
+    harness.step()  # "old" ends on the old weights
     assert not served.any() and harness.running() == []
-    harness.iterate()  # nothing runs: the update applies, then "late" is admitted
+    harness.step()  # nothing runs: the update applies, then "late" is admitted
     assert served.all() and update.done.result().success and update.done.result().weight_version == "v1"
     harness.run_out()
     assert harness.shipped("old") == [(0, 3, "default")]
@@ -114,13 +81,13 @@ def test_engine_holds_an_update_until_running_requests_finish(synthetic):
 def test_engine_control_futures_are_settled_by_the_engine_alone(synthetic):
     """A caller that goes away cannot cancel a command (the engine would then fail to answer it), and commands
     the engine will not apply are answered as refused, not left waiting."""
-    harness = Harness(synthetic)
-    harness.submit("running", 10)
-    harness.iterate()
+    harness = harness_of(synthetic)
+    harness.send("running", prompt(1), max_new_tokens=10)
+    harness.step()
     update = UpdateWeights(staged=StagedWeights([], "held"), abort_all_requests=False, weight_version="v1")
     future = harness.engine.control(update)
     assert not future.cancel()
-    harness.iterate()  # held while "running" runs
+    harness.step()  # held while "running" runs
     assert not future.done()
     harness.engine._stopping = True
     harness.engine._refuse_pending_controls()  # what the engine thread does as it ends
@@ -129,25 +96,25 @@ def test_engine_control_futures_are_settled_by_the_engine_alone(synthetic):
 
 
 def test_engine_paused_in_place_steps_nothing_and_ships_pending_output_before_a_change(synthetic):
-    harness = Harness(synthetic)
-    harness.submit("kept", max_new_tokens=20)
+    harness = harness_of(synthetic)
+    harness.send("kept", prompt(1), max_new_tokens=20)
     for _ in range(3):
-        harness.iterate()
+        harness.step()
     assert harness.shipped("kept") == []  # 3 tokens pending: it ships its 20 at once, unless something changes
     harness.engine.control(Pause(mode=PauseMode.IN_PLACE))
-    harness.iterate()
+    harness.step()
     steps = harness.engine.stats.steps
-    harness.iterate()
+    harness.step()
     assert harness.engine.stats.steps == steps and harness.running() == ["kept"]  # no step, the request kept
     update = UpdateWeights(staged=StagedWeights([], "test"), abort_all_requests=False, weight_version="v2")
     harness.engine.control(update)
-    harness.iterate()  # paused: applies at once, after shipping what "kept" made so far
+    harness.step()  # paused: applies at once, after shipping what "kept" made so far
     assert update.done.result().num_paused_requests == 1
     assert harness.shipped("kept") == [(0, 3, "default")]
     relabel = SetWeightVersion(version="v3", abort_all_requests=False)
     harness.engine.control(relabel)
     harness.engine.control(Continue())
-    harness.iterate()
+    harness.step()
     assert relabel.done.result().weight_version == "v3"
     harness.run_out()
     assert harness.shipped("kept") == [(0, 3, "default"), (3, 17, "v3")]

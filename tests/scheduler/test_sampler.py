@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.scheduler.sampling.sampler import ProcessedRows, SamplingBatch, logprob_rows, sample
+from services.scheduler.sampling.draw import SamplingBatch, sample
+from services.scheduler.sampling.logprobs import ProcessedRows, logprob_rows
 
 PROBS = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
 DRAWS = 40_000

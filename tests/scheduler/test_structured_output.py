@@ -1,4 +1,4 @@
-"""Structured output (services/scheduler/grammar.py): SGLang's json_schema, regex and ebnf, OpenAI's
+"""Structured output (services/scheduler/sampling/grammar.py): SGLang's json_schema, regex and ebnf, OpenAI's
 response_format. The mask on random logits against the vocabulary itself, the scheduler's checks in process,
 then every API through the running stack (the default model is random: the mask alone makes its output
 valid; seeded sampling keeps it short and reproducible)."""
@@ -20,11 +20,11 @@ from flatwire_wire.steps import FinishReason
 from transformers import AutoTokenizer
 
 from harness.http import generate, post
-from services.scheduler.cache.pages import PagePool
-from services.scheduler.cache.prefix_cache import PrefixCache
-from services.scheduler.engine.scheduler import Scheduler, SlotPool
+from services.scheduler.engine.policy import Scheduler, SlotPool
+from services.scheduler.kv.manager import KVManager
 from services.scheduler.model.batch_step import launch_step
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.output.step_output import Outgoing
 from services.scheduler.request import RequestStatus
 from services.scheduler.sampling.grammar import Grammars, TokenMask
 from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
@@ -126,14 +126,16 @@ def test_logprobs_stay_raw(model_dir, grammars):
                 return_logprob=True, top_logprobs_num=5, logprob_start_len=-1),
             sampling=SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
         requests.append(request)
-    pool = PagePool(runner.num_pages, runner.page_size)
-    scheduler = Scheduler(SlotPool(2), pool, PrefixCache(pool, enabled=False), 256, chunked=True)
+    scheduler = Scheduler(KVManager(runner.num_pages, runner.page_size, prefix_cache=False), SlotPool(2), 256,
+                          chunked=True)
     for request in requests:  # the constrained one gets in line once its grammar is ready
         scheduler.add(request)
         if request.compiling is not None:
             assert request.status is RequestStatus.COMPILING
             request.compiling.result()
-            assert scheduler.compiled() == [] and request.status is RequestStatus.WAITING
+            ended = Outgoing()
+            scheduler.compiled(ended)
+            assert not ended.finished and request.status is RequestStatus.WAITING
     result = launch_step(runner, scheduler.schedule(), 256).result()
     rows = result.output
     assert rows is not None

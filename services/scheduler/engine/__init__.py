@@ -1,1 +1,2 @@
-"""The scheduling policy and the engine thread that runs it: which requests run each step, rollout control."""
+"""The engine: its thread and step (engine.py), the scheduling policy it runs (policy.py), and rollout control
+(rollout.py, the commands in control.py)."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from services.scheduler.model.kv_cache import KVPool
+from services.scheduler.kv.pool import KVPool
 from services.scheduler.model.torch_attention import TorchPlan
 
 ATTENTION_NAME = "flatwire"
@@ -74,7 +74,7 @@ class PagedBatch:
         plan: AttentionPlan
         if backend == "triton":
             from services.scheduler.model.triton_attention import TritonPlan  # imports triton
-            plan = TritonPlan.build(tables, starts, counts, first, group, pool.num_kv_heads, device)
+            plan = TritonPlan.build(tables, starts, counts, first, group, pool.groups[0].spec.kv_heads, device)
         else:
             plan = TorchPlan.build(tables, starts, counts, first, ps, device)
         return cls(pool=pool, write_pages=_put(write_pages, device), write_offsets=_put(positions % ps, device),

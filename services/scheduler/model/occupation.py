@@ -16,7 +16,7 @@ import torch
 from flatwire_wire.control import MEMORY_TAGS
 
 from services.common.memory import trim_now
-from services.scheduler.model.kv_cache import KVPool
+from services.scheduler.kv.pool import KVPool
 from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Forward hooks on the routers (transformers' `*TopKRouter` modules, which return (logits, scores, indices))
 write each step's top-k expert ids into a table laid out as the KV memory ([num_pages, page_size, layers,
-top_k] int32, model/kv_cache.py): a token's routing lives where its keys and values live, so a prompt prefix
+top_k] int32, kv/pool.py): a token's routing lives where its keys and values live, so a prompt prefix
 found in the prefix cache brings the routing its first prefill recorded, and a request's whole routing is read
 off its page table when it ends. Dense layers (a MoE model's mlp_only_layers) keep -1.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.scheduler.model.kv_cache import KVPool
+from services.scheduler.kv.pool import KVPool
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

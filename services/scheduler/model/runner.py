@@ -1,9 +1,9 @@
 """Loads the model and runs one flattened forward per step.
 
 The model is any local Hugging Face causal LM whose attention goes through
-transformers' AttentionInterface (Llama, Qwen2/3, Mistral without sliding window,
-...). Its attention is switched to `model/attention.py`, and KV lives in our paged
-pool (model/kv_cache.py) rather than a transformers Cache, so requests can join and
+transformers' AttentionInterface and whose layers the engine implements
+(model/architecture.py). Its attention is switched to `model/attention.py`, and KV lives
+in our paged pool (kv/pool.py) rather than a transformers Cache, so requests can join and
 leave between steps without padding, and share the pages of a common prefix.
 """
 
@@ -17,12 +17,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
+from services.scheduler.kv.pool import KVPool, pool_pages
+from services.scheduler.kv.specs import token_bytes
+from services.scheduler.model.architecture import layer_groups
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
-from services.scheduler.model.kv_cache import KVPool, bytes_per_token, pool_pages
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
-from services.scheduler.sampling.grammar import TokenMask
-from services.scheduler.sampling.logit_adjust import SlotPenalties
+from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.step import Batch, StepResult
 
 if TYPE_CHECKING:
@@ -79,10 +80,8 @@ class ModelRunner:
         self.attention_backend = check_backend(attention_backend, self.device)
         config = AutoConfig.from_pretrained(model_dir)
         text_config = config.get_text_config()
-        layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            raise ValueError(f"{model_dir}: only full-attention models are supported, not {sorted(layer_types)}")
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
+        groups = layer_groups(str(model_dir), text_config, self.dtype)  # before the weights: a refusal is quick
         if load_format == "dummy":  # random weights built on the device, the config alone (benchmarks)
             with self.device:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
@@ -97,22 +96,19 @@ class ModelRunner:
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = eos_token_ids(self.model)
         self.max_context = min(context_length or model_max_context(text_config), model_max_context(text_config))
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads
-        self.query_group = text_config.num_attention_heads // kv_heads
-        self.kv_token_bytes = token_bytes = bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        self.query_group = text_config.num_attention_heads // groups[0].spec.kv_heads
+        self.kv_token_bytes = per_token = token_bytes(groups)
         self.page_size = page_size
-        self.num_pages = pool_pages(max_total_tokens, page_size, token_bytes, self.device, mem_fraction_static)
-        self.kv = KVPool(layers, self.num_pages, page_size, kv_heads, head_dim, self.dtype, self.device,
+        self.num_pages = pool_pages(max_total_tokens, page_size, per_token, self.device, mem_fraction_static)
+        self.kv = KVPool(groups, self.num_pages, page_size, self.device,
                          routed_top_k=router_top_k(self.model) if routed_experts else 0)
         self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
-        self.penalties = SlotPenalties(max_running, self.vocab_size, self.device)
-        self.token_mask = TokenMask(max_running, self.vocab_size, self.device)  # for structured output
+        self.sampler = Sampler(max_running, self.vocab_size, self.device)
         self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
         log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d tokens (%d pages of %d, %.2f GiB, %d "
                  "bytes a token)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
                  self.max_context, (self.num_pages - 1) * page_size, self.num_pages - 1, page_size,
-                 self.kv.bytes / 2**30, token_bytes)
+                 self.kv.bytes / 2**30, per_token)
 
     def _decode_graphs(self, max_batch: int, hidden_size: int) -> "DecodeGraphs | None":
         if not max_batch:
@@ -153,7 +149,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's tokens."""
-        tables = [row.request.page_table for row in batch.rows]
+        tables = [row.request.kv.page_table for row in batch.rows]
         if self.graphs is not None and len(input_ids) == len(tables) and self.graphs.holds(len(tables)):
             return self.graphs.run(input_ids, positions, tables)  # every row decodes: one token each
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)

@@ -26,7 +26,7 @@ from flatwire_wire.logprobs import LogprobRows
 from transformers import AutoConfig
 
 from services.common.tokenizer import load_tokenizer
-from services.scheduler.model.kv_cache import DEFAULT_CPU_TOKENS
+from services.scheduler.kv.pool import DEFAULT_CPU_TOKENS
 from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.model.runner import model_max_context
 from services.scheduler.step import Batch, BatchRow, DoneStep, StepResult

@@ -1,6 +1,7 @@
 """Builds a step's StepMessage: the entries of the requests that ship, and the step's prompt rows."""
 
 import time
+from dataclasses import dataclass, field
 
 from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.steps import Finish, RequestStart, StepMessage
@@ -9,6 +10,21 @@ from services.scheduler.output.pending import shipped_block
 from services.scheduler.request import Request
 
 NO_ROWS: LogprobRows = LogprobRows.allocate(0, 0, 0)  # the part of a request without logprobs in a block
+
+
+@dataclass
+class Outgoing:
+    """What the engine's next StepMessage carries besides the step's own output."""
+
+    new: list[Request] = field(default_factory=list)  # to announce (started)
+    finished: list[Finish] = field(default_factory=list)
+    ended: list[Request] = field(default_factory=list)  # their pending output ships with their Finish
+    due: list[Request] = field(default_factory=list)  # running, an entry's worth of output pending
+    prompts: list[Request] = field(default_factory=list)  # their prompt logprob rows are whole: they ship
+
+    def end(self, request: Request, finish: Finish) -> None:
+        self.ended.append(request)
+        self.finished.append(finish)
 
 
 def started(request: Request) -> RequestStart:

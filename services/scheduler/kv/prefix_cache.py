@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.scheduler.cache.pages import PagePool
+from services.scheduler.kv.pages import PagePool
 
 
 @dataclass(eq=False)

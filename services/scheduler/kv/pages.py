@@ -1,6 +1,6 @@
 """The KV memory's pages: which are free, and who holds the others.
 
-The KV pool (model/kv_cache.py) is `num_pages` pages of `page_size` token slots in every layer; a request's
+The KV pool (pool.py) is `num_pages` pages of `page_size` token slots in every layer; a request's
 KV lives in the pages of its page table, token p at slot page_table[p // page_size] * page_size + p % page_size.
 A page is held by the requests whose page tables name it and, once its tokens are cached, by the prefix cache
 (prefix_cache.py): `refs` counts the holders, and a page is free again when the last one lets go. A cached page

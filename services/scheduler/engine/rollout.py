@@ -1,0 +1,183 @@
+"""Rollout control (RL trainers): the state machine of pause, continue, abort_all, weight updates, weight_version
+changes, cache flushes and memory release, applied by the engine thread between two steps (the commands,
+control.py, come through its inbox with new requests and aborts).
+
+- pause: no step runs until continue; new requests wait. Mode abort first aborts every request; in_place keeps
+  the running ones with their KV; retract drops their KV and puts them back at the head of the waiting list, to
+  be prefilled again (prompt and output so far) on continue: under whatever weights are in place by then.
+- a weight update waits until it is safe: while running requests finish on the old weights nothing is admitted
+  (abort_all_requests: they are aborted instead); while paused it applies at once, and the requests kept in place
+  continue on the new weights. The prefix cache is flushed with every update and weight_version change: no KV of
+  the old weights serves a new request (nor do the requests kept in place put theirs in the cache).
+- before weights or their version change, every held request's pending output ships, labelled with the version
+  that produced it (StepMessage.weight_version): no entry straddles a change, so the gateway knows which weights
+  made each token.
+"""
+
+import logging
+from collections.abc import Callable
+
+from flatwire_wire.control import ControlReply, PauseMode
+
+from services.scheduler.engine.control import (
+    ABORTING_PAUSES,
+    WEIGHTS_RELEASED,
+    AbortAll,
+    Continue,
+    Control,
+    FlushCache,
+    Pause,
+    ReleaseMemory,
+    ResumeMemory,
+    SetWeightVersion,
+    UpdateWeights,
+    stopped_reply,
+)
+from services.scheduler.engine.policy import Scheduler
+from services.scheduler.model.occupation import MemoryOccupation
+from services.scheduler.model.weights import WeightsRefused
+from services.scheduler.output.step_output import Outgoing
+from services.scheduler.step import StepRunner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, for the weights the server started with
+
+
+class RolloutControl:
+    """Engine thread only."""
+
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, occupation: MemoryOccupation | None,
+                 ship: Callable[[Outgoing], None]):
+        """`occupation`: the model's memory, to release and resume (None: --engine synthetic has none); `ship`:
+        publishes what an Outgoing holds and every held request's pending output, now."""
+        self.scheduler = scheduler
+        self.runner = runner
+        self.occupation = occupation
+        self._ship = ship
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.paused = False
+        self.held_updates: list[UpdateWeights] = []  # waiting for the running requests to finish
+
+    @property
+    def stepping(self) -> bool:
+        """Steps run: generation is not paused, and the model's memory is in place (requests wait otherwise)."""
+        return not self.paused and (self.occupation is None or self.occupation.refusal is None)
+
+    @property
+    def admitting(self) -> bool:
+        """Waiting requests may start: no weight update waits for the running ones to end."""
+        return not self.held_updates
+
+    @property
+    def update_due(self) -> bool:
+        """A held weight update may apply now."""
+        return bool(self.held_updates) and (self.paused or not self.scheduler.running)
+
+    def apply(self, command: Control, out: Outgoing) -> None:
+        """Apply a command; its future gets the reply (a weight update's once it is swapped in)."""
+        if (reply := self._apply(command, out)) is not None:
+            command.done.set_result(reply)
+
+    def _apply(self, command: Control, out: Outgoing) -> ControlReply | None:
+        scheduler = self.scheduler
+        match command:
+            case Pause(mode=mode):
+                aborted = scheduler.end_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
+                if mode is PauseMode.RETRACT:
+                    scheduler.retract_running()
+                self.paused = True
+                return self._reply("Generation paused.", aborted_requests=aborted)
+            case Continue():
+                self.paused = False
+                return self._reply("Generation continued.")
+            case AbortAll():
+                return self._reply("Aborted every request.", aborted_requests=scheduler.end_all(out, "aborted: all"))
+            case UpdateWeights():
+                if self.occupation is not None and "weights" in self.occupation.released:
+                    return self._refused(WEIGHTS_RELEASED)
+                if command.abort_all_requests:
+                    command.aborted_requests = scheduler.end_all(out, "aborted: weight update")
+                self.held_updates.append(command)
+                if scheduler.running and not self.paused:  # else it applies at once (apply_held_updates)
+                    log.info("weight update held until the %d running requests end (none is admitted meanwhile)",
+                             len(scheduler.running))
+                return None
+            case SetWeightVersion():
+                aborted = scheduler.end_all(out, "aborted: weight version update") if command.abort_all_requests else 0
+                self._set_version(command.version, out)
+                return self._reply(f"Weight version updated to {command.version}.", aborted_requests=aborted)
+            case FlushCache():
+                if scheduler.requests:  # as SGLang: their KV may be cached yet
+                    return self._refused(
+                        f"Cache not flushed: {len(scheduler.requests)} requests are running or waiting.")
+                scheduler.kv.flush()
+                return self._reply("Cache flushed.")
+            case ReleaseMemory(tags=tags):
+                return self._release(tags)
+            case ResumeMemory(tags=tags):
+                return self._resume(tags)
+        raise TypeError(f"unknown control command {command!r}")
+
+    def _release(self, tags: list[str]) -> ControlReply:
+        if self.occupation is None:
+            return self._refused("Memory not released: --engine synthetic holds no model memory.")
+        scheduler = self.scheduler
+        # Running requests hold KV in that memory; retracted ones hold none and wait for a continue (SGLang's partial
+        # rollout: pause retract, release, update, resume, continue), as do the waiting ones while paused.
+        if scheduler.running or (scheduler.requests and not self.paused):
+            return self._refused(f"Memory not released: {len(scheduler.requests)} requests are running or waiting; "
+                                 "pause_generation (abort or retract) first.")
+        if "kv_cache" in tags:
+            scheduler.kv.flush()  # its pages are about to hold nothing
+        reply = self._reply(self.occupation.release(tags))
+        self.runner.memory_moved()
+        return reply
+
+    def _resume(self, tags: list[str]) -> ControlReply:
+        if self.occupation is None:
+            return self._refused("Nothing to resume: --engine synthetic holds no model memory.")
+        try:
+            return self._reply(self.occupation.resume(tags))
+        except WeightsRefused as exc:  # the checkpoint the weights came from no longer reads
+            return self._refused(f"Weights not resumed: {exc}")
+        finally:
+            self.runner.memory_moved()
+
+    def apply_held_updates(self, out: Outgoing) -> None:
+        """Swap in the held weight updates once no request runs on the old weights, or while paused."""
+        if not self.update_due:
+            return
+        self._ship(out)
+        self.scheduler.kv.flush()  # KV of the old weights serves no new request
+        for update in self.held_updates:
+            update.staged.install()
+            self.runner.memory_moved()
+            if self.occupation is not None:
+                self.occupation.updated(update.staged)
+            if update.weight_version is not None:
+                self.weight_version = update.weight_version
+            log.info("weights updated: %s; weight_version %s", update.staged.description, self.weight_version)
+            update.done.set_result(self._reply(
+                "Succeeded to update model weights.", num_paused_requests=len(self.scheduler.running),
+                aborted_requests=update.aborted_requests))
+        self.held_updates.clear()
+
+    def refuse_held_updates(self) -> None:
+        """The engine stops: the held updates will never apply."""
+        for update in self.held_updates:
+            if not update.done.done():
+                update.done.set_result(stopped_reply())
+        self.held_updates.clear()
+
+    def _set_version(self, version: str, out: Outgoing) -> None:
+        if version != self.weight_version:
+            self._ship(out)
+            self.scheduler.kv.flush()
+            self.weight_version = version
+
+    def _reply(self, message: str, **fields) -> ControlReply:
+        return ControlReply(success=True, message=message, weight_version=self.weight_version, **fields)
+
+    def _refused(self, message: str) -> ControlReply:
+        return ControlReply(success=False, message=message, weight_version=self.weight_version)

@@ -1,0 +1,131 @@
+"""The one owner of the KV memory's bookkeeping (vLLM's KVCacheManager): the pages (pages.py), the prefix cache
+(prefix_cache.py), and each request's `KVState`.
+
+The scheduling policy (engine/policy.py) decides who runs; it asks the manager what a request finds cached
+(`match`), whether the pages a row needs are there (`pages_needed`, `available`), takes them (`allocate`), reports
+what a step computed (`computed`) and lets go of a request's memory (`free`); it never touches a page itself. The
+pool's tensors (pool.py) are the model's: the manager hands out the page numbers that index them.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from services.scheduler.kv.pages import PagePool
+from services.scheduler.kv.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Request
+    from services.scheduler.step import BatchRow
+
+
+@dataclass
+class KVState:
+    """One request's KV memory: the pages that hold its sequence (prompt, then output; token p in
+    page_table[p // page_size] at offset p % page_size) and how far they are filled."""
+
+    page_table: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose KV the pages hold
+    committed_pages: int = 0  # leading full pages put in the prefix cache
+    epoch: int = 0  # the prefix cache's epoch when the KV began: KV of older weights is never cached
+
+
+@dataclass(frozen=True)
+class KVStats:
+    pages_total: int  # that can hold KV (the padding page excluded)
+    pages_held: int  # by requests (some also cached)
+    pages_cached: int  # in the prefix cache
+    page_size: int
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True):
+        """`num_pages`: of the pool, the padding page 0 included; `prefix_cache`: False, every request computes
+        its whole sequence."""
+        self.pages = PagePool(num_pages, page_size)
+        self.prefix_cache = PrefixCache(self.pages, enabled=prefix_cache)
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pages.capacity_tokens
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can get: the free ones and those only the prefix cache holds."""
+        return self.pages.free + self.pages.evictable
+
+    def match(self, request: "Request") -> int:
+        """Start a request's KV from the longest cached prefix of its sequence (its pages held once more for it);
+        how many tokens that is. The last token is always computed (its logits give the next one), and so is every
+        prompt position before one that gets a logprob row (a row comes from the hidden state before it)."""
+        sequence = request.sequence()
+        limit = len(sequence) - 1
+        if request.owes_prompt_logprobs:
+            limit = min(limit, request.prompt_logprob_start - 1)
+        found = self.prefix_cache.match(sequence, limit)
+        request.kv = KVState(found, len(found) * self.page_size, epoch=self.prefix_cache.epoch)
+        return request.kv.computed
+
+    def pages_needed(self, request: "Request", end: int) -> int:
+        """Pages `request` needs beyond its own to hold positions [0, end)."""
+        return max(self.pages.pages_for(end) - len(request.kv.page_table), 0)
+
+    def allocate(self, request: "Request", end: int) -> None:
+        """Pages for positions [0, end) of the request's sequence, evicting cached ones if the free ones are short
+        (the caller checked `available`)."""
+        new = self.pages_needed(request, end)
+        if new > self.pages.free:
+            self.prefix_cache.evict(new - self.pages.free)
+        request.kv.page_table.extend(self.pages.allocate(new))
+
+    def computed(self, request: "Request", end: int, commit: bool) -> None:
+        """A step computed the request's KV up to position `end`; `commit`: its full pages go in the prefix cache now
+        (after a prefill chunk: for the next request with the same prefix, n samples or a session's next turn)."""
+        request.kv.computed = end
+        if commit:
+            self.commit(request)
+
+    def commit(self, request: "Request") -> None:
+        """Put the full pages of the request's computed tokens in the prefix cache, unless its KV predates the
+        cache's epoch (older weights)."""
+        kv = request.kv
+        full = kv.computed // self.page_size
+        if full > kv.committed_pages and kv.epoch == self.prefix_cache.epoch:
+            self.prefix_cache.insert(request.sequence(), kv.page_table, full)
+            kv.committed_pages = full
+
+    def free(self, request: "Request", commit: bool = True) -> None:
+        """The request lets go of its pages (its full pages put in the prefix cache first, unless `commit` is
+        False: an admission that did not happen computed nothing)."""
+        if commit:
+            self.commit(request)
+        self.pages.release(request.kv.page_table)
+        request.kv = KVState()
+
+    def flush(self) -> None:
+        """Forget every cached page (the weights changed)."""
+        self.prefix_cache.flush()
+
+    def next_page_in(self, request: "Request", prefills: "list[BatchRow]") -> bool:
+        """Whether one of `prefills` (a step's prefill rows) computes the next full page of the request's
+        sequence: then it may wait a step and find that page cached (n samples of one prompt prefill it once)."""
+        upto = request.kv.computed + self.page_size
+        sequence = request.sequence()
+        if not self.prefix_cache.enabled or upto > len(sequence) - 1:
+            return False
+        for row in prefills:
+            other = row.request
+            if not other.decoding and row.end >= upto and other.length > upto and \
+                    np.array_equal(other.sequence()[:upto], sequence[:upto]):
+                return True
+        return False
+
+    def stats(self) -> KVStats:
+        pages = self.pages
+        return KVStats(pages_total=pages.usable, pages_held=pages.usable - pages.free - pages.evictable,
+                       pages_cached=self.prefix_cache.nodes, page_size=pages.page_size)

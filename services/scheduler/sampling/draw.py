@@ -1,0 +1,100 @@
+"""The draw of a step's next tokens, on the model's device.
+
+Sampling draws argmax(p / E) with E ~ Exp(1) per vocabulary entry (the exponential
+race, equivalent to sampling from p; vLLM's sampler does the same). A seeded request
+draws E from its own generator, and every transform below is computed per row, so it
+samples the same tokens whatever else is in the batch. The race is also robust to
+the last-bit differences that batched kernels introduce, where an inverse-CDF draw
+over a flat distribution would flip between neighbouring tokens.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+NUCLEUS_HEAD = 1024  # top-p looks at this many best tokens first
+
+
+@dataclass
+class SamplingBatch:
+    """Sampling parameters of the step's non-greedy rows, as host lists: every decision
+    below (which rows, which transforms, how many candidates) is made without a device sync."""
+
+    rows: list[int]  # indices of rows with temperature > 0
+    temperature: list[float]
+    top_p: list[float]  # 1: off
+    top_k: list[int]  # 0: off
+    min_p: list[float]  # 0: off
+    generators: list[torch.Generator | None]  # per-request streams; None: the default generator
+
+
+def put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+@dataclass
+class Draw:
+    """A step's sampled tokens, and the distribution the sampled rows drew them from."""
+
+    tokens: torch.Tensor  # [B] next token per row
+    probs: torch.Tensor | None  # [len(params.rows), V] the sampled rows' filtered probabilities, not normalized
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> Draw:
+    """Next token per row of float32 logits [B, V]; rows not in params.rows are greedy."""
+    tokens = logits.argmax(dim=-1)
+    if not params.rows:
+        return Draw(tokens, None)
+    rows = put(params.rows, torch.long, logits.device)
+    temperature = put(params.temperature, torch.float32, logits.device)
+    probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
+    probs = _keep_top_k(probs, params.top_k)
+    probs = _keep_top_p(probs, params.top_p)
+    if any(min_p > 0 for min_p in params.min_p):
+        floor = put(params.min_p, torch.float32, probs.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    tokens[rows] = (probs / _exponential_noise(params.generators, probs)).argmax(dim=-1)
+    return Draw(tokens, probs)
+
+
+def _exponential_noise(generators: list[torch.Generator | None], like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws shaped like `like` [S, V]; row i from generators[i]."""
+    uniforms = torch.empty_like(like)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        uniforms[shared] = torch.rand(len(shared), like.shape[1], device=like.device, dtype=like.dtype)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[row].uniform_(generator=generator)
+    return uniforms.log_().neg_()  # -log(0) = inf only zeroes that entry's score
+
+
+def _threshold(rows: list[int], values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[S, 1] per-row floor: `values` on `rows`, 0 (keep everything) elsewhere."""
+    threshold = torch.zeros(like.shape[0], 1, dtype=like.dtype, device=like.device)
+    threshold[rows] = values
+    return threshold
+
+
+def _keep_top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    rows = [i for i, k in enumerate(top_k) if k > 0]
+    if not rows:
+        return probs
+    k = [min(top_k[i], probs.shape[-1]) for i in rows]
+    kth = probs[rows].topk(max(k), dim=-1).values.gather(1, put(k, torch.long, probs.device).unsqueeze(1) - 1)
+    return probs.masked_fill(probs < _threshold(rows, kth, probs), 0.0)
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    rows = [i for i, p in enumerate(top_p) if p < 1]
+    if not rows:
+        return probs
+    candidates = probs[rows]
+    limit = put([top_p[i] for i in rows], torch.float32, probs.device).unsqueeze(1) * candidates.sum(-1, keepdim=True)
+    # A real model's nucleus is usually small: sort only the head when it holds enough mass.
+    ordered = candidates.topk(min(NUCLEUS_HEAD, candidates.shape[-1]), dim=-1).values
+    if not bool((ordered.sum(dim=-1, keepdim=True) >= limit).all()):
+        ordered = candidates.sort(dim=-1, descending=True).values
+    mass_before = ordered.cumsum(dim=-1) - ordered
+    kept = (mass_before < limit).sum(dim=-1, keepdim=True).clamp_min(1)
+    return probs.masked_fill(probs < _threshold(rows, ordered.gather(1, kept - 1), probs), 0.0)
