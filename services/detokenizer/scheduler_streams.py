@@ -3,7 +3,7 @@
 Each configured address may be a DNS name resolving to several replicas; names are
 re-resolved periodically and each replica gets its own task, which reconnects with
 exponential backoff when its stream breaks. A new subscription starts with the
-scheduler's replay (see services/scheduler/journal.py); when the replica answers
+scheduler's replay (see services/scheduler/output/journal.py); when the replica answers
 with another instance id than before, it restarted and `on_restarted` is told first.
 """
 

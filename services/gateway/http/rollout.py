@@ -4,7 +4,7 @@ torch.distributed group), pause and continue, abort, weight_version, releasing a
 Each call goes to every scheduler replica (SchedulerPool.control) and is answered in SGLang's shape
 (sglang/srt/entrypoints/http_server.py) plus `replicas`: each replica's own reply, by address.
 They are admin routes (http/auth.py: --admin-api-key when set); /abort_request by rid is not.
-What each does in a scheduler is in services/scheduler/engine.py.
+What each does in a scheduler is in services/scheduler/engine/rollout.py.
 
 /update_weights_from_tensor is refused: SGLang's payload, `serialized_named_tensors`, is pickled
 (torch's MultiprocessingSerializer), and unpickling a request body runs whatever code it names. The

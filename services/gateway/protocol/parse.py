@@ -75,7 +75,7 @@ class ModelLimits:
     max_context: int
     max_top_logprobs: int
     max_batch_size: int  # sub-requests (generations) one HTTP request may ask for
-    # The gateway's request limits (protocol/limits.py), GatewayConfig's defaults.
+    # The gateway's request limits: GatewayConfig's (config.py) defaults.
     max_stop_strings: int = 32
     max_stop_length: int = 256  # characters
     max_logprob_elements: int = 4 * 1024 * 1024  # positions x (top-k + ids), over a request's generations
