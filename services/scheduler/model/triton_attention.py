@@ -12,6 +12,13 @@ Decoding rows of long contexts and few rows leave most of a GPU idle, so their k
 split bounds are computed in the kernel from the row's context length, so the launch shapes depend on the batch
 size alone, as CUDA graph replay needs (model/cuda_graphs.py).
 
+Sliding windows follow the torch path's (and transformers') convention: with `window` W > 0 the query at
+position q sees the keys at positions q - W < k <= q. A block's key loop starts at the first key its first query
+sees, so pages wholly before it are never loaded (the KV manager may have freed them: their table entries may be
+page 0), and each query masks the keys before its own window; split decoding rows split the window's keys only.
+Attention sinks (gpt-oss) join each query's softmax as a key of the sink's logit and no value: they start the
+online softmax of an unsplit block, and split rows count them once, in the merge.
+
 Tested against the torch path (model/torch_attention.py) under Triton's interpreter (TRITON_INTERPRET=1), which
 runs these kernels on CPU tensors.
 """
@@ -28,18 +35,20 @@ DECODE_BLOCK_N = 64
 EXTEND_BLOCK_M = 64  # queries x heads of one prefill block
 EXTEND_BLOCK_N = 64
 MAX_SPLITS = 16
+LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2: scores and sinks are scaled by log2(e)
 # Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw integers: under it, tiles are widened to
 # float32 first. Compiled kernels multiply bfloat16 on the tensor cores.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, split_out_ptr, split_lse_ptr,
+def _attend_block(q_ptr, k_ptr, v_ptr, sinks_ptr, out_ptr, split_out_ptr, split_lse_ptr,
                   page_table_ptr, block_row_ptr, block_first_ptr, block_count_ptr, block_pos_ptr,
-                  scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                  scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                   stride_vp, stride_vs, stride_vh, stride_table, num_heads,
                   PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr,
+                  WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,13 +69,19 @@ def _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, split_out_ptr, split_lse_ptr,
         q = q.to(tl.float32)
     q_pos = first_pos + token
 
-    keys = first_pos + count  # the block's last query sees keys [0, keys)
-    per_split = tl.cdiv(tl.cdiv(keys, SPLITS), BLOCK_N) * BLOCK_N
-    key_start = split * per_split
+    keys = first_pos + count  # the block's last query sees keys before this one
+    lowest = 0  # the first key any of the block's queries sees: its first query's
+    if WINDOWED:
+        lowest = tl.maximum(first_pos - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(keys - lowest, SPLITS), BLOCK_N) * BLOCK_N
+    key_start = lowest + split * per_split
     key_end = tl.minimum(key_start + per_split, keys)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS and SPLITS == 1:  # the sink as the first key seen: score sink, no value (split: in the merge)
+        running_max = tl.load(sinks_ptr + head)
+        running_sum = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(key_start, key_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -79,7 +94,10 @@ def _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, split_out_ptr, split_lse_ptr,
         if WIDEN:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k)) * scale_log2
-        scores = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], scores, float("-inf"))
+        seen = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if WINDOWED:
+            seen = seen & (n[None, :] > q_pos[:, None] - window)
+        scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a query that sees no key here yet
         weights = tl.exp2(scores - safe_max[:, None])
@@ -105,17 +123,24 @@ def _attend_block(q_ptr, k_ptr, v_ptr, out_ptr, split_out_ptr, split_lse_ptr,
 
 
 @triton.jit
-def _merge_splits(split_out_ptr, split_lse_ptr, out_ptr, block_first_ptr, stride_ot, stride_oh, num_heads,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_splits(split_out_ptr, split_lse_ptr, sinks_ptr, out_ptr, block_first_ptr, stride_ot, stride_oh,
+                  num_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     block = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, BLOCK_D)
     at = (block * num_heads + head) * SPLITS + s
     lse = tl.load(split_lse_ptr + at)
-    weights = tl.exp2(lse - tl.max(lse, 0))  # the first split always saw a key: the max is finite
+    top = tl.max(lse, 0)  # the first split always saw a key: the max is finite
+    sink_weight = 0.0
+    if HAS_SINKS:  # the sink joins the denominator here, once for all the splits
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
+        sink_weight = tl.exp2(sink - top)
+    weights = tl.exp2(lse - top)
     parts = tl.load(split_out_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
-    merged = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    merged = tl.sum(parts * weights[:, None], 0) / (tl.sum(weights, 0) + sink_weight)
     first = tl.load(block_first_ptr + block)
     tl.store(out_ptr + first * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -191,33 +216,37 @@ class TritonPlan:
                                    block_m, EXTEND_BLOCK_N))
         return cls(put(page_tables), launches, group)
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        """query [T, H, D] against one layer's caches [pages, page_size, Hkv, D] -> [T, H, D]."""
-        return attend(query, keys, values, scale, self.page_tables, self.launches, self.group)
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, H, D] against one layer's caches [pages, page_size, Hkv, D] -> [T, H, D]. `window`: the
+        keys a query sees, its own included (transformers' `sliding_window`; 0: all before it); `sinks` [H]: the
+        layer's sink logits (gpt-oss), not scaled by `scale`."""
+        return attend(query, keys, values, scale, self.page_tables, self.launches, self.group, window, sinks)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, page_tables: torch.Tensor,
-           launches: list[Launch], group: int) -> torch.Tensor:
+           launches: list[Launch], group: int, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     tokens, heads, head_dim = query.shape
     kv_heads = keys.shape[2]
     out = query.new_empty((tokens, heads, head_dim))
     block_d = triton.next_power_of_2(head_dim)
+    sinks_log2 = out if sinks is None else sinks.to(torch.float32) * LOG2E  # unused without sinks
     for launch in launches:
         split_out = split_lse = out  # unused unless the keys are split
         if launch.splits > 1:
             split_out = query.new_empty((launch.blocks, heads, launch.splits, head_dim), dtype=torch.float32)
             split_lse = query.new_empty((launch.blocks, heads, launch.splits), dtype=torch.float32)
         _attend_block[(launch.blocks, kv_heads, launch.splits)](
-            query, keys, values, out, split_out, split_lse,
+            query, keys, values, sinks_log2, out, split_out, split_lse,
             page_tables, launch.rows, launch.first, launch.count, launch.position,
-            scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            scale * LOG2E, window, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
             page_tables.stride(0), heads,
             PAGE_SIZE=keys.shape[1], GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLITS=launch.splits,
-            WIDEN=INTERPRETED and query.dtype == torch.bfloat16)
+            WIDEN=INTERPRETED and query.dtype == torch.bfloat16, WINDOWED=window > 0, HAS_SINKS=sinks is not None)
         if launch.splits > 1:
             _merge_splits[(launch.blocks, heads)](
-                split_out, split_lse, out, launch.first, out.stride(0), out.stride(1), heads,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=launch.splits)
+                split_out, split_lse, sinks_log2, out, launch.first, out.stride(0), out.stride(1), heads,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=launch.splits, HAS_SINKS=sinks is not None)
     return out
