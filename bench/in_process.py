@@ -20,7 +20,7 @@ class InProcessSteps:
     def __init__(self, runner: StepRunner, slots: SlotPool | int, kv: KVManager | None = None,
                  prefill_budget: int = 1 << 20, prefix_cache: bool = False, chunked: bool = True):
         """Several share the runner's request slots and KV memory by sharing `slots` and `kv`."""
-        kv = kv or KVManager(runner.num_pages, runner.page_size, prefix_cache)
+        kv = kv or KVManager(runner.num_pages, runner.page_size, runner.kv_windows, prefix_cache)
         self.runner = runner
         self.policy = Scheduler(kv, slots if isinstance(slots, SlotPool) else SlotPool(slots), prefill_budget,
                                 chunked=chunked, max_context=runner.max_context)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         request = steps[True].policy.running[0]
         routing = runners[True].expert_routing
         assert routing is not None
-        read = measure(lambda: routing.of(request.kv.page_table, request.kv.computed))
+        read = measure(lambda: routing.of(request.kv.tables[routing.group], request.kv.computed))
     ratio = recorded.median / plain.median
     table = Table(f"Decode step at B={args.batch} on the MoE test model", ["step ms, not recording",
                                                                            "step ms, recording", "recording / not",

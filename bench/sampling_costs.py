@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(None)
     slot_count = len(CASES) * sum(args.batch) + 2 * len(LOGPROB_CASES) * LOGPROB_BATCH
     runner = ModelRunner(model_dir, "auto", "auto", 0, slot_count)
-    slots, kv = SlotPool(slot_count), KVManager(runner.num_pages, runner.page_size, prefix_cache=False)
+    slots = SlotPool(slot_count)
+    kv = KVManager(runner.num_pages, runner.page_size, runner.kv_windows, prefix_cache=False)
     if runner.device.type == "cpu":
         keep_big_blocks()  # as the scheduler process does
     grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)

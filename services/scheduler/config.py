@@ -20,7 +20,8 @@ class SchedulerConfig(ServiceConfig):
     context_length: int = option(0, "longest sequence (prompt + output); 0: the model's maximum. Costs nothing until "
                                  "a request uses it: KV memory is paged")
     page_size: int = option(16, "tokens per KV page: the unit of KV memory and of prefix sharing")
-    max_total_tokens: int = option(0, "KV memory in tokens, over every request and the prefix cache; 0: on CUDA, "
+    max_total_tokens: int = option(0, "KV memory in tokens kept in every layer, over every request and the prefix "
+                                   "cache (a model with sliding windows holds more); 0: on CUDA, "
                                    "what --mem-fraction-static leaves after the weights; on CPU, 131072")
     mem_fraction_static: float = option(0.85, "CUDA, without --max-total-tokens: the fraction of the device's "
                                         "memory that the weights and the KV memory take together")

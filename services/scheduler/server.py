@@ -73,6 +73,7 @@ from services.scheduler.engine.control import (
     UpdateWeights,
 )
 from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
+from services.scheduler.kv.manager import longest_sequence
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.synthetic import SyntheticRunner
@@ -97,7 +98,7 @@ class SchedulerService:
                  weights: ServedWeights | None = None, grammars: Grammars | None = None):
         """`weights`: the model's, for updates in place (None: --engine synthetic has none); `grammars`: compiles
         structured-output constraints (None: they are refused)."""
-        kv_tokens = (runner.num_pages - 1) * runner.page_size
+        kv_tokens = longest_sequence(runner.num_pages, runner.page_size, runner.kv_windows, config.prefill_budget)
         self.limits = SubmitLimits(vocab_size=runner.vocab_size, max_context=runner.max_context,
                                    max_top_logprobs=config.max_top_logprobs, eos_token_ids=tuple(runner.eos_token_ids),
                                    output_interval=config.output_interval,

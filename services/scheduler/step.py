@@ -88,6 +88,7 @@ class StepRunner(Protocol):
     dtype: torch.dtype
     num_pages: int  # of the KV memory, page 0 (padding) included
     page_size: int
+    kv_windows: tuple[int, ...]  # each layer group's sliding window (0: full attention): kv/specs.py
     expert_routing: ExpertRouting | None  # what a MoE model's routers chose, with --enable-return-routed-experts
 
     def step(self, batch: Batch) -> StepResult:

@@ -11,6 +11,7 @@ from flatwire_wire.steps import Finish, StepMessage
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
+from services.scheduler.kv.manager import longest_sequence
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.step import StepRunner
@@ -52,7 +53,8 @@ class Run:
         self.engine = Engine(model, self.config, publish=self.published.append, behind=behind)
         self.limits = SubmitLimits(model.vocab_size, model.max_context, 16, tuple(model.eos_token_ids), 50,
                                    stream_coalesce_tokens=self.config.stream_coalesce_tokens,
-                                   max_total_tokens=(model.num_pages - 1) * model.page_size)
+                                   max_total_tokens=longest_sequence(model.num_pages, model.page_size, model.kv_windows,
+                                                                     self.config.prefill_budget))
 
     def send(self, rid: str, input_ids: list[int], logprob: LogprobParams | None = None, stream_interval: int = 0,
              **sampling) -> None:

@@ -1,5 +1,5 @@
-"""Penalties, logit_bias and min_new_tokens (services/scheduler/sampling/logit_adjust.py) against transformers' own logits
-processors: on random logits, and through the scheduler over gRPC against transformers' generate."""
+"""Penalties, logit_bias and min_new_tokens (services/scheduler/sampling/logit_adjust.py) against transformers' own
+logits processors: on random logits, and through the scheduler over gRPC against transformers' generate."""
 
 import dataclasses
 

@@ -57,7 +57,7 @@ def test_queued_requests_match_solo_and_respect_slots(client):
 
 
 def _policy(budget: int, chunked: bool, slots: int = 3, pages: int = 65, prefix_cache: bool = False) -> Scheduler:
-    return Scheduler(KVManager(pages, 4, prefix_cache), SlotPool(slots), budget, chunked)
+    return Scheduler(KVManager(pages, 4, prefix_cache=prefix_cache), SlotPool(slots), budget, chunked)
 
 
 def _request(i: int, length: int, new_tokens: int = 50):
@@ -113,8 +113,8 @@ def test_requests_are_retracted_when_pages_run_short_and_resume():
         scheduler.add(request)
     for _ in range(200):
         _step(scheduler)
-        held = {page for r in scheduler.running for page in r.kv.page_table}
-        assert pool.free + len(held | {n.page for n in cache._nodes()}) == pool.usable
+        held = {page for r in scheduler.running for page in r.kv.tables[0]}
+        assert pool.free + len(held | {n.pages[0] for n in cache._nodes()}) == pool.usable
         if all(r.status is RequestStatus.FINISHED for r in requests):
             break
     assert all(len(r.output_ids) == 20 for r in requests)

@@ -126,8 +126,8 @@ def test_logprobs_stay_raw(model_dir, grammars):
                 return_logprob=True, top_logprobs_num=5, logprob_start_len=-1),
             sampling=SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
         requests.append(request)
-    scheduler = Scheduler(KVManager(runner.num_pages, runner.page_size, prefix_cache=False), SlotPool(2), 256,
-                          chunked=True)
+    kv = KVManager(runner.num_pages, runner.page_size, runner.kv_windows, prefix_cache=False)
+    scheduler = Scheduler(kv, SlotPool(2), 256, chunked=True)
     for request in requests:  # the constrained one gets in line once its grammar is ready
         scheduler.add(request)
         if request.compiling is not None:

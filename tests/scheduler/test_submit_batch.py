@@ -192,4 +192,4 @@ def test_a_blocking_call_that_ends_cancelled_fails_its_submits():
             asyncio.gather(*(batcher.submit(i, 5) for i in range(SEND_AT)), return_exceptions=True), 10)
 
     outcomes = asyncio.run(burst())
-    assert [getattr(o, "code", lambda: o)() for o in outcomes] == [grpc.StatusCode.UNAVAILABLE] * SEND_AT
+    assert [o.code() if hasattr(o, "code") else o for o in outcomes] == [grpc.StatusCode.UNAVAILABLE] * SEND_AT

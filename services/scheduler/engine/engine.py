@@ -58,7 +58,8 @@ class Engine:
         self.publish = publish
         self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
         self.behind = behind
-        self.kv = KVManager(runner.num_pages, runner.page_size, prefix_cache=not config.disable_radix_cache)
+        self.kv = KVManager(runner.num_pages, runner.page_size, runner.kv_windows,
+                            prefix_cache=not config.disable_radix_cache)
         self.scheduler = Scheduler(self.kv, SlotPool(config.max_running_requests), config.prefill_budget,
                                    chunked=config.chunked_prefill_size > 0, max_context=runner.max_context,
                                    compile_timeout_s=config.grammar_compile_timeout_s,
@@ -286,7 +287,7 @@ class Engine:
         routing = self.runner.expert_routing
         if routing is None:
             return None
-        return routing.of(request.kv.page_table, request.kv.computed, request.routed_experts_start_len)
+        return routing.of(request.kv.tables[routing.group], request.kv.computed, request.routed_experts_start_len)
 
     def _update_stats(self) -> None:
         # Swapped whole so that GetStats (another thread) reads a consistent snapshot.

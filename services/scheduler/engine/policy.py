@@ -165,16 +165,15 @@ class Scheduler:
         """A row per decoding request, each with a slot for its next token: retracting the newest requests when
         pages run short."""
         decoding = [r for r in self.running if r.decoding]
-        # Those whose next token starts a page (one each: every token before it has its slot).
-        starting = [r for r in decoding if self.kv.pages_needed(r, r.length)]
-        while len(starting) > self.kv.available:
+        # Those whose next token starts a page (in each layer group: every token before it has its slot).
+        starting = [(r, n) for r in decoding if (n := self.kv.pages_needed(r, r.length))]
+        while (short := sum(n for _, n in starting) - self.kv.available) > 0:
             victim = self.running[-1]
-            self._preempt(victim, f"short by {len(starting) - self.kv.available} pages for the decoding requests")
+            self._preempt(victim, f"short by {short} pages for the decoding requests")
             if victim in decoding:
                 decoding.remove(victim)
-                if victim in starting:
-                    starting.remove(victim)
-        for request in starting:
+                starting = [(r, n) for r, n in starting if r is not victim]
+        for request, _ in starting:
             self.kv.allocate(request, request.length)
         return [BatchRow(r, r.length - 1, r.length) for r in decoding]
 

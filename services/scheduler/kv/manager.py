@@ -5,6 +5,10 @@ The scheduling policy (engine/policy.py) decides who runs; it asks the manager w
 (`match`), whether the pages a row needs are there (`pages_needed`, `available`), takes them (`allocate`), reports
 what a step computed (`computed`) and lets go of a request's memory (`free`); it never touches a page itself. The
 pool's tensors (pool.py) are the model's: the manager hands out the page numbers that index them.
+
+A model's layers come in groups (specs.py), each with a page table per request. A sliding-window group needs only
+the pages of the window before the row it computes next: the pages before it are given back as the sequence
+grows (DROPPED in its table), for any group to use.
 """
 
 from dataclasses import dataclass, field
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.scheduler.kv.pages import PagePool
-from services.scheduler.kv.prefix_cache import PrefixCache
+from services.scheduler.kv.prefix_cache import DROPPED, PrefixCache, first_visible_page
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request
@@ -22,13 +26,36 @@ if TYPE_CHECKING:
 
 @dataclass
 class KVState:
-    """One request's KV memory: the pages that hold its sequence (prompt, then output; token p in
-    page_table[p // page_size] at offset p % page_size) and how far they are filled."""
+    """One request's KV memory: per layer group, the pages that hold its sequence (prompt, then output; token p in
+    table[p // page_size] at offset p % page_size, DROPPED before a window group's window), and how far they are
+    filled."""
 
-    page_table: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
     computed: int = 0  # leading tokens whose KV the pages hold
     committed_pages: int = 0  # leading full pages put in the prefix cache
     epoch: int = 0  # the prefix cache's epoch when the KV began: KV of older weights is never cached
+
+
+def longest_sequence(num_pages: int, page_size: int, windows: tuple[int, ...], prefill_budget: int) -> int:
+    """The longest sequence that fits the pool alone: its pages in every full-attention group, and in a window group
+    those one prefill chunk (at most `prefill_budget` tokens) and the window before it reach."""
+    usable = num_pages - 1
+
+    def pages(tokens: int) -> int:
+        whole = -(-tokens // page_size)
+        return sum(min(whole, (min(tokens, prefill_budget) + window) // page_size + 2) if window else whole
+                   for window in windows)
+
+    high = usable * page_size
+    if all(windows):  # every group keeps a window: past a chunk and a window, a longer sequence needs no more
+        high = prefill_budget + max(windows) + page_size
+        if pages(high) <= usable:
+            return 1 << 62
+    low = 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if pages(middle) <= usable else (low, middle - 1)
+    return low
 
 
 @dataclass(frozen=True)
@@ -40,11 +67,12 @@ class KVStats:
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = True):
-        """`num_pages`: of the pool, the padding page 0 included; `prefix_cache`: False, every request computes
-        its whole sequence."""
+    def __init__(self, num_pages: int, page_size: int, windows: tuple[int, ...] = (0,), prefix_cache: bool = True):
+        """`num_pages`: of the pool, the padding page 0 included; `windows`: each layer group's window (0: full
+        attention); `prefix_cache`: False, every request computes its whole sequence."""
+        self.windows = windows
         self.pages = PagePool(num_pages, page_size)
-        self.prefix_cache = PrefixCache(self.pages, enabled=prefix_cache)
+        self.prefix_cache = PrefixCache(self.pages, list(windows), enabled=prefix_cache)
 
     @property
     def page_size(self) -> int:
@@ -67,28 +95,50 @@ class KVManager:
         limit = len(sequence) - 1
         if request.owes_prompt_logprobs:
             limit = min(limit, request.prompt_logprob_start - 1)
-        found = self.prefix_cache.match(sequence, limit)
-        request.kv = KVState(found, len(found) * self.page_size, epoch=self.prefix_cache.epoch)
+        tables = self.prefix_cache.match(sequence, limit)
+        request.kv = KVState(tables, len(tables[0]) * self.page_size, epoch=self.prefix_cache.epoch)
         return request.kv.computed
 
+    def _span(self, request: "Request", window: int, end: int) -> tuple[int, int]:
+        """The pages [first, last) a group of `window` needs for the request's next row, up to position `end`."""
+        return first_visible_page(request.kv.computed, window, self.page_size), self.pages.pages_for(end)
+
     def pages_needed(self, request: "Request", end: int) -> int:
-        """Pages `request` needs beyond its own to hold positions [0, end)."""
-        return max(self.pages.pages_for(end) - len(request.kv.page_table), 0)
+        """Pages `request` needs beyond its own for its next row, up to position `end`."""
+        needed = 0
+        for window, table in zip(self.windows, request.kv.tables or [[] for _ in self.windows]):
+            first, last = self._span(request, window, end)
+            needed += max(last - max(len(table), first), 0)
+        return needed
 
     def allocate(self, request: "Request", end: int) -> None:
-        """Pages for positions [0, end) of the request's sequence, evicting cached ones if the free ones are short
+        """Pages for the request's next row, up to position `end`, evicting cached ones if the free ones are short
         (the caller checked `available`)."""
+        kv = request.kv
+        if not kv.tables:
+            kv.tables = [[] for _ in self.windows]
         new = self.pages_needed(request, end)
         if new > self.pages.free:
             self.prefix_cache.evict(new - self.pages.free)
-        request.kv.page_table.extend(self.pages.allocate(new))
+        fresh = iter(self.pages.allocate(new))
+        for window, table in zip(self.windows, kv.tables):
+            first, last = self._span(request, window, end)
+            table.extend([DROPPED] * (first - len(table)))
+            table.extend(next(fresh) for _ in range(last - len(table)))
 
     def computed(self, request: "Request", end: int, commit: bool) -> None:
-        """A step computed the request's KV up to position `end`; `commit`: its full pages go in the prefix cache now
-        (after a prefill chunk: for the next request with the same prefix, n samples or a session's next turn)."""
-        request.kv.computed = end
+        """A step computed the request's KV up to position `end`: a window group gives back the pages its next query
+        no longer sees; `commit`: its full pages go in the prefix cache now (after a prefill chunk: for the next
+        request with the same prefix, n samples or a session's next turn), those given back included."""
+        kv = request.kv
+        kv.computed = end
         if commit:
             self.commit(request)
+        for window, table in zip(self.windows, kv.tables):
+            first = first_visible_page(end, window, self.page_size)
+            if window and (passed := [page for page in table[:first] if page != DROPPED]):
+                self.pages.release(passed)
+                table[:first] = [DROPPED] * min(first, len(table))
 
     def commit(self, request: "Request") -> None:
         """Put the full pages of the request's computed tokens in the prefix cache, unless its KV predates the
@@ -96,7 +146,7 @@ class KVManager:
         kv = request.kv
         full = kv.computed // self.page_size
         if full > kv.committed_pages and kv.epoch == self.prefix_cache.epoch:
-            self.prefix_cache.insert(request.sequence(), kv.page_table, full)
+            self.prefix_cache.insert(request.sequence(), kv.tables, full)
             kv.committed_pages = full
 
     def free(self, request: "Request", commit: bool = True) -> None:
@@ -104,7 +154,8 @@ class KVManager:
         False: an admission that did not happen computed nothing)."""
         if commit:
             self.commit(request)
-        self.pages.release(request.kv.page_table)
+        for table in request.kv.tables:
+            self.pages.release([page for page in table if page != DROPPED])
         request.kv = KVState()
 
     def flush(self) -> None:
@@ -128,4 +179,4 @@ class KVManager:
     def stats(self) -> KVStats:
         pages = self.pages
         return KVStats(pages_total=pages.usable, pages_held=pages.usable - pages.free - pages.evictable,
-                       pages_cached=self.prefix_cache.nodes, page_size=pages.page_size)
+                       pages_cached=self.prefix_cache.cached_pages, page_size=pages.page_size)

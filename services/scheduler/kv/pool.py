@@ -1,10 +1,12 @@
 """The KV memory's tensors: what every layer keeps for `num_pages` pages of `page_size` token slots, as its
 group's spec says (specs.py).
 
-A full-attention layer holds two tensors shaped [num_pages, page_size, kv_heads, head_dim]; token p of a request
-lives in page page_table[p // page_size] at offset p % page_size (the KV manager, manager.py, hands out the
-pages). Zero-filled, so that the padding a step's attention reads (page 0) never carries NaN into it (0 * NaN is
-NaN).
+The groups share the tensors: a full- or sliding-window-attention layer i of a group holds its keys in keys[i]
+and its values in values[i] (tensor i of the pool, [num_pages, page_size, kv_heads, head_dim]), where layer i of
+every other group holds its own, in other pages: a page belongs to one group at a time (the KV manager,
+manager.py, hands out the pages; token p of a request lives in page table[p // page_size] at offset
+p % page_size of its group's table). An MLA layer keeps one [num_pages, page_size, 1, latent + rope] tensor.
+Zero-filled, so that the padding a step's attention reads (page 0) never carries NaN into it (0 * NaN is NaN).
 
 How many pages: --max-total-tokens when given; else on CUDA what --mem-fraction-static of the device leaves
 after the weights, and on CPU DEFAULT_CPU_TOKENS.
@@ -14,7 +16,7 @@ import logging
 
 import torch
 
-from services.scheduler.kv.specs import LayerGroup, token_bytes
+from services.scheduler.kv.specs import LayerGroup, full_attention_bytes, group_size, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -23,62 +25,78 @@ DEFAULT_CPU_TOKENS = 131072  # the KV memory of the former 32 slots x 4096 token
 
 class KVPool:
     """`routed_top_k`: also keep, per slot and layer, the top-k experts a MoE router chose for the token
-    (model/routed_experts.py): int32 [num_pages, page_size, layers, top_k], -1 where none did."""
+    (model/routed_experts.py): int32 [num_pages, page_size, layers, top_k], -1 where none did, at the slots of the
+    full-attention group's pages."""
 
     def __init__(self, groups: list[LayerGroup], num_pages: int, page_size: int, device: torch.device,
                  routed_top_k: int = 0):
         self.groups = groups
         self.num_layers = sum(len(group.layers) for group in groups)
+        self.group_of = [0] * self.num_layers  # each decoder layer's group
+        self.tensor_of = [0] * self.num_layers  # and its tensor in the pool
+        for index, group in enumerate(groups):
+            for tensor, layer in enumerate(group.layers):
+                self.group_of[layer], self.tensor_of[layer] = index, tensor
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
         self._routed_top_k = routed_top_k
-        self.keys: list[torch.Tensor] = []  # per decoder layer
-        self.values: list[torch.Tensor] = []
+        self._tensors: list[list[torch.Tensor]] = []  # [kind][tensor]: keys (and values) shared by the groups
         self.routed_experts = torch.empty(0, dtype=torch.int32)
         self.resume()
 
+    def keys(self, layer: int) -> torch.Tensor:
+        """The layer's keys (an MLA layer's latent and rope key)."""
+        return self._tensors[0][self.tensor_of[layer]]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self._tensors[1][self.tensor_of[layer]]
+
     def resume(self) -> None:
-        """(Re)allocate every layer's tensors, zero-filled."""
-        keys: list[torch.Tensor | None] = [None] * self.num_layers
-        values: list[torch.Tensor | None] = [None] * self.num_layers
-        for group in self.groups:
-            shape, dtype = group.spec.page_shape(self.num_pages, self.page_size), group.spec.dtype
-            for layer in group.layers:
-                keys[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
-                values[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
-        assert all(t is not None for t in keys), "every decoder layer belongs to a group"
-        self.keys, self.values = keys, values  # type: ignore[assignment]
+        """(Re)allocate the tensors, zero-filled."""
+        spec = self.groups[0].spec
+        shape = (self.num_pages, self.page_size, *spec.page_shape)
+        self._tensors = [[torch.zeros(shape, dtype=spec.dtype, device=self.device)
+                          for _ in range(group_size(self.groups))] for _ in range(spec.tensors)]
         if self._routed_top_k:
             self.routed_experts = torch.full((self.num_pages, self.page_size, self.num_layers, self._routed_top_k),
                                              -1, dtype=torch.int32, device=self.device)
 
     def release(self) -> None:
-        """Free every layer's tensors (memory release: no request holds a page)."""
-        self.keys, self.values = [], []
+        """Free the tensors (memory release: no request holds a page)."""
+        self._tensors = []
         self.routed_experts = torch.empty(0, dtype=torch.int32)
+
+    def clear_padding(self) -> None:
+        """Zero page 0 again (the start-up check runs a step in it)."""
+        for tensors in self._tensors:
+            for tensor in tensors:
+                tensor[0].zero_()
 
     @property
     def token_bytes(self) -> int:
-        """What one token takes over every layer."""
+        """What one page slot takes over the tensors."""
         return token_bytes(self.groups)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.routed_experts))
+        return sum(t.numel() * t.element_size() for tensors in self._tensors for t in tensors) + \
+            self.routed_experts.numel() * self.routed_experts.element_size()
 
 
-def pool_pages(max_total_tokens: int, page_size: int, token_bytes: int, device: torch.device,
+def pool_pages(max_total_tokens: int, page_size: int, groups: list[LayerGroup], device: torch.device,
                mem_fraction_static: float) -> int:
-    """The pool's pages (page 0, the padding page, included) for --max-total-tokens or, on CUDA without it,
-    --mem-fraction-static of the device's memory less what the weights (already loaded) take."""
-    tokens = max_total_tokens
-    if not tokens and device.type == "cuda":
+    """The pool's pages (page 0, the padding page, included) for the memory of --max-total-tokens tokens kept in
+    every layer (what a full-attention model of these layers holds for them; window groups fit more) or, on CUDA
+    without it, --mem-fraction-static of the device's memory less what the weights (already loaded) take."""
+    slot = token_bytes(groups)  # one token of one group, over the tensors the groups share
+    if not max_total_tokens and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         room = int(mem_fraction_static * total) - torch.cuda.memory_allocated(device)
         if room <= 0:
             raise ValueError(f"--mem-fraction-static {mem_fraction_static}: the weights already take "
                              f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
-        tokens = room // token_bytes
-    tokens = tokens or DEFAULT_CPU_TOKENS
-    return max(tokens // page_size, 1) + 1
+        slots = room // slot
+    else:
+        slots = (max_total_tokens or DEFAULT_CPU_TOKENS) * full_attention_bytes(groups) // slot
+    return max(slots // page_size, 1) + 1

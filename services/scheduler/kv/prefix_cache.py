@@ -1,11 +1,17 @@
-"""The prefix cache: a radix tree over token ids at page granularity (SGLang's RadixCache, with a page per node).
+"""The prefix cache: a radix tree over token ids at page granularity (SGLang's RadixCache, with a page per node and
+layer group).
 
-Each node below the root is one full page of tokens: its key is those `page_size` token ids, its value the KV page
-that holds them, and its path from the root the tokens before them. A request starts from the longest cached
-prefix of its tokens (`match`: only their KV beyond it is computed), and its full pages go into the tree as soon
-as their KV is computed (`insert`: after a prefill, when it is retracted, when it ends), so that n samples of
-one prompt, or the next turn of a conversation, find them. The tree holds each of its pages once (PagePool);
-pages that no request holds are given back least recently used first when pages run short (`evict`).
+Each node below the root is one full page of tokens: its key is those `page_size` token ids, its value the page
+that holds their KV in each layer group (specs.py), and its path from the root the tokens before them. A request
+starts from the longest cached prefix of its tokens (`match`: only their KV beyond it is computed), and its full
+pages go into the tree as soon as their KV is computed (`insert`: after a prefill, when it is retracted, when it
+ends), so that n samples of one prompt, or the next turn of a conversation, find them. The tree holds each of
+its pages once (PagePool); pages that no request holds are given back when pages run short (`evict`).
+
+A sliding-window group's page may be missing from a node (0: given back, SGLang's tombstone): a query sees only the
+window before it, so a prefix is usable up to a page boundary p only if every window group holds the pages of the
+window before p. When pages run short, the window pages of nodes that stay (interior ones, or ones a request
+holds) go first, least recently used first, then whole leaves.
 
 Only full pages are shared: a partly filled last page stays its request's own. A weight update or a new weight
 version flushes the tree (`flush`, a new `epoch`): KV computed by the old weights never serves a new request.
@@ -18,24 +24,34 @@ import numpy as np
 
 from services.scheduler.kv.pages import PagePool
 
+DROPPED = 0  # a window group's page given back (page 0 is never handed out)
+
 
 @dataclass(eq=False)
 class PageNode:
     key: bytes  # the page's token ids, int32
-    page: int
+    pages: list[int]  # per layer group; DROPPED where a window group's page was given back
     parent: "PageNode | None"
     children: dict[bytes, "PageNode"] = field(default_factory=dict)
     last_use: int = 0  # the cache's clock when a request last matched or inserted it
 
 
+def first_visible_page(position: int, window: int, page_size: int) -> int:
+    """The first page a query at `position` reads in a layer of `window` (0: full attention, page 0)."""
+    return max(position - window + 1, 0) // page_size if window else 0
+
+
 class PrefixCache:
-    def __init__(self, pages: PagePool, enabled: bool = True):
+    def __init__(self, pages: PagePool, windows: list[int], enabled: bool = True):
+        """`windows`: each layer group's window (0: full attention)."""
         self.pages = pages
         self.page_size = pages.page_size
+        self.windows = windows
         self.enabled = enabled
-        self.root = PageNode(b"", 0, None)
+        self.root = PageNode(b"", [], None)
         self.epoch = 0  # bumped by flush: requests whose KV is older insert nothing
-        self.nodes = 0  # cached pages
+        self.nodes = 0
+        self.cached_pages = 0  # over every group
         self._clock = 0
 
     def _keys(self, tokens: np.ndarray, pages: int) -> list[bytes]:
@@ -43,27 +59,43 @@ class PrefixCache:
         step = self.page_size * 4
         return [data[i * step:(i + 1) * step] for i in range(pages)]
 
-    def match(self, tokens: np.ndarray, limit: int) -> list[int]:
-        """The pages of the longest cached prefix of tokens[:limit], in order, each held once more for the
-        caller (who releases them with the rest of its page table)."""
+    def match(self, tokens: np.ndarray, limit: int) -> list[list[int]]:
+        """Each group's page table of the longest cached prefix of tokens[:limit] that every group can resume
+        from (DROPPED before a window group's window), each page held once more for the caller (who releases
+        them with the rest of its tables)."""
+        tables: list[list[int]] = [[] for _ in self.windows]
         if not self.enabled:
-            return []
-        self._clock += 1
-        node, found = self.root, []
+            return tables
+        path: list[PageNode] = []
+        node: PageNode | None = self.root
         for key in self._keys(tokens, limit // self.page_size):
-            child = node.children.get(key)
-            if child is None:
+            if node is None or (node := node.children.get(key)) is None:
                 break
-            child.last_use = self._clock
-            found.append(child.page)
-            node = child
-        self.pages.retain(found)
-        return found
+            path.append(node)
+        length = next(n for n in range(len(path), -1, -1) if self._resumable(path, n))
+        self._clock += 1
+        for node in path[:length]:
+            node.last_use = self._clock
+        for group, window in enumerate(self.windows):
+            first = first_visible_page(length * self.page_size, window, self.page_size)
+            tables[group] = [DROPPED] * first + [node.pages[group] for node in path[first:length]]
+            self.pages.retain(tables[group][first:])
+        return tables
 
-    def insert(self, tokens: np.ndarray, page_table: list[int], full_pages: int) -> None:
-        """Cache the first `full_pages` pages of a request's page table, whose tokens (tokens[:full_pages *
-        page_size]) have their KV computed. A page whose tokens another request cached first is a duplicate: the
-        request's page table takes the cached page instead, and lets go of its own."""
+    def _resumable(self, path: list[PageNode], length: int) -> bool:
+        """Whether a request can resume after the first `length` pages of `path`: each window group holds the
+        pages its next query sees."""
+        for group, window in enumerate(self.windows):
+            first = first_visible_page(length * self.page_size, window, self.page_size)
+            if window and any(node.pages[group] == DROPPED for node in path[first:length]):
+                return False
+        return True
+
+    def insert(self, tokens: np.ndarray, tables: list[list[int]], full_pages: int) -> None:
+        """Cache the first `full_pages` pages of a request's tables, whose tokens (tokens[:full_pages * page_size])
+        have their KV computed. A page whose tokens another request cached first is a duplicate: the request's
+        table takes the cached page instead, and lets go of its own; a window page the node had given back is taken
+        from the request."""
         if not self.enabled:
             return
         self._clock += 1
@@ -71,32 +103,50 @@ class PrefixCache:
         for i, key in enumerate(self._keys(tokens, full_pages)):
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = PageNode(key, page_table[i], node)
-                self.pages.cache(child.page)
+                child = node.children[key] = PageNode(key, [DROPPED] * len(tables), node)
                 self.nodes += 1
-            elif child.page != page_table[i]:
-                self.pages.retain([child.page])
-                self.pages.release([page_table[i]])
-                page_table[i] = child.page
+            for group, table in enumerate(tables):
+                mine, cached = table[i], child.pages[group]
+                if mine == DROPPED or mine == cached:
+                    continue
+                if cached == DROPPED:
+                    child.pages[group] = mine
+                    self.pages.cache(mine)
+                    self.cached_pages += 1
+                else:
+                    self.pages.retain([cached])
+                    self.pages.release([mine])
+                    table[i] = cached
             child.last_use = self._clock
             node = child
 
     def evict(self, count: int) -> int:
-        """Give back up to `count` pages that only the tree holds, least recently used leaves first (a parent
-        becomes a leaf once its children are gone); how many were given back."""
+        """Give back up to `count` pages that only the tree holds: the window pages of nodes that stay (interior, or
+        held by a request) first, then whole leaves (a parent becomes a leaf once its children are gone); least
+        recently used first. How many were given back."""
         if count <= 0 or not self.pages.evictable:
             return 0
-        leaves = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and self._only_cached(n)]
-        heapq.heapify(leaves)
+        nodes = self._nodes()
         freed = 0
+        windowed = [group for group, window in enumerate(self.windows) if window]
+        if windowed:
+            staying = sorted((n for n in nodes if n.children or not self._only_cached(n)), key=lambda n: n.last_use)
+            for node in staying:
+                for group in windowed:
+                    page = node.pages[group]
+                    if freed < count and page != DROPPED and self.pages.refs[page] == 1:
+                        self._uncache(node, group)
+                        freed += 1
+                if freed >= count:
+                    return freed
+        leaves = [(n.last_use, id(n), n) for n in nodes if not n.children and self._only_cached(n)]
+        heapq.heapify(leaves)
         while leaves and freed < count:
             _, _, node = heapq.heappop(leaves)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
-            self.pages.uncache(node.page)
-            self.nodes -= 1
-            freed += 1
+            freed += self._drop(node)
             if parent is not self.root and not parent.children and self._only_cached(parent):
                 heapq.heappush(leaves, (parent.last_use, id(parent), parent))
         return freed
@@ -104,13 +154,27 @@ class PrefixCache:
     def flush(self) -> None:
         """Forget every cached page (requests that hold some keep them until they end) and start a new epoch."""
         for node in self._nodes():
-            self.pages.uncache(node.page)
-        self.root = PageNode(b"", 0, None)
-        self.nodes = 0
+            self._drop(node)
+        self.root = PageNode(b"", [], None)
         self.epoch += 1
 
+    def _drop(self, node: PageNode) -> int:
+        """Let go of a node removed from the tree; how many of its pages that frees."""
+        freed = 0
+        for group, page in enumerate(node.pages):
+            if page != DROPPED:
+                freed += self.pages.refs[page] == 1
+                self._uncache(node, group)
+        self.nodes -= 1
+        return freed
+
+    def _uncache(self, node: PageNode, group: int) -> None:
+        self.pages.uncache(node.pages[group])
+        node.pages[group] = DROPPED
+        self.cached_pages -= 1
+
     def _only_cached(self, node: PageNode) -> bool:
-        return self.pages.refs[node.page] == 1
+        return all(page == DROPPED or self.pages.refs[page] == 1 for page in node.pages)
 
     def _nodes(self) -> list[PageNode]:
         found, stack = [], list(self.root.children.values())

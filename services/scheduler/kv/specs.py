@@ -1,9 +1,17 @@
-"""What a layer keeps per token in the KV memory: one spec per kind of layer (vLLM's kv_cache_interface).
+"""What a layer keeps per token in the KV memory: one spec per kind of layer (vLLM's kv_cache_interface), and the
+layers grouped by it.
 
-A model's layers are grouped by spec (`LayerGroup`): the pool (pool.py) allocates each group's tensors from its
-spec, and the manager (manager.py) counts the memory a request takes in pages of `page_size` tokens. A spec
-carries the dtype its tensors are stored in, so that a narrower KV cache is a spec of another dtype, not another
-pool.
+- `AttentionSpec`: keys and values of every token of the sequence (full attention) or, with a `window`, of its
+  latest positions only (sliding-window attention): pages wholly before every window can be given back.
+- `MLASpec` (DeepSeek V3, Kimi K2): one compressed latent and one rope key per token, shared by every head; the
+  attention decompresses or absorbs it.
+
+A spec carries the dtype its tensors are stored in, so that a narrower KV cache (fp8) is a spec of another
+dtype, not another pool. `group_layers` puts the layers of a model into groups of one spec and (but for the last
+of a kind) equal size (vLLM's hybrid allocator): every group holds its own pages, one page table per request, but
+the groups share the pool's tensors, tensor i holding layer i of every group, so that a page of any group takes
+the same memory and one pool of pages serves them all. A window group's pages that leave the window go back to
+that pool for full-attention pages to use (manager.py).
 """
 
 from dataclasses import dataclass
@@ -12,39 +20,103 @@ import torch
 
 
 @dataclass(frozen=True)
-class FullAttention:
-    """Keys and values of every token of the sequence: per layer, two [pages, page_size, kv_heads, head_dim]
-    tensors."""
+class AttentionSpec:
+    """Per layer, two [pages, page_size, kv_heads, head_dim] tensors: keys and values. `window` 0: full attention,
+    every key so far; W > 0: sliding-window attention, a query at position q sees the keys at q - W < k <= q."""
 
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    window: int = 0
 
     @property
     def token_bytes(self) -> int:
         """What one token takes in one layer."""
         return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
-    def page_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
-        return num_pages, page_size, self.kv_heads, self.head_dim
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """What the pool's tensors hold per token, at [page, offset]."""
+        return self.kv_heads, self.head_dim
+
+    @property
+    def tensors(self) -> int:
+        """Tensors per layer: keys and values."""
+        return 2
+
+    def storage(self) -> "AttentionSpec":
+        """What a tensor shared with another group must agree on: the spec without its window."""
+        return AttentionSpec(self.kv_heads, self.head_dim, self.dtype)
 
 
-KVSpec = FullAttention  # the kinds of layer memory this engine holds
+@dataclass(frozen=True)
+class MLASpec:
+    """Per layer, one [pages, page_size, 1, latent_dim + rope_dim] tensor: the compressed latent that keys and
+    values are decompressed from, then the rope part of the key."""
+
+    latent_dim: int  # kv_lora_rank
+    rope_dim: int  # qk_rope_head_dim
+    dtype: torch.dtype
+
+    @property
+    def window(self) -> int:
+        return 0
+
+    @property
+    def token_bytes(self) -> int:
+        return (self.latent_dim + self.rope_dim) * self.dtype.itemsize
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return 1, self.latent_dim + self.rope_dim
+
+    @property
+    def tensors(self) -> int:
+        return 1
+
+    def storage(self) -> "MLASpec":
+        return self
+
+
+KVSpec = AttentionSpec | MLASpec
 
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Layers that keep the same kind of memory."""
+    """Layers that keep the same kind of memory in the same pages: layers[i] in the pool's tensor i."""
 
     spec: KVSpec
     layers: tuple[int, ...]  # decoder layer indices
 
     @property
-    def token_bytes(self) -> int:
-        """What one token takes over the group's layers."""
-        return len(self.layers) * self.spec.token_bytes
+    def window(self) -> int:
+        return self.spec.window
+
+
+def group_layers(specs: list[KVSpec]) -> list[LayerGroup]:
+    """Groups of the layers (specs[i]: layer i's), each of one spec and, but for the last of a spec, of the size of
+    the smallest kind: a page of any group then spans the same tensors. Layers of different kinds must store alike
+    (the same heads, widths and dtype)."""
+    kinds: dict[KVSpec, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        kinds.setdefault(spec, []).append(layer)
+    if len({spec.storage() for spec in kinds}) > 1:
+        raise ValueError(f"layers of different kinds store different shapes: {sorted(map(str, kinds))}")
+    size = min(len(layers) for layers in kinds.values())
+    return [LayerGroup(spec, tuple(layers[i:i + size])) for spec, layers in kinds.items()
+            for i in range(0, len(layers), size)]
+
+
+def group_size(groups: list[LayerGroup]) -> int:
+    """The pool's tensors per kind (keys, values): the largest group's layers."""
+    return max(len(group.layers) for group in groups)
 
 
 def token_bytes(groups: list[LayerGroup]) -> int:
-    """What one token of a sequence takes in the KV memory, every layer included."""
-    return sum(group.token_bytes for group in groups)
+    """What one page slot takes in the pool: a token of one group, over the tensors every group shares."""
+    return group_size(groups) * groups[0].spec.token_bytes
+
+
+def full_attention_bytes(groups: list[LayerGroup]) -> int:
+    """What one token would take if every layer kept it (the baseline a window or a latent is measured against)."""
+    return sum(len(group.layers) * group.spec.token_bytes for group in groups)

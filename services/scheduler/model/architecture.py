@@ -1,23 +1,79 @@
 """What the engine reads of a model's config: the kind of memory each of its layers keeps (kv/specs.py), grouped,
-and a refusal, at load and by name, of what it does not implement."""
+and a refusal, at load and by name, of what it does not implement.
+
+A layer attends fully or within a sliding window as transformers' own forward does: by `layer_types` where the
+config has them (Gemma 3, OLMo 3, gpt-oss, Qwen2/3 with use_sliding_window), else every layer within
+`sliding_window` where that is set (Mistral, Mixtral, Phi-3, Starcoder2 pass it to every layer). The attention
+checks, at every layer, that the window transformers passes is the one its memory keeps (model/attention.py), and
+the model runner runs a first step at load, so that a model read otherwise fails at start.
+"""
+
+from collections import Counter
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from services.scheduler.kv.specs import FullAttention, LayerGroup
+from services.scheduler.kv.specs import AttentionSpec, KVSpec, LayerGroup, group_layers
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Config fields whose feature the engine does not implement, and what it is: the model is refused when one is set.
+UNSUPPORTED_FIELDS = {
+    "attn_logit_softcapping": "attention logit soft-capping (Gemma 2)",
+    "final_logit_softcapping": "final logit soft-capping (Gemma 2)",
+    "logit_scale": "scaled logits (Cohere)",
+    "logits_scaling": "scaled logits (Granite)",
+    "index_topk": "sparse attention (DeepSeek V3.2's indexer)",
+    "kv_lora_rank": "multi-head latent attention (DeepSeek V3, Kimi K2)",
+}
+NEUTRAL = (None, 1, 1.0)
 
 
 class UnsupportedModel(ValueError):
     """A checkpoint the engine cannot run: the message names the model, the feature, and what is supported."""
 
 
-def layer_groups(name: str, text_config, dtype: torch.dtype) -> list[LayerGroup]:
-    """The model's decoder layers grouped by the KV memory they keep, stored in `dtype`."""
+def check_supported(name: str, config) -> None:
+    """Refuse a config (raw dict or transformers config) that asks for what the engine does not implement."""
+    fields = config if isinstance(config, dict) else config.to_dict()
+    for key, feature in UNSUPPORTED_FIELDS.items():
+        if fields.get(key) not in NEUTRAL:
+            raise UnsupportedModel(f"{name}: {feature} ({key} = {fields[key]}) is not supported by this engine")
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    # One set of parameters, or one per layer type (Gemma 3's).
+    for parameters in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+        rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise UnsupportedModel(f"{name}: rope type {rope_type!r} is not supported; supported: default, "
+                                   f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+
+
+def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[KVSpec]:
+    """What each decoder layer keeps per token, stored in `dtype`."""
+    check_supported(name, text_config)
     layers = int(text_config.num_hidden_layers)
-    layer_types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * layers)
-    if unknown := sorted(set(layer_types) - {"full_attention"}):
+    window = getattr(text_config, "sliding_window", None) or 0
+    layer_types = list(getattr(text_config, "layer_types", None) or
+                       ["sliding_attention" if window else "full_attention"] * layers)
+    if unknown := sorted(set(layer_types) - set(LAYER_TYPES)):
         raise UnsupportedModel(f"{name}: layer type {', '.join(unknown)} is not supported; this engine runs "
-                               "full_attention layers")
+                               f"{' and '.join(LAYER_TYPES)} layers")
+    if "sliding_attention" in layer_types and not window:
+        raise UnsupportedModel(f"{name}: sliding_attention layers, but no sliding_window in the config")
     heads = int(text_config.num_attention_heads)
-    head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
+    head_dim = int(getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads)
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-    return [LayerGroup(FullAttention(kv_heads, int(head_dim), dtype), tuple(range(layers)))]
+    return [AttentionSpec(kv_heads, head_dim, dtype, window if kind == "sliding_attention" else 0)
+            for kind in layer_types[:layers]]
+
+
+def layer_groups(name: str, text_config, dtype: torch.dtype) -> list[LayerGroup]:
+    """The model's decoder layers grouped by the KV memory they keep."""
+    return group_layers(layer_specs(name, text_config, dtype))
+
+
+def describe_groups(groups: list[LayerGroup]) -> str:
+    """The layers by kind, for logs and refusals: "24 layers: 12 full attention, 12 sliding window 128"."""
+    kinds: Counter[str] = Counter()
+    for group in groups:
+        kinds["full attention" if not group.window else f"sliding window {group.window}"] += len(group.layers)
+    return f"{sum(kinds.values())} layers: " + ", ".join(f"{count} {kind}" for kind, count in kinds.items())

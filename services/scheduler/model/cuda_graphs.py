@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from services.scheduler.kv.pool import KVPool
-from services.scheduler.model.attention import PagedBatch
+from services.scheduler.model.attention import GroupStep, PagedBatch
 from services.scheduler.model.triton_attention import DECODE_BLOCK_N, Launch, TritonPlan, block_m_for, decode_splits
 
 DecoderForward = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]  # ids, positions -> hidden [T, h]
@@ -105,11 +105,11 @@ class DecodeGraphs:
         return self.hidden[:batch]
 
     def _capture(self, size: int) -> _Captured:
-        splits = decode_splits(size, self.kv.groups[0].spec.kv_heads, self.device)
+        splits = decode_splits(size, self.kv.groups[0].spec.page_shape[0], self.device)
         launch = Launch(self._rows[:size], self._rows[:size], self._ones[:size], self.key_positions[:size],
                         block_m_for(self.group, 1), DECODE_BLOCK_N, splits)
-        paged = PagedBatch(self.kv, self.write_pages[:size], self.write_offsets[:size],
-                           TritonPlan(self.page_tables[:size], [launch], self.group))
+        plan = TritonPlan(self.page_tables[:size], [launch], self.group)
+        paged = PagedBatch(self.kv, self.write_offsets[:size], [GroupStep(self.write_pages[:size], plan)])
 
         def run() -> None:
             self.hidden[:size].copy_(self.forward(self.input_ids[:size], self.positions[:size], paged))

@@ -44,6 +44,12 @@ class ExpertRouting:
     def __init__(self, model: nn.Module, kv: KVPool):
         found = routers(model)
         self.kv = kv
+        # The table is laid out as a full-attention group's pages: a window group gives its pages back.
+        full = [i for i, group in enumerate(kv.groups) if not group.window]
+        if not full:
+            raise ValueError("--enable-return-routed-experts: every layer of this model attends within a sliding "
+                             "window, and the routing is kept with full-attention KV")
+        self.group = full[0]
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (pages, offsets) of the step's tokens
         for layer, module in found:
             module.register_forward_hook(partial(self._record, layer))

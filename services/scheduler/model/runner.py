@@ -19,7 +19,7 @@ from transformers.utils import logging as transformers_logging
 
 from services.scheduler.kv.pool import KVPool, pool_pages
 from services.scheduler.kv.specs import token_bytes
-from services.scheduler.model.architecture import layer_groups
+from services.scheduler.model.architecture import UnsupportedModel, describe_groups, layer_groups
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
@@ -76,6 +76,7 @@ class ModelRunner:
         replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
         checkpoint's config alone), else the checkpoint's."""
         self.logits_chunk_rows = logits_chunk_rows
+        self.name = str(model_dir)
         self.device = pick_device(device)
         self.attention_backend = check_backend(attention_backend, self.device)
         config = AutoConfig.from_pretrained(model_dir)
@@ -96,19 +97,21 @@ class ModelRunner:
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = eos_token_ids(self.model)
         self.max_context = min(context_length or model_max_context(text_config), model_max_context(text_config))
-        self.query_group = text_config.num_attention_heads // groups[0].spec.kv_heads
+        self.query_group = text_config.num_attention_heads // groups[0].spec.page_shape[0]
+        self.kv_windows = tuple(group.window for group in groups)
         self.kv_token_bytes = per_token = token_bytes(groups)
         self.page_size = page_size
-        self.num_pages = pool_pages(max_total_tokens, page_size, per_token, self.device, mem_fraction_static)
+        self.num_pages = pool_pages(max_total_tokens, page_size, groups, self.device, mem_fraction_static)
         self.kv = KVPool(groups, self.num_pages, page_size, self.device,
                          routed_top_k=router_top_k(self.model) if routed_experts else 0)
         self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
         self.sampler = Sampler(max_running, self.vocab_size, self.device)
         self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
-        log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d tokens (%d pages of %d, %.2f GiB, %d "
-                 "bytes a token)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
-                 self.max_context, (self.num_pages - 1) * page_size, self.num_pages - 1, page_size,
-                 self.kv.bytes / 2**30, per_token)
+        self._check_a_step()
+        log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d pages of %d tokens (%.2f GiB, %d bytes a "
+                 "page slot; %s)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
+                 self.max_context, self.num_pages - 1, page_size, self.kv.bytes / 2**30, per_token,
+                 describe_groups(groups))
 
     def _decode_graphs(self, max_batch: int, hidden_size: int) -> "DecodeGraphs | None":
         if not max_batch:
@@ -119,6 +122,9 @@ class ModelRunner:
         if self.expert_routing is not None:
             raise ValueError("--enable-cuda-graph: not with --enable-return-routed-experts (its recording runs on "
                              "the host, per step)")
+        if len(self.kv.groups) > 1:
+            raise ValueError("--enable-cuda-graph: decode graphs hold one page table per row, and this model's layers "
+                             f"keep their KV in {len(self.kv.groups)} groups ({describe_groups(self.kv.groups)})")
         from services.scheduler.model.cuda_graphs import DecodeGraphs  # imports triton
 
         # Off CUDA only the interpreted kernels get here (check_backend): the tests, which run graphs eagerly.
@@ -149,14 +155,34 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's tokens."""
-        tables = [row.request.kv.page_table for row in batch.rows]
-        if self.graphs is not None and len(input_ids) == len(tables) and self.graphs.holds(len(tables)):
-            return self.graphs.run(input_ids, positions, tables)  # every row decodes: one token each
+        tables = [[row.request.kv.tables[group] for row in batch.rows] for group in range(len(self.kv.groups))]
+        if self.graphs is not None and len(input_ids) == len(batch.rows) and self.graphs.holds(len(batch.rows)):
+            return self.graphs.run(input_ids, positions, tables[0])  # every row decodes: one token each
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)
         ends = np.array([row.end for row in batch.rows], dtype=np.int64)
+        return self._forward_rows(tables, starts, ends, input_ids, positions)
+
+    def _forward_rows(self, tables: list[list[list[int]]], starts: np.ndarray, ends: np.ndarray,
+                      input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group)
-        with self.expert_routing.recording(tables, starts, ends) if self.expert_routing else nullcontext():
+        routing = self.expert_routing
+        with routing.recording(tables[routing.group], starts, ends) if routing else nullcontext():
             return self._decode(self._tensor(input_ids), self._tensor(positions), paged)
+
+    @torch.inference_mode()
+    def _check_a_step(self) -> None:
+        """Run one prefill of two tokens in the padding page before serving, so that a model the engine cannot run
+        fails at start, naming its model, rather than on its first request."""
+        try:
+            tables = [[[0, 0]] for _ in self.kv.groups]
+            rows = np.array([0]), np.array([2])
+            self.logits(self._forward_rows(tables, *rows, np.array([0, 0]), np.array([0, 1])))
+        except Exception as exc:
+            raise UnsupportedModel(f"{self.name}: a first step failed ({type(exc).__name__}: {exc})") from exc
+        finally:
+            self.kv.clear_padding()
+            if self.expert_routing is not None:
+                self.kv.routed_experts[0] = -1
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

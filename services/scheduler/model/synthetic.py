@@ -62,6 +62,7 @@ class SyntheticRunner:
         self.eos_token_ids = _eos_ids(model_dir, config)
         self.max_context = min(context_length or model_max_context(config), model_max_context(config))
         self.page_size = page_size
+        self.kv_windows: tuple[int, ...] = (0,)  # one group of pages, which the policy counts
         self.num_pages = (max_total_tokens or DEFAULT_CPU_TOKENS) // page_size + 1
         self.expert_routing: ExpertRouting | None = None  # no model, no routers
         self.device, self.dtype = torch.device("cpu"), torch.float32
