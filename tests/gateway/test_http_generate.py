@@ -2,6 +2,7 @@
 
 import base64
 import concurrent.futures
+import json
 
 import numpy as np
 import pytest
@@ -231,9 +232,16 @@ def test_the_client_rid_names_the_request(http):
     for rid, text in ((["a", "a"], [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT), ("", [PROMPT, PROMPT])):
         refused = http.post("/generate", json={"text": text, "rid": rid, **body})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", (rid, refused.text)
-    with http.stream("POST", "/generate", json={"text": PROMPT, "rid": "busy", "stream": True,
-                                                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as s:
-        next(s.iter_lines())  # running
+    # The stream asks for all that the context leaves, and runs until it is aborted: its last event says so, proof
+    # that it was running while the second request was answered (400 tokens could end first, freeing the rid).
+    longest = http.get("/get_server_info").json()["context_length"] - meta["prompt_tokens"]
+    with http.stream("POST", "/generate", json={"text": PROMPT, "rid": "busy", "stream": True, "sampling_params": {
+            "max_new_tokens": longest, "ignore_eos": True}}) as s:
+        lines = s.iter_lines()
+        next(lines)  # running
         again = http.post("/generate", json={"text": PROMPT, "rid": "busy", **body})
         assert again.status_code == 400 and again.json()["error"]["param"] == "rid"
         assert http.post("/abort_request", json={"rid": "busy"}).status_code == 200
+        last = json.loads([line for line in lines if line.startswith("data: {")][-1].removeprefix("data: "))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+    assert last["meta_info"]["completion_tokens"] < longest
