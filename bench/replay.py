@@ -57,8 +57,9 @@ from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.gateway.accumulator import Accumulator
 from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import Chunk, EngineClient, GenerateInput, GenerationState
+from services.gateway.engine_client import Chunk, EngineClient, GenerationState
 from services.gateway.http.meta_info import base_meta_info
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.render import LogprobFormat, chat_logprobs, dumps, logprob_meta_info
 from services.gateway.render.packed import packed_response
 from services.gateway.result import RequestResult

@@ -29,12 +29,13 @@ import numpy as np
 from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs
 from flatwire_wire.public import WeightVersionSpan
 from flatwire_wire.rpc import FIELD_METADATA
-from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, TokenizedRequest
-from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, StepMessage
+from flatwire_wire.scheduler import ModelInfo, TokenizedRequest
+from flatwire_wire.steps import Finish, FinishReason, StepMessage
 
 from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.protocol.parse import rename_field
 from services.gateway.read_delay import ReadDelay
 from services.gateway.result import RequestResult
@@ -68,22 +69,6 @@ class RequestError(Exception):
         self.status = status
         self.field = field
         self.message = message
-
-
-@dataclass
-class GenerateInput:
-    input_ids: list[int]
-    sampling: SamplingParams
-    logprob: LogprobParams
-    detokenize: DetokenizeParams
-    stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
-    rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
-    routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
-    return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
-    routed_experts_start_len: int = 0
-    # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
-    # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
-    fields: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

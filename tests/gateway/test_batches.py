@@ -12,9 +12,10 @@ import pytest
 from flatwire_wire.steps import FinishReason
 
 from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import Chunk, GenerateInput, RequestError
+from services.gateway.engine_client import Chunk, RequestError
 from services.gateway.http import streams
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.result import RequestResult
 
 MAX_BATCH_SIZE = GatewayConfig().max_batch_size

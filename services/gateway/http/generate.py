@@ -8,18 +8,18 @@ from fastapi.responses import StreamingResponse
 from flatwire_wire.scheduler import LogprobParams
 from starlette.background import BackgroundTask
 
-from services.gateway.engine_client import Chunk, GenerateInput
+from services.gateway.engine_client import Chunk
 from services.gateway.http.accept import prefers
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.parse import InvalidRequest, ModelLimits, is_id_lists
-from services.gateway.protocol.sampling import DEFAULT_MAX_NEW_TOKENS
+from services.gateway.prompts import encode_texts
+from services.gateway.protocol.cost import LogprobFields
+from services.gateway.protocol.intake import GenerateInput, generate_inputs
+from services.gateway.protocol.parse import InvalidRequest, is_id_lists
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render import packed as packed_format
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
@@ -73,24 +73,8 @@ async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]
         ids = prompts
     else:
         ids = await encode_texts(gateway.engine.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
-    inputs = [generate_input(req, i, prompt_ids, gateway.limits, sample)
-              for i, prompt_ids in enumerate(ids) for sample in range(req.samples_per_prompt)]
-    check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
-    return inputs
-
-
-def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: ModelLimits,
-                   sample: int = 0) -> GenerateInput:
-    """Prompt i's GenerateInput for its `sample`-th sample (of n: seeded apart, as the OpenAI routes' choices),
-    after the checks that need its tokens (the public gRPC API's too)."""
-    options = req.sampling_for(i)
-    max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.requested_max_new_tokens,
-                            f"{req.sampling_field(i)}.max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    req.check_logprob_start_len(i, len(prompt_ids))
-    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(i),
-                         detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),
-                         rid=req.rid_for(i), return_routed_experts=req.return_routed_experts,
-                         routed_experts_start_len=req.routed_experts_start_len)
+    return generate_inputs([(req.prompt(i), prompt_ids) for i, prompt_ids in enumerate(ids)], gateway.limits,
+                           LOGPROB_FIELDS, req.samples_per_prompt)
 
 
 def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult, prompt_side: bool = True) -> dict:

@@ -14,7 +14,6 @@ from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
-    choice_inputs,
     choice_meta_info,
     chunk_head,
     finish_fields,
@@ -23,11 +22,12 @@ from services.gateway.http.openai_common import (
     usage,
 )
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import check_lengths, encode_chat
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.openai import ChatCompletionRequest
+from services.gateway.prompts import encode_chat
+from services.gateway.protocol.cost import LogprobFields
+from services.gateway.protocol.intake import generate_inputs
+from services.gateway.protocol.openai import ChatCompletionRequest, prompt_request
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render import assistant
 from services.gateway.render.openai_chat import chat_logprobs
@@ -53,10 +53,8 @@ async def chat_completions(request: Request) -> Response:
                              "--tool-call-parser; give tool_choice required, a function's name, or none")
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
                             req.template_tools(), req.template_kwargs())
-    max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
-    inputs = choice_inputs(req, ids, max_new)
-    check_logprob_elements(inputs, gateway.limits,
-                           LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
+    inputs = generate_inputs([(prompt_request(req), ids)], gateway.limits,
+                             LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"), req.n)
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
                                  routing_key(request.headers) or req.prompt_cache_key)
     if req.stream:

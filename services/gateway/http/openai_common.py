@@ -3,10 +3,10 @@
 import time
 import uuid
 
-from services.gateway.engine_client import Chunk, GenerateInput
+from services.gateway.engine_client import Chunk
 from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
-from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from services.gateway.protocol.openai import OpenAIRequest
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.result import RequestResult
@@ -28,16 +28,6 @@ def chunk_head(gateway: Gateway, req: OpenAIRequest, kind: str, id_prefix: str) 
     head = {"id": response_id(id_prefix), "object": kind, "created": int(time.time()),
             "model": gateway.engine.model_name}
     return head | {"usage": None} if req.include_usage else head
-
-
-def choice_inputs(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                  max_new: int) -> list[GenerateInput]:
-    """A prompt's n choices; choice j samples with its own seed (seed + j), so that seeded choices differ yet
-    reproduce."""
-    return [GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
-                          detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
-                          return_routed_experts=req.return_routed_experts)
-            for j in range(req.n)]
 
 
 def finish_fields(result: RequestResult) -> dict:

@@ -11,7 +11,6 @@ from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
-    choice_inputs,
     choice_meta_info,
     chunk_head,
     finish_fields,
@@ -20,11 +19,12 @@ from services.gateway.http.openai_common import (
     usage,
 )
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.openai import CompletionRequest
+from services.gateway.prompts import encode_texts
+from services.gateway.protocol.cost import LogprobFields
+from services.gateway.protocol.intake import generate_inputs
+from services.gateway.protocol.openai import CompletionRequest, prompt_request
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
 from services.gateway.result import RequestResult
@@ -51,11 +51,8 @@ async def completions(request: Request) -> Response:
         # decoding millions of ids for echo is CPU work for a worker thread, not the event loop
         ids, texts = prompts, (await asyncio.to_thread(tokenizer.batch_decode, prompts) if req.echo
                                else [""] * len(prompts))
-    inputs = []
-    for prompt_ids in ids:
-        max_new = check_lengths(prompt_ids, gateway.limits, "prompt", req.max_tokens, "max_tokens")
-        inputs += choice_inputs(req, prompt_ids, max_new)  # choice p * n + j: prompt p's j-th sample
-    check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
+    prompt = prompt_request(req)  # choice p * n + j: prompt p's j-th sample
+    inputs = generate_inputs([(prompt, prompt_ids) for prompt_ids in ids], gateway.limits, LOGPROB_FIELDS, req.n)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,

@@ -15,6 +15,7 @@ from flatwire_wire.scheduler import LogprobParams
 from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.agents.tool_choice import named_call_schema, required_calls_schema
+from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
     InvalidRequest,
     LogprobsModeName,
@@ -26,7 +27,7 @@ from services.gateway.protocol.parse import (
     limits_of,
     logprobs_mode,
 )
-from services.gateway.protocol.sampling import CONSTRAINTS, SamplingFields, unsupported
+from services.gateway.protocol.sampling import CONSTRAINTS, DetokenizeFields, SamplingFields, unsupported
 from services.gateway.protocol.sglang import SGLangServerFields
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens for completions, given or null
@@ -73,7 +74,7 @@ def _no_other_constraint(value: ResponseFormat | None, info: ValidationInfo) -> 
     return value
 
 
-class OpenAIRequest(SamplingFields, SGLangServerFields):
+class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     """What chat and completions share."""
 
     model: str
@@ -437,3 +438,11 @@ class CompletionRequest(OpenAIRequest):
         # echo returns the prompt's logprobs too, from its first position.
         return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
                              logprob_start_len=0 if self.echo else -1, logprobs_mode=logprobs_mode(self.logprobs_mode))
+
+
+def prompt_request(req: ChatCompletionRequest | CompletionRequest) -> PromptRequest:
+    """The request's prompt (each of a completion's prompts) for the intake, whose n samples are its choices."""
+    return PromptRequest(sampling=req, max_new_tokens=req.requested_max_tokens, default_max_new_tokens=None,
+                         detokenize=req.detokenize(req.min_new_tokens), logprob=req.logprob(),
+                         fields=req.scheduler_fields(), stream=req.stream,
+                         return_routed_experts=req.return_routed_experts)
