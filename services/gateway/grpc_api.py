@@ -88,14 +88,9 @@ class GenerationService:
             # Off the event loop: tokenizing a long text takes seconds that HTTP and other streams must not wait.
             inp = await asyncio.to_thread(self.to_input, request)
             inp.routing_key = routing_key(dict(context.invocation_metadata() or ()))
-            prompt_tokens = len(inp.input_ids)
-            completion_tokens = 0
-            async for chunk in self.engine.generate(inp):
-                completion_tokens += len(chunk.token_ids)
-                if not request.stream and chunk.result is None:
-                    continue
-                # Without stream, the only chunk is the whole output (the pipeline wakes it once, at the end).
-                yield packed_response(chunk, prompt_tokens, completion_tokens)
+            async for reply in self.engine.generate(inp):
+                # A stream's reply: what it brought; otherwise the only reply, at the end: the whole output.
+                yield packed_response(reply, reply.new if request.stream else reply.whole)
         except RequestError as exc:
             # The status, then a plain return: context.abort() would raise an AbortError chained to this
             # exception, whose traceback holds the request's frames (a 20 MB text), and grpc keeps the

@@ -175,11 +175,11 @@ def _health_input() -> GenerateInput:
 
 
 async def _one_token(gateway: Gateway) -> None:
-    async with aclosing(gateway.engine.generate(_health_input())) as chunks:
-        async for chunk in chunks:
-            if chunk.result is not None:
-                if chunk.result.finish_reason == FinishReason.ABORT:
-                    raise RequestError("unavailable", None, chunk.result.error or "aborted")
+    async with aclosing(gateway.engine.generate(_health_input())) as replies:
+        async for reply in replies:
+            if (ending := reply.ending) is not None:
+                if ending.reason == FinishReason.ABORT:
+                    raise RequestError("unavailable", None, ending.error or "aborted")
                 return
     raise RequestError("unavailable", None, "the generation ended without a result")
 
