@@ -5,8 +5,8 @@ import asyncio
 
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
 from services.gateway.prompt_bound import check_prompt_text
+from services.gateway.protocol.chat import ChatMessage
 from services.gateway.protocol.intake import prompt_too_long
-from services.gateway.protocol.openai import ChatMessage
 from services.gateway.protocol.parse import InvalidRequest
 
 ENCODE_GROUP_CHARS = 1 << 20  # texts tokenized in one call: the tokenizer's buffers for ~1 MB of text at a time
