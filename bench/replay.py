@@ -9,11 +9,11 @@ the services' own code in process, without sockets:
 - detokenize: the detokenizer's work per message: StepOutput.FromString,
   DetokenizerManager.process (incremental decode, stop strings), Router.publish (the
   owner's slice) and SerializeToString of what goes to the gateway.
-- accumulate: the gateway's EngineClient._dispatch of every message, the chunks a request's
-  generator takes (EngineClient._take_chunk: one per message when streaming, else one at the
-  end), and _finish.
-- build / serialize: the response in each client format from the finished
-  RequestResult (the renderers the HTTP and gRPC routes call), then orjson /
+- accumulate: the gateway's EngineClient._dispatch of every message, the replies a request's
+  generator takes (EngineClient._reply: one per message when streaming, else one at the
+  end), _finish, and the last reply's whole output.
+- build / serialize: the response in each client format from the last Reply's whole
+  output (the renderers the HTTP and gRPC routes call), then orjson /
   SerializeToString.
 - client: parse the body (stdlib json and orjson) and turn the top-k into numpy arrays.
 
@@ -28,6 +28,7 @@ wall time would count other processes' turns on the cores.
 
 import argparse
 import base64
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -57,11 +58,12 @@ from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.router import Router
 from services.gateway.accumulator import Accumulator
 from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import Chunk, EngineClient, GenerateInput, GenerationState
+from services.gateway.engine_client import EngineClient, GenerationState
 from services.gateway.http.meta_info import base_meta_info
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.render import LogprobFormat, chat_logprobs, dumps, logprob_meta_info
 from services.gateway.render.packed import packed_response
-from services.gateway.result import RequestResult
+from services.gateway.reply import Reply
 from services.gateway.token_table import TokenTable
 
 SHAPES = [(160, 128), (1000, 32), (1000, 128)]
@@ -153,9 +155,9 @@ def detokenize(tokenizer, workload: Workload) -> list[bytes]:
     return sent
 
 
-def accumulate(engine: EngineClient, workload: Workload, received: list[bytes]) -> list[RequestResult]:
-    """The gateway's receiving side: dispatch every message and take the chunks a request's generator would
-    (streaming: one per message; otherwise one, the whole output, at the end)."""
+def accumulate(engine: EngineClient, workload: Workload, received: list[bytes]) -> list[Reply]:
+    """The gateway's receiving side: dispatch every message and take the replies a request's generator would
+    (streaming: one per message; otherwise one, the whole output, at the end); the last ones' whole outputs."""
     stream = workload.interval == 1
     inp = GenerateInput(input_ids=list(range(8)), sampling=SamplingParams(max_new_tokens=workload.tokens),
                         logprob=LogprobParams(return_logprob=True, top_logprobs_num=workload.k, logprob_start_len=-1),
@@ -163,43 +165,43 @@ def accumulate(engine: EngineClient, workload: Workload, received: list[bytes]) 
     states = [GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
                            outputs=Accumulator(inp.logprob, workload.tokens)) for rid in workload.rids]
     engine._requests = {state.rid: state for state in states}
+    replies: list[Reply] = []
     for n, data in enumerate(received, 1):
         engine._dispatch(decode_step(data))
         if stream or n == len(received):
-            for state in states:
-                engine._take_chunk(state)
-    return [state.result for state in states]
+            replies = [engine._reply(state) for state in states]
+    for reply in replies:
+        assert reply.whole  # built here, as a route asks for it
+    return replies
 
 
 # ---- client formats: build, serialize, client parse + decode ----
 
 @dataclass
 class Format:
-    build: Callable[[RequestResult], object]
+    build: Callable[[Reply], object]
     serialize: Callable[[object], bytes]
     client: Callable[[bytes, Callable], object]  # (body, json loads) -> the top-k as numpy arrays
 
 
-def _generate_body(fmt: LogprobFormat, table: TokenTable) -> Callable[[RequestResult], dict]:
+def _generate_body(fmt: LogprobFormat, table: TokenTable) -> Callable[[Reply], dict]:
     # What the /generate route returns (services/gateway/http/generate.py, _body).
-    return lambda result: {"text": result.text, "output_ids": result.output_ids,
-                           "meta_info": base_meta_info(result) | logprob_meta_info(result, fmt, table)}
+    return lambda result: {"text": result.whole.text, "output_ids": result.whole.token_ids,
+                           "meta_info": base_meta_info(result) | logprob_meta_info(result.whole, fmt, table)}
 
 
-def _chat_body(table: TokenTable) -> Callable[[RequestResult], dict]:
+def _chat_body(table: TokenTable) -> Callable[[Reply], dict]:
     # What /v1/chat/completions returns (services/gateway/http/openai_chat.py, _choice).
     return lambda result: {
         "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": chat_logprobs(result.output, table), "finish_reason": "length"}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.whole.text},
+                     "logprobs": chat_logprobs(result.whole.output, table), "finish_reason": "length"}],
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}}
 
 
-def _packed(result: RequestResult) -> GenerateResponse:
-    # What the public gRPC Generate returns (services/gateway/grpc_api.py) for a finished request.
-    whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,
-                  result=result, weight_versions=result.weight_versions)
-    return packed_response(whole, result.prompt_tokens, result.completion_tokens)
+def _packed(result: Reply) -> GenerateResponse:
+    # What the public gRPC Generate returns (services/gateway/grpc_api.py) for a request that did not stream.
+    return packed_response(result, result.whole)
 
 
 def _nested_client(body: bytes, loads) -> tuple:
@@ -251,25 +253,31 @@ SGLANG_ROW = {"SGLang nested + text": "nested", "SGLang flat base64": "flat b64"
 NO_CLIENT_JSON = {"gRPC raw (GenerateResponsePacked)"}
 
 
-def without_topk(result: RequestResult) -> RequestResult:
+def _with_whole(result: Reply, **changes) -> Reply:
+    """The same last reply, its whole output changed."""
+    return dataclasses.replace(result, new=dataclasses.replace(result.whole, **changes), so_far=None)
+
+
+def without_topk(result: Reply) -> Reply:
     """The same response with k=0: its size is the body's fixed part."""
-    o = result.output
+    o = result.whole.output
     track = RequestLogprobs(o.token_logprobs, o.topk_values[:, :0], o.topk_ids[:, :0], o.ids_logprobs,
                             token_ids=o.token_ids)
-    return RequestResult(**{**result.__dict__, "output": track})
+    return _with_whole(result, output=track)
 
 
-def truncated(result: RequestResult, tokens: int, k: int) -> RequestResult:
+def truncated(result: Reply, tokens: int, k: int) -> Reply:
     """The first `tokens` positions and `k` candidates of a finished result."""
-    o = result.output
+    o = result.whole.output
     track = RequestLogprobs(o.token_logprobs[:tokens], np.ascontiguousarray(o.topk_values[:tokens, :k]),
                             np.ascontiguousarray(o.topk_ids[:tokens, :k]), o.ids_logprobs[:tokens],
                             token_ids=o.token_ids[:tokens])
-    return RequestResult(**{**result.__dict__, "output": track, "output_ids": result.output_ids[:tokens]})
+    return dataclasses.replace(_with_whole(result, output=track, token_ids=result.whole.token_ids[:tokens]),
+                               completion_tokens=tokens)
 
 
-def floor_parts(result: RequestResult) -> dict[str, Callable[[], object]]:
-    track = result.output
+def floor_parts(result: Reply) -> dict[str, Callable[[], object]]:
+    track = result.whole.output
     return {
         "copy": lambda: (track.topk_values.copy(), track.topk_ids.copy()),
         "base64": lambda: (pybase64.b64encode(track.topk_values.data), pybase64.b64encode(track.topk_ids.data)),
@@ -320,7 +328,8 @@ def run(repeats: int) -> dict:
             if batch == 1:
                 shape["results"] = results
         result = shape["results"][0]
-        assert result.text and result.output.topk_values.shape == (tokens, k), "replay did not reassemble"
+        whole = result.whole
+        assert whole.text and whole.output.topk_values.shape == (tokens, k), "replay did not reassemble"
         for name, part in floor_parts(result).items():
             timer.add((tokens, k, "floor", name), part)
         for name, fmt in fmts.items():

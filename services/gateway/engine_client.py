@@ -27,17 +27,17 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 from flatwire_wire.logprobs import I32, LogprobBlock, RequestLogprobs
-from flatwire_wire.public import WeightVersionSpan
 from flatwire_wire.rpc import FIELD_METADATA
-from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, TokenizedRequest
-from flatwire_wire.steps import DetokenizeParams, Finish, FinishReason, StepMessage
+from flatwire_wire.scheduler import ModelInfo, TokenizedRequest
+from flatwire_wire.steps import Finish, FinishReason, StepMessage
 
 from services.gateway.accumulator import Accumulator, OutputLost
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenizers import DetokenizerStreams
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.protocol.parse import rename_field
 from services.gateway.read_delay import ReadDelay
-from services.gateway.result import RequestResult
+from services.gateway.reply import Ending, Reply
 from services.gateway.schedulers import SchedulerPool
 
 log = logging.getLogger("flatwire.gateway")
@@ -71,44 +71,14 @@ class RequestError(Exception):
 
 
 @dataclass
-class GenerateInput:
-    input_ids: list[int]
-    sampling: SamplingParams
-    logprob: LogprobParams
-    detokenize: DetokenizeParams
-    stream: bool = False  # chunks as tokens arrive; otherwise one chunk, the whole output
-    rid: str | None = None  # the client's id for the request (SGLang's rid); None: a fresh uuid
-    routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
-    return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
-    routed_experts_start_len: int = 0
-    # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
-    # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
-    fields: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Chunk:
-    """What arrived for one request since the previous chunk."""
-
-    token_ids: list[int]
-    text: str
-    rid: str = ""  # the request's id (meta_info.id while streaming)
-    output: RequestLogprobs | None = None  # rows of token_ids, when return_logprob
-    prompt: RequestLogprobs | None = None  # in the first chunk, when prompt logprobs were asked
-    result: RequestResult | None = None  # the whole request, on the last chunk
-    weight_versions: list[WeightVersionSpan] = field(default_factory=list)  # of the request's tokens so far
-
-
-@dataclass
 class GenerationState:
     rid: str
     inp: GenerateInput
     started_at: float
     outputs: Accumulator
     scheduler: str = ""
-    prompt: RequestLogprobs | None = None
-    prompt_sent: bool = False
-    result: RequestResult | None = None
+    ending: Ending | None = None  # how it ended, once it did
+    ended_at: float = 0.0
     failure: str | None = None  # why the request failed (a server-side fault)
     abort_requested: bool = False  # by EngineClient.abort: stopped in its scheduler as soon as it has one
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -116,7 +86,7 @@ class GenerationState:
 
     @property
     def ended(self) -> bool:
-        return self.result is not None or self.failure is not None
+        return self.ending is not None or self.failure is not None
 
 
 @dataclass
@@ -199,8 +169,9 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerateInput, admission: Admission | None = None) -> AsyncGenerator[Chunk, None]:
-        """One generation's chunks. Admitted by `admission` (a batch's, from admit()), or here on its own."""
+    async def generate(self, inp: GenerateInput, admission: Admission | None = None) -> AsyncGenerator[Reply, None]:
+        """One generation's replies: a stream's as its tokens arrive, any other's one, at its end (the last reply
+        has its ending). Admitted by `admission` (a batch's, from admit()), or here on its own."""
         if admission is not None and admission.started < admission.count:
             admission.started += 1
             self._reserved -= 1
@@ -226,20 +197,20 @@ class EngineClient:
                     await state.wakeup.wait()
                     late = time.perf_counter() - state.woken_at
                     if late > COALESCE_AFTER_S and coalesce_s and state.inp.stream and not state.ended:
-                        await asyncio.sleep(min(late, coalesce_s))  # the next messages' tokens join this chunk
+                        await asyncio.sleep(min(late, coalesce_s))  # the next messages' tokens join this reply
                 state.wakeup.clear()
                 if state.failure is not None:
                     raise RequestError("unavailable", None, state.failure)
-                chunk = self._take_chunk(state)
-                if chunk.token_ids or chunk.prompt is not None or chunk.result is not None:
-                    yield chunk
-                if chunk.result is not None:
+                reply = self._reply(state)
+                if reply.new.token_ids or reply.new.prompt is not None or reply.finished:
+                    yield reply
+                if reply.finished:
                     return
         finally:
             self._requests.pop(rid, None)
             if state.scheduler:
                 self.schedulers.release(state.scheduler, rid)
-                if state.result is None:  # a client that left, or a failure: the scheduler must stop it
+                if state.ending is None:  # a client that left, or a failure: the scheduler must stop it
                     self.schedulers.abort(state.scheduler, rid)
 
     def abort(self, rid: str) -> bool:
@@ -267,20 +238,13 @@ class EngineClient:
             field = dict(exc.trailing_metadata() or ()).get(FIELD_METADATA)
             raise RequestError(status, *rename_field(field, detail, inp.fields)) from None
 
-    def _take_chunk(self, state: GenerationState) -> Chunk:
-        result = state.result
-        if result is not None and not state.outputs.read_any:  # one chunk: the whole output
-            chunk = Chunk(token_ids=result.output_ids, text=result.text, rid=state.rid, output=result.output,
-                          result=result, weight_versions=result.weight_versions)
-        else:
-            token_ids, text, output = state.outputs.take() if state.outputs.unread else ([], "", None)
-            versions = result.weight_versions if result is not None else [
-                WeightVersionSpan(span.version, span.start, span.end) for span in state.outputs.weight_versions]
-            chunk = Chunk(token_ids=token_ids, text=text, rid=state.rid, output=output, result=result,
-                          weight_versions=versions)
-        if state.prompt is not None and not state.prompt_sent:
-            chunk.prompt, state.prompt_sent = state.prompt, True
-        return chunk
+    def _reply(self, state: GenerationState) -> Reply:
+        """What arrived since the previous reply, with the request so far (and how it ended, once it did)."""
+        new, so_far = state.outputs.take()
+        now = state.ended_at if state.ending is not None else time.perf_counter()
+        return Reply(rid=state.rid, prompt_tokens=len(state.inp.input_ids), new=new,
+                     completion_tokens=len(state.outputs.token_ids), weight_versions=state.outputs.versions(),
+                     e2e_latency=now - state.started_at, ending=state.ending, so_far=so_far)
 
     # -- outputs (detokenizers.py calls these) ------------------------------------------------------------
 
@@ -308,8 +272,8 @@ class EngineClient:
                 self._fail(state, str(exc))
         for i, rid in enumerate(step.prompt_rids):
             state = self._requests.get(rid)
-            if state is not None and state.prompt is None and step.prompt is not None:  # a second one: a replay
-                state.prompt = _prompt_logprobs(state, step.prompt, i)
+            if state is not None and state.outputs.prompt is None and step.prompt is not None:  # else a replay
+                state.outputs.prompt = _prompt_logprobs(state, step.prompt, i)
                 if state.inp.stream:
                     woken.add(rid)
         for finish in step.finished:
@@ -342,32 +306,10 @@ class EngineClient:
             if held != finish.output_tokens:
                 return self._fail(state, f"output incomplete: {held} of its {finish.output_tokens} tokens arrived")
             logprob = state.inp.logprob
-            if logprob.return_logprob and logprob.logprob_start_len >= 0 and state.prompt is None:
+            if logprob.return_logprob and logprob.logprob_start_len >= 0 and state.outputs.prompt is None:
                 return self._fail(state, "its prompt logprobs never arrived")
-        output_ids, text, output = state.outputs.whole()
-        result = RequestResult(
-            rid=state.rid,
-            prompt_tokens=len(state.inp.input_ids),
-            output_ids=output_ids,
-            text=text,
-            finish_reason=finish.reason,
-            e2e_latency=time.perf_counter() - state.started_at,
-            cached_tokens=finish.cached_tokens,
-            routed_experts=finish.routed_experts_of(),
-            token_ids_logprob=list(state.inp.logprob.token_ids_logprob) or None,
-            prompt=state.prompt,
-            output=output,
-            # A request that ended without a token (aborted while waiting) was served, if at all, by the version
-            # in force when it ended.
-            weight_versions=state.outputs.weight_versions or [WeightVersionSpan(weight_version, 0, 0)],
-        )
-        if finish.reason == FinishReason.STOP_TOKEN:
-            result.matched_stop = finish.matched_token
-        elif finish.reason == FinishReason.STOP_STRING:
-            result.matched_stop = finish.matched_stop
-        elif finish.reason == FinishReason.ABORT:
-            result.error = finish.message or "aborted"
-        state.result = result
+        state.outputs.end(weight_version)
+        state.ending, state.ended_at = Ending.of(finish), time.perf_counter()
 
     def _fail(self, state: GenerationState, why: str) -> None:
         """End the request with an error (a server-side fault); its generate() raises it."""

@@ -1,7 +1,7 @@
 """flatwire's public gRPC API (protos/flatwire/v1/generate.proto), in the wire layer's twins (flatwire_wire.public).
 
-A request is checked as /generate checks its JSON: each of its fields is converted to /generate's by the tables
-below, which name every public field (an unnamed one raises, and the tests fill them all). Responses go out as
+A request is checked by /generate's rules under this API's names (protocol/public.py) and becomes a generation
+through the gateway's intake (protocol/intake.py), as /generate's prompts do. Responses go out as
 GenerateResponsePacked, the bytes twin of the published GenerateResponse: the top-k arrays are the raw
 little-endian buffers the scheduler produced, while clients in other languages read them as packed
 `repeated float` / `repeated sfixed32`.
@@ -12,9 +12,7 @@ The rollout-control methods go to every scheduler replica and answer per replica
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
 from functools import cached_property
-from typing import Any
 
 import grpc
 from flatwire_wire import public
@@ -34,12 +32,11 @@ from flatwire_wire.control import (
 )
 
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
-from services.gateway.engine_client import EngineClient, GenerateInput, RequestError
-from services.gateway.http.generate import generate_input
-from services.gateway.http.prompts import encode_checked
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data, renamed
-from services.gateway.protocol.sglang import GenerateRequest
+from services.gateway.engine_client import EngineClient, RequestError
+from services.gateway.prompts import encode_checked
+from services.gateway.protocol.intake import GenerateInput, generate_inputs
+from services.gateway.protocol.parse import InvalidRequest, ModelLimits, model_limits, parse_data
+from services.gateway.protocol.public import LOGPROB_FIELDS, PublicGenerateRequest
 from services.gateway.render.packed import packed_response
 from services.gateway.rollout import InitWeightsUpdateGroupInput, control_response, init_weights_update_group
 from services.gateway.routing import routing_key
@@ -56,72 +53,8 @@ ERROR_CODES = {
 }
 
 
-# /generate's field names -> this API's (GenerateRequest has `sampling`, and stop & co. at the top).
-GRPC_FIELDS = {"sampling_params": "sampling", "sampling_params.stop": "stop",
-               "sampling_params.skip_special_tokens": "skip_special_tokens",
-               "sampling_params.no_stop_trim": "no_stop_trim"}
-
-Convert = Callable[[str, Any], dict]  # (field name, value) -> /generate fields
-
-
-def _as_is(name: str, value: Any) -> dict:
-    return {name: value}
-
-
-def _if_set(name: str, value: Any) -> dict:
-    """An optional field: unset leaves /generate's default."""
-    return {} if value is None else {name: value}
-
-
-def _if_nonzero(name: str, value: Any) -> dict:
-    return {name: value} if value else {}
-
-
-# Each field of the public SamplingParams -> /generate's sampling_params.
-SAMPLING_FIELDS: dict[str, Convert] = {
-    "max_new_tokens": _if_set, "temperature": _if_set, "top_p": _if_set, "min_p": _if_set, "seed": _if_set,
-    "top_k": lambda name, value: {name: value} if value is not None and value > 0 else {},  # <= 0: no limit
-    "stop_token_ids": _as_is, "ignore_eos": _as_is,
-    "frequency_penalty": _if_nonzero, "presence_penalty": _if_nonzero, "min_new_tokens": _if_nonzero,  # 0: off
-    "repetition_penalty": _if_set,
-    "logit_bias": lambda name, value: {name: {str(token): bias for token, bias in value.items()}} if value else {},
-    "json_schema": _if_set, "regex": _if_set, "ebnf": _if_set,  # the oneof constraint: at most one is set
-}
-# Each field of the public GenerateRequest but `sampling` -> /generate's top level, or its sampling_params
-# (SAMPLING_OPTIONS).
-REQUEST_FIELDS: dict[str, Convert] = {
-    "text": _if_nonzero, "input_ids": _if_nonzero, "return_logprob": _as_is, "top_logprobs_num": _as_is,
-    "logprob_start_len": _if_set, "token_ids_logprob": _as_is, "stream": _as_is,
-    "stop": _as_is, "skip_special_tokens": _if_set, "no_stop_trim": _as_is,
-    "logprobs_mode": lambda name, mode: {name: mode.api_name} if mode else {},  # UNSPECIFIED: the server's
-    "return_routed_experts": _as_is, "routed_experts_start_len": _if_nonzero,
-}
-SAMPLING_OPTIONS = ("stop", "skip_special_tokens", "no_stop_trim")
-
-
-def _converted(value: Any, table: dict[str, Convert], skip: tuple[str, ...] = ()) -> dict:
-    """A twin's fields through `table`; a field the table does not name is a bug (KeyError), not dropped."""
-    fields: dict = {}
-    for name in (f.name for f in dataclasses.fields(value) if f.name not in skip):
-        fields |= table[name](name, getattr(value, name))
-    return fields
-
-
-def generate_fields(request: public.GenerateRequest) -> dict:
-    """The public GenerateRequest as /generate's JSON fields, defaults as the proto documents them."""
-    fields = _converted(request, REQUEST_FIELDS, skip=("sampling",))
-    options = _converted(request.sampling, SAMPLING_FIELDS)
-    options |= {name: fields.pop(name) for name in SAMPLING_OPTIONS if name in fields}
-    return {"sampling_params": options, **fields}
-
-
-LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="sampling.max_new_tokens",
-                               token_ids="token_ids_logprob", prompt="the prompt from logprob_start_len")
-
-
 def _refusal(exc: InvalidRequest) -> RequestError:
     """gRPC has no field of its own for the offending parameter: the details start with it."""
-    exc = renamed(exc, GRPC_FIELDS)
     message = exc.message
     if exc.param and not message.startswith(f"{exc.param}:"):
         message = f"{exc.param}: {message}"
@@ -137,32 +70,17 @@ class GenerationService:
         return model_limits(self.engine.model_info, self.engine.config)
 
     def to_input(self, request: public.GenerateRequest) -> GenerateInput:
-        """Blocking (validation, tokenization): generate() runs it in a worker thread."""
-        req = self.validate(request)
-        input_ids = list(request.input_ids)
-        if not input_ids:
-            try:  # a text that cannot fit the context is refused before it is tokenized
+        """The request checked as /generate checks its JSON (errors name this API's fields), tokenized, through the
+        intake. Blocking (validation, tokenization): generate() runs it in a worker thread."""
+        try:
+            req = PublicGenerateRequest.of(request, self.limits)
+            input_ids = req.input_ids
+            if input_ids is None:  # a text that cannot fit the context is refused before it is tokenized
                 input_ids = encode_checked(self.engine.tokenizer, [request.text], self.limits.max_context,
                                            req.prompt_field, add_special_tokens=False)[0]
-            except InvalidRequest as exc:
-                raise _refusal(exc) from None
-        return self.checked_input(req, input_ids)
-
-    def validate(self, request: public.GenerateRequest) -> GenerateRequest:
-        """The request as /generate's model, through /generate's checks; errors name this API's fields."""
-        try:
-            return parse_data(GenerateRequest, generate_fields(request), self.limits)
+            [inp] = generate_inputs([(req.prompt(), input_ids)], self.limits, LOGPROB_FIELDS)
         except InvalidRequest as exc:
             raise _refusal(exc) from None
-
-    def checked_input(self, req: GenerateRequest, input_ids: list[int]) -> GenerateInput:
-        """/generate's checks that need the tokens (lengths, logprob_start_len), then the scheduler's input."""
-        try:
-            inp = generate_input(req, 0, input_ids, self.limits)
-            check_logprob_elements([inp], self.limits, LOGPROB_FIELDS)
-        except InvalidRequest as exc:
-            raise _refusal(exc) from None
-        inp.fields = {"input_ids": req.prompt_field, "logprob": ""}  # `sampling` is this API's name too
         return inp
 
     async def generate(self, request: public.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -170,14 +88,9 @@ class GenerationService:
             # Off the event loop: tokenizing a long text takes seconds that HTTP and other streams must not wait.
             inp = await asyncio.to_thread(self.to_input, request)
             inp.routing_key = routing_key(dict(context.invocation_metadata() or ()))
-            prompt_tokens = len(inp.input_ids)
-            completion_tokens = 0
-            async for chunk in self.engine.generate(inp):
-                completion_tokens += len(chunk.token_ids)
-                if not request.stream and chunk.result is None:
-                    continue
-                # Without stream, the only chunk is the whole output (the pipeline wakes it once, at the end).
-                yield packed_response(chunk, prompt_tokens, completion_tokens)
+            async for reply in self.engine.generate(inp):
+                # A stream's reply: what it brought; otherwise the only reply, at the end: the whole output.
+                yield packed_response(reply, reply.new if request.stream else reply.whole)
         except RequestError as exc:
             # The status, then a plain return: context.abort() would raise an AbortError chained to this
             # exception, whose traceback holds the request's frames (a 20 MB text), and grpc keeps the

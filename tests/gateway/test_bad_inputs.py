@@ -14,7 +14,8 @@ from flatwire_wire.rpc import FIELD_METADATA, ServiceSpec
 from flatwire_wire.scheduler import SCHEDULER, LogprobParams, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import DetokenizeParams
 
-from services.gateway.engine_client import EngineClient, GenerateInput, RequestError
+from services.gateway.engine_client import EngineClient, RequestError
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field
 from services.gateway.protocol.sglang import GenerateRequest

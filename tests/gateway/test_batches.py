@@ -12,10 +12,11 @@ import pytest
 from flatwire_wire.steps import FinishReason
 
 from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import Chunk, GenerateInput, RequestError
+from services.gateway.engine_client import RequestError
 from services.gateway.http import streams
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.result import RequestResult
+from services.gateway.protocol.intake import GenerateInput
+from services.gateway.reply import Ending, Output, Reply
 
 MAX_BATCH_SIZE = GatewayConfig().max_batch_size
 
@@ -96,11 +97,10 @@ class FakeEngine:
             if mark == -1:
                 raise RequestError("unavailable", None, f"submit {index} failed")
             await asyncio.sleep(0.01 if mark == -2 else 0)
-            result = RequestResult(rid=str(index), prompt_tokens=2, output_ids=[7], text="x",
-                                   finish_reason=FinishReason.LENGTH)
             self.in_flight -= 1
             waiting = False
-            yield Chunk(token_ids=[7], text="x", rid=str(index), result=result)
+            yield Reply(rid=str(index), prompt_tokens=2, new=Output(token_ids=[7], text="x"), completion_tokens=1,
+                        weight_versions=[], e2e_latency=0.01, ending=Ending(FinishReason.LENGTH))
         finally:
             self.in_flight -= waiting
             self.closed.append(index)

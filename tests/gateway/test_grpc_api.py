@@ -1,7 +1,5 @@
 """The gateway's public gRPC API, through the project's Python client, against the real pipeline."""
 
-import dataclasses
-
 import grpc
 import httpx
 import numpy as np
@@ -9,11 +7,9 @@ import pybase64
 import pytest
 from flatwire_client import FlatwireClient
 from flatwire_wire import public
-from flatwire_wire.logprobs import LogprobBlock, LogprobsMode, RequestLogprobs
+from flatwire_wire.logprobs import LogprobBlock, RequestLogprobs
 from flatwire_wire.pb import generate_pb2  # the published messages, as a client in another language reads them
 from flatwire_wire.steps import FinishReason
-
-from services.gateway.grpc_api import REQUEST_FIELDS, SAMPLING_FIELDS, generate_fields
 
 PROMPT = "gRPC clients get the arrays raw"
 K = 8
@@ -96,26 +92,6 @@ def test_minus_inf_survives_the_public_message():
     typed = generate_pb2.GenerateResponse.FromString(wire)
     assert np.array(typed.output.topk_values, dtype=np.float32).tobytes() == values.tobytes()
     assert list(typed.output.topk_ids) == [3, 7, 4, 8]
-
-
-def test_every_public_request_field_reaches_generate():
-    """The public request is converted field by field: each field has a conversion, and a request that sets
-    every one of them gives /generate each of them (so a field added to generate.proto cannot be dropped)."""
-    assert set(REQUEST_FIELDS) == {f.name for f in dataclasses.fields(public.GenerateRequest)} - {"sampling"}
-    assert set(SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(public.SamplingParams)}
-    sampling = public.SamplingParams(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=7,
-                                     stop_token_ids=[1], ignore_eos=True, frequency_penalty=0.5, presence_penalty=0.5,
-                                     repetition_penalty=1.5, min_new_tokens=2, logit_bias={4: 1.0}, json_schema="{}",
-                                     regex="a", ebnf="root ::= \"a\"")
-    request = public.GenerateRequest(text="t", input_ids=[1], sampling=sampling, return_logprob=True,
-                                     top_logprobs_num=2, logprob_start_len=0, token_ids_logprob=[3], stop=["x"],
-                                     skip_special_tokens=False, no_stop_trim=True, stream=True,
-                                     logprobs_mode=LogprobsMode.PROCESSED, return_routed_experts=True,
-                                     routed_experts_start_len=1)
-    fields = generate_fields(request)
-    assert set(fields["sampling_params"]) == {f.name for f in dataclasses.fields(public.SamplingParams)} | {
-        "stop", "skip_special_tokens", "no_stop_trim"}
-    assert set(fields) - {"sampling_params"} == set(REQUEST_FIELDS) - {"stop", "skip_special_tokens", "no_stop_trim"}
 
 
 def _delimited(data: bytes) -> list[generate_pb2.GenerateResponsePacked]:

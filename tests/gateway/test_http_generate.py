@@ -2,6 +2,8 @@
 
 import base64
 import concurrent.futures
+import itertools
+import json
 
 import numpy as np
 import pytest
@@ -119,8 +121,13 @@ def test_streamed_flat_top_k_deltas_concatenate_to_the_whole_response(http, b64)
     whole = generate(http, **common)["meta_info"]
     events = [event["meta_info"] for event in stream_events(http, **common)]
     with_rows = [meta for meta in events if "output_top_logprobs_shape" in meta]
-    assert [meta["output_top_logprobs_offset"] for meta in with_rows] == list(range(GREEDY["max_new_tokens"]))
-    assert all(meta["output_top_logprobs_shape"] == [1, K] for meta in with_rows)  # a token per event
+    # A token per event, or several in one when the gateway runs behind (stream coalescing): either way each event's
+    # offset is the count of the rows before it.
+    rows = [meta["output_top_logprobs_shape"][0] for meta in with_rows]
+    assert all(meta["output_top_logprobs_shape"] == [n, K] and n > 0 for meta, n in zip(with_rows, rows))
+    offsets = list(itertools.accumulate(rows, initial=0))[:-1]
+    assert [meta["output_top_logprobs_offset"] for meta in with_rows] == offsets
+    assert sum(rows) == GREEDY["max_new_tokens"]
     values, ids = (np.concatenate(part) for part in zip(*(flat_topk(meta, "output")[:2] for meta in with_rows)))
     whole_values, whole_ids, _ = flat_topk(whole, "output")
     assert values.tobytes() == whole_values.tobytes() and ids.tobytes() == whole_ids.tobytes()
@@ -231,9 +238,16 @@ def test_the_client_rid_names_the_request(http):
     for rid, text in ((["a", "a"], [PROMPT, PROMPT]), (["x"], PROMPT), ("", PROMPT), ("", [PROMPT, PROMPT])):
         refused = http.post("/generate", json={"text": text, "rid": rid, **body})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", (rid, refused.text)
-    with http.stream("POST", "/generate", json={"text": PROMPT, "rid": "busy", "stream": True,
-                                                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as s:
-        next(s.iter_lines())  # running
+    # The stream asks for all that the context leaves, and runs until it is aborted: its last event says so, proof
+    # that it was running while the second request was answered (400 tokens could end first, freeing the rid).
+    longest = http.get("/get_server_info").json()["context_length"] - meta["prompt_tokens"]
+    with http.stream("POST", "/generate", json={"text": PROMPT, "rid": "busy", "stream": True, "sampling_params": {
+            "max_new_tokens": longest, "ignore_eos": True}}) as s:
+        lines = s.iter_lines()
+        next(lines)  # running
         again = http.post("/generate", json={"text": PROMPT, "rid": "busy", **body})
         assert again.status_code == 400 and again.json()["error"]["param"] == "rid"
         assert http.post("/abort_request", json={"rid": "busy"}).status_code == 200
+        last = json.loads([line for line in lines if line.startswith("data: {")][-1].removeprefix("data: "))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+    assert last["meta_info"]["completion_tokens"] < longest

@@ -1,6 +1,6 @@
 """The gateway's response renderers and token table, in process (they are pure functions).
 
-One synthetic RequestResult, with a prompt side (null prefix), -inf candidates, byte
+One synthetic Output (a request's whole output), with a prompt side (null prefix), -inf candidates, byte
 tokens that are half a UTF-8 character and candidates whose texts collide, is rendered
 in every format; each rendering is serialized, parsed back as a client would, and
 decoded to the same [rows, k] ids and float32 logprobs.
@@ -13,7 +13,6 @@ import orjson
 import pybase64
 import pytest
 from flatwire_wire.logprobs import F32, I32, RequestLogprobs
-from flatwire_wire.steps import FinishReason
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from services.gateway.render import (
@@ -24,7 +23,7 @@ from services.gateway.render import (
     logprob_meta_info,
     sglang_nested,
 )
-from services.gateway.result import RequestResult
+from services.gateway.reply import Output
 from services.gateway.token_table import TokenTable
 
 K = 6
@@ -61,7 +60,7 @@ def _track(rng, rows: int, ids_pool: np.ndarray, null_prefix: int = 0) -> Reques
 
 
 @pytest.fixture(scope="module")
-def result(table, byte_ids) -> RequestResult:
+def result(table, byte_ids) -> Output:
     rng = np.random.default_rng(7)
     pool = np.concatenate([rng.integers(0, table.size, 40), list(byte_ids.values()), [248046]]).astype(I32)
     output = _track(rng, 9, pool)
@@ -71,9 +70,8 @@ def result(table, byte_ids) -> RequestResult:
     output.token_ids[4] = output.topk_ids[4, 0] = byte_ids[0xE4]
     output.topk_values[5, 2] = -np.inf
     prompt = _track(rng, 4, pool, null_prefix=1)
-    return RequestResult(rid="r", prompt_tokens=5, output_ids=output.token_ids.tolist(), text="",
-                         finish_reason=FinishReason.LENGTH, output=output, prompt=prompt,
-                         token_ids_logprob=TOKEN_IDS_LOGPROB)
+    return Output(token_ids=output.token_ids.tolist(), text="", output=output, prompt=prompt,
+                  token_ids_logprob=TOKEN_IDS_LOGPROB)
 
 
 def _client(rendered) -> dict:
@@ -198,13 +196,11 @@ def test_fields_follow_the_flags(result, table):
     assert "input_top_logprobs" in output_b64 and "input_top_logprobs_shape" not in output_b64
     assert "output_top_logprobs" not in output_b64 and "output_top_logprobs_val_flat" not in output_b64
     assert output_b64["output_top_logprobs_shape"] == [9, K] and output_b64["output_top_logprobs_null_prefix"] == 0
-    no_prompt = RequestResult(rid="r", prompt_tokens=5, output_ids=[], text="",
-                              finish_reason=FinishReason.LENGTH,
-                              output=result.output)
+    no_prompt = Output(token_ids=[], text="", output=result.output)
     meta = _client(logprob_meta_info(no_prompt, FLAT_FORMATS["flat JSON"], table))
     assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs_shape"] == [0, K]
     assert "output_token_ids_logprobs" not in meta
-    assert logprob_meta_info(RequestResult("r", 5, [], "", "length"), LogprobFormat(), table) == {}
+    assert logprob_meta_info(Output([], ""), LogprobFormat(), table) == {}
 
 
 def test_json_floats_parse_back_to_the_same_float32(table):
@@ -214,7 +210,7 @@ def test_json_floats_parse_back_to_the_same_float32(table):
     track = RequestLogprobs(token_ids=np.zeros(len(values), I32), token_logprobs=values[:, 0].copy(),
                             topk_values=values, topk_ids=np.zeros(values.shape, I32),
                             ids_logprobs=np.zeros((len(values), 0), F32))
-    result = RequestResult("r", 1, [], "", FinishReason.LENGTH, output=track)
+    result = Output([], "", output=track)
     json_meta = _client(logprob_meta_info(result, LogprobFormat(return_flat_raw_output_top_logprobs=True), table))
     _same_f32(_floats(json_meta["output_top_logprobs_val_flat"]).reshape(values.shape), values)
     nested = _client(logprob_meta_info(result, LogprobFormat(), table))
@@ -264,7 +260,7 @@ def test_completions_echo_offsets_and_best_of_colliding_texts(result, table):
 
 def test_empty_tracks_render(table):
     empty = RequestLogprobs.empty(K, 0)
-    result = RequestResult("r", 1, [], "", FinishReason.LENGTH, output=empty)
+    result = Output([], "", output=empty)
     for fmt in [LogprobFormat(), *FLAT_FORMATS.values()]:
         meta = _client(logprob_meta_info(result, fmt, table))
         assert meta["output_token_logprobs"] == []

@@ -18,7 +18,7 @@ from services.gateway.protocol.parse import ModelLimits, model_limits
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
-from services.gateway.result import RequestResult
+from services.gateway.reply import Output
 from services.gateway.token_table import TokenTable
 
 
@@ -52,10 +52,9 @@ class Gateway:
                            ids_logprobs=np.zeros((1, 1), F32))
         chat_logprobs(row, self.table)
         completion_logprobs([row], self.table)
+        one_row = Output(token_ids=[0], text="", output=row, token_ids_logprob=[0])
         for with_text in (False, True):
-            result = RequestResult(rid="", prompt_tokens=1, output_ids=[0], text="", finish_reason=None, output=row,
-                                   token_ids_logprob=[0])
-            logprob_meta_info(result, LogprobFormat(return_text_in_logprobs=with_text), self.table)
+            logprob_meta_info(one_row, LogprobFormat(return_text_in_logprobs=with_text), self.table)
         freeze_heap()  # the table and the pieces stay for the process's life
         self.renderers_ready = True
 

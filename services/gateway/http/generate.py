@@ -5,25 +5,23 @@ import time
 import orjson
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from flatwire_wire.scheduler import LogprobParams
 from starlette.background import BackgroundTask
 
-from services.gateway.engine_client import Chunk, GenerateInput
 from services.gateway.http.accept import prefers
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.parse import InvalidRequest, ModelLimits, is_id_lists
-from services.gateway.protocol.sampling import DEFAULT_MAX_NEW_TOKENS
+from services.gateway.prompts import encode_texts
+from services.gateway.protocol.cost import LogprobFields
+from services.gateway.protocol.intake import GenerateInput, generate_inputs
+from services.gateway.protocol.parse import InvalidRequest, is_id_lists
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render import packed as packed_format
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
-from services.gateway.result import RequestResult
+from services.gateway.reply import Output, Reply
 from services.gateway.routing import routing_key
 
 ENDPOINT = "/generate"
@@ -52,14 +50,11 @@ async def generate(request: Request) -> Response:
         if packed:
             return StreamingResponse(_packed_messages(gens), media_type=packed_format.MEDIA_TYPE,
                                      background=BackgroundTask(gens.close))
-        return sse_response(_events(gateway, req, gens, started), gens.close,
+        return sse_response(_events(gateway, req, gens), gens.close,
                             gateway.metrics.bytes_sent.labels(logprob_format(req)).inc)
     results = await unless_disconnected(request, Generations.collect(starting))
     if packed:
-        result = results[0]
-        whole = Chunk(token_ids=result.output_ids, text=result.text, rid=result.rid, output=result.output,
-                      prompt=result.prompt, result=result, weight_versions=result.weight_versions)
-        message = packed_format.packed_response(whole, result.prompt_tokens, result.completion_tokens)
+        message = packed_format.packed_response(results[0], results[0].whole)
         return Response(message.to_bytes(), media_type=packed_format.MEDIA_TYPE)
     bodies = [_body(gateway, req, result) for result in results]
     body = orjson.dumps(bodies if req.returns_list else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
@@ -73,83 +68,54 @@ async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]
         ids = prompts
     else:
         ids = await encode_texts(gateway.engine.tokenizer, prompts, gateway.limits.max_context, req.prompt_field)
-    inputs = [generate_input(req, i, prompt_ids, gateway.limits, sample)
-              for i, prompt_ids in enumerate(ids) for sample in range(req.samples_per_prompt)]
-    check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
-    return inputs
+    return generate_inputs([(req.prompt(i), prompt_ids) for i, prompt_ids in enumerate(ids)], gateway.limits,
+                           LOGPROB_FIELDS, req.samples_per_prompt)
 
 
-def generate_input(req: GenerateRequest, i: int, prompt_ids: list[int], limits: ModelLimits,
-                   sample: int = 0) -> GenerateInput:
-    """Prompt i's GenerateInput for its `sample`-th sample (of n: seeded apart, as the OpenAI routes' choices),
-    after the checks that need its tokens (the public gRPC API's too)."""
-    options = req.sampling_for(i)
-    max_new = check_lengths(prompt_ids, limits, req.prompt_field, options.requested_max_new_tokens,
-                            f"{req.sampling_field(i)}.max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    req.check_logprob_start_len(i, len(prompt_ids))
-    return GenerateInput(input_ids=prompt_ids, sampling=options.sampling(max_new, sample), logprob=req.logprob(i),
-                         detokenize=options.detokenize(), stream=req.stream, fields=req.scheduler_fields(i),
-                         rid=req.rid_for(i), return_routed_experts=req.return_routed_experts,
-                         routed_experts_start_len=req.routed_experts_start_len)
-
-
-def _logprob_meta(gateway: Gateway, req: GenerateRequest, result: RequestResult, prompt_side: bool = True) -> dict:
+def _logprob_meta(gateway: Gateway, req: GenerateRequest, part: Output, prompt_side: bool = True) -> dict:
     fmt = LogprobFormat(
         return_text_in_logprobs=req.return_text_in_logprobs,
         return_flat_raw_top_logprobs=req.return_flat_raw_top_logprobs,
         return_flat_raw_output_top_logprobs=req.return_flat_raw_output_top_logprobs,
         return_flat_raw_top_logprobs_b64=req.return_flat_raw_top_logprobs_b64)
-    return logprob_meta_info(result, fmt, gateway.table, prompt_side)
+    return logprob_meta_info(part, fmt, gateway.table, prompt_side)
 
 
-def _body(gateway: Gateway, req: GenerateRequest, result: RequestResult) -> dict:
-    meta = base_meta_info(result) | _logprob_meta(gateway, req, result)
-    if result.output is not None:  # it asked for logprobs
+def _body(gateway: Gateway, req: GenerateRequest, result: Reply) -> dict:
+    whole = result.whole
+    meta = base_meta_info(result) | _logprob_meta(gateway, req, whole)
+    if whole.output is not None:  # it asked for logprobs
         meta["output_token_logprobs_length"] = result.completion_tokens  # SGLang's, which RL clients read
-    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+    return {"text": whole.text, "output_ids": whole.token_ids, "meta_info": meta}
 
 
 class _StreamState:
     """One prompt's stream. SGLang sends text, output_ids and logprobs cumulatively (or, with
     --incremental-streaming-output, only what is new in each event).
 
-    Each chunk's rows are rendered once and their JSON appended to what was rendered
+    Each reply's new rows are rendered once and their JSON appended to what was rendered
     before (the renderers return finished JSON fragments); the prompt's fields come
-    with the first chunk and are repeated as they are. Flat top-k arrays are the
+    with the first reply and are repeated as they are. Flat top-k arrays are the
     exception: each event carries only its own rows (`output_top_logprobs_offset` is
     the index of the first), and the flat prompt arrays come once, in the first event,
     so that a long stream's bytes stay those of the non-streamed response.
     """
 
-    def __init__(self, prompt_tokens: int, logprob: LogprobParams):
-        self.prompt_tokens = prompt_tokens
-        self.wants_logprob = logprob.return_logprob
-        self.token_ids_logprob = list(logprob.token_ids_logprob) or None
-        self.text = ""
-        self.output_ids: list[int] = []
+    def __init__(self, wants_logprob: bool):
+        self.wants_logprob = wants_logprob
         self.prompt_fields: dict = {}
         self.output_items: dict[str, bytearray] = {}  # each output list's elements so far, as JSON: "e1,e2,..."
         self.rows_sent = 0  # flat output rows sent in earlier events
 
-    def payload(self, gateway: Gateway, req: GenerateRequest, chunk: Chunk, started: float) -> dict:
+    def payload(self, gateway: Gateway, req: GenerateRequest, reply: Reply) -> dict:
         incremental = gateway.config.incremental_streaming_output
         if incremental:  # each event: what is new since the previous one (the counts stay cumulative)
             self.output_items.clear()
-        else:
-            self.text += chunk.text
-        self.output_ids += chunk.token_ids
-        final = chunk.result
-        progress = RequestResult(
-            rid=chunk.rid, prompt_tokens=self.prompt_tokens, output_ids=self.output_ids,
-            text=chunk.text if incremental else self.text,
-            finish_reason=final.finish_reason if final else None, matched_stop=final.matched_stop if final else None,
-            output=chunk.output, prompt=chunk.prompt, token_ids_logprob=self.token_ids_logprob,
-            e2e_latency=final.e2e_latency if final else time.perf_counter() - started,
-            error=final.error if final else None, weight_versions=chunk.weight_versions)
-        meta = base_meta_info(progress)
+        new = reply.new
+        meta = base_meta_info(reply)
         flat_output, flat_prompt = req.return_flat_raw_output_top_logprobs, req.return_flat_raw_top_logprobs
-        prompt_side = chunk.prompt is not None or not self.prompt_fields  # else the first event's, repeated
-        logprob_meta = _logprob_meta(gateway, req, progress, prompt_side) if self.wants_logprob else {}
+        prompt_side = new.prompt is not None or not self.prompt_fields  # else the first event's, repeated
+        logprob_meta = _logprob_meta(gateway, req, new, prompt_side) if self.wants_logprob else {}
         for key, value in logprob_meta.items():
             if flat_output and key.startswith("output_top_logprobs_"):  # this event's rows only
                 meta[key] = value
@@ -159,28 +125,27 @@ class _StreamState:
                     items += b"," + elements if items else elements
                 meta[key] = orjson.Fragment(b"[" + items + b"]")
             elif flat_prompt and key.startswith("input_top_logprobs_"):  # once, with the prompt
-                if chunk.prompt is not None:
+                if new.prompt is not None:
                     meta[key] = value
-            elif chunk.prompt is not None or key not in self.prompt_fields:
+            elif new.prompt is not None or key not in self.prompt_fields:
                 self.prompt_fields[key] = value
-        if flat_output and chunk.output is not None:
+        if flat_output and new.output is not None:
             meta["output_top_logprobs_offset"] = self.rows_sent
-            self.rows_sent += len(chunk.output.token_logprobs)
+            self.rows_sent += len(new.output.token_logprobs)
         for key, items in self.output_items.items():  # an event without new rows (an abort's last) repeats them
             meta.setdefault(key, orjson.Fragment(b"[" + items + b"]"))
         meta |= self.prompt_fields
         if self.wants_logprob:
-            meta["output_token_logprobs_length"] = len(self.output_ids)  # all told, in both modes (as SGLang)
-        # output_ids is this state's own list, not a copy: the event is serialized before the next chunk grows it.
-        return {"text": progress.text, "output_ids": chunk.token_ids if incremental else self.output_ids,
-                "meta_info": meta}
+            meta["output_token_logprobs_length"] = reply.completion_tokens  # all told, in both modes (as SGLang)
+        shown = new if incremental else reply.whole
+        return {"text": shown.text, "output_ids": shown.token_ids, "meta_info": meta}
 
 
-async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations, started: float):
-    states = [_StreamState(len(inp.input_ids), inp.logprob) for inp in gens.inputs]
+async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations):
+    states = [_StreamState(inp.logprob.return_logprob) for inp in gens.inputs]
     indexed = req.returns_list
-    async for i, chunk in gens.merged():
-        payload = states[i].payload(gateway, req, chunk, started)
+    async for i, reply in gens.merged():
+        payload = states[i].payload(gateway, req, reply)
         if indexed:
             payload["index"] = i
         yield event(payload)
@@ -191,11 +156,8 @@ async def _packed_messages(gens: Generations):
     """A stream as length-delimited GenerateResponsePacked messages, the last with its finish_reason. A fault
     mid-way cuts the connection (there is no error message in this format): a client that got no message with
     a finish_reason knows its stream is incomplete."""
-    completion_tokens = 0
-    async for _, chunk in gens.merged():
-        completion_tokens += len(chunk.token_ids)
-        yield packed_format.delimited(packed_format.packed_response(chunk, len(gens.inputs[0].input_ids),
-                                                                    completion_tokens))
+    async for _, reply in gens.merged():
+        yield packed_format.delimited(packed_format.packed_response(reply, reply.new))
 
 
 def logprob_format(req: GenerateRequest) -> str:

@@ -18,12 +18,13 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, SchedulerStat
 from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from services.gateway.engine_client import GenerateInput, RequestError
+from services.gateway.engine_client import RequestError
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import encode_checked
+from services.gateway.prompts import encode_checked
+from services.gateway.protocol.intake import GenerateInput
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, is_id_lists
 from services.gateway.rollout import control_response
 
@@ -174,11 +175,11 @@ def _health_input() -> GenerateInput:
 
 
 async def _one_token(gateway: Gateway) -> None:
-    async with aclosing(gateway.engine.generate(_health_input())) as chunks:
-        async for chunk in chunks:
-            if chunk.result is not None:
-                if chunk.result.finish_reason == FinishReason.ABORT:
-                    raise RequestError("unavailable", None, chunk.result.error or "aborted")
+    async with aclosing(gateway.engine.generate(_health_input())) as replies:
+        async for reply in replies:
+            if (ending := reply.ending) is not None:
+                if ending.reason == FinishReason.ABORT:
+                    raise RequestError("unavailable", None, ending.error or "aborted")
                 return
     raise RequestError("unavailable", None, "the generation ended without a result")
 

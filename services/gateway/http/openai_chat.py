@@ -14,7 +14,6 @@ from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
-    choice_inputs,
     choice_meta_info,
     chunk_head,
     finish_fields,
@@ -23,16 +22,17 @@ from services.gateway.http.openai_common import (
     usage,
 )
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import check_lengths, encode_chat
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.openai import ChatCompletionRequest
+from services.gateway.prompts import encode_chat
+from services.gateway.protocol.cost import LogprobFields
+from services.gateway.protocol.intake import generate_inputs
+from services.gateway.protocol.openai import ChatCompletionRequest, prompt_request
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render import assistant
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
-from services.gateway.result import RequestResult
+from services.gateway.reply import Reply
 from services.gateway.routing import routing_key
 
 ENDPOINT = "/v1/chat/completions"
@@ -53,10 +53,8 @@ async def chat_completions(request: Request) -> Response:
                              "--tool-call-parser; give tool_choice required, a function's name, or none")
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
                             req.template_tools(), req.template_kwargs())
-    max_new = check_lengths(ids, gateway.limits, "messages", req.requested_max_tokens, req.max_tokens_field)
-    inputs = choice_inputs(req, ids, max_new)
-    check_logprob_elements(inputs, gateway.limits,
-                           LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"))
+    inputs = generate_inputs([(prompt_request(req), ids)], gateway.limits,
+                             LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"), req.n)
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
                                  routing_key(request.headers) or req.prompt_cache_key)
     if req.stream:
@@ -98,7 +96,7 @@ def _turn(gateway: Gateway, req: ChatCompletionRequest, prompt_ids: list[int]) -
                          max_calls=None if req.parallel_tool_calls else 1)
 
 
-def _finish(req: ChatCompletionRequest, result: RequestResult, turn: AssistantTurn) -> dict:
+def _finish(req: ChatCompletionRequest, result: Reply, turn: AssistantTurn) -> dict:
     """OpenAI's finish_reason "tool_calls" for a turn that stopped after calling tools; "stop" still where the
     request named the function to call (OpenAI's, and vLLM's since its PR 25054)."""
     fields = finish_fields(result)
@@ -107,15 +105,16 @@ def _finish(req: ChatCompletionRequest, result: RequestResult, turn: AssistantTu
     return fields
 
 
-def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: RequestResult,
+def _choice(gateway: Gateway, req: ChatCompletionRequest, index: int, result: Reply,
             prompt_ids: list[int]) -> dict:
     turn = _turn(gateway, req, prompt_ids)
-    whole = turn.feed(result.text)
+    output = result.whole
+    whole = turn.feed(output.text)
     whole.extend(turn.end())
     choice = {"index": index, "message": assistant.message(whole, turn.separates_reasoning),
-              "logprobs": _logprobs(gateway, req, result.output), **_finish(req, result, turn)}
+              "logprobs": _logprobs(gateway, req, output.output), **_finish(req, result, turn)}
     if req.return_token_ids:
-        choice["token_ids"] = result.output_ids
+        choice["token_ids"] = output.token_ids
     if req.return_meta_info:
         choice["meta_info"] = choice_meta_info(gateway, req, result)
     return choice
@@ -139,20 +138,21 @@ async def _events(gateway: Gateway, req: ChatCompletionRequest, gens: Generation
     for i in range(req.n):  # the prompt's ids once, with the first chunk (as vLLM)
         yield chunk_event(i, {"role": "assistant", "content": ""},
                           extra={"prompt_token_ids": prompt_ids} if req.return_token_ids and i == 0 else None)
-    ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
-    async for i, chunk in gens.merged():
-        if chunk.token_ids or chunk.text:
-            piece, logprobs = turns[i].feed(chunk.text), _logprobs(gateway, req, chunk.output)
-            meta = metas.chunk(i, chunk)
+    ended: dict[int, Reply] = {}  # each choice's result, as it ends
+    async for i, reply in gens.merged():
+        new = reply.new
+        if new.token_ids or new.text:
+            piece, logprobs = turns[i].feed(new.text), _logprobs(gateway, req, new.output)
+            meta = metas.chunk(i, reply)
             # Text the parsers hold (a tag, a call's text before its name) makes no event of its own unless the
-            # chunk carries more (as vLLM: OpenAI never sends an empty delta).
+            # reply carries more (as vLLM: OpenAI never sends an empty delta).
             if not assistant.is_empty(piece) or logprobs is not None or meta is not None or req.return_token_ids:
-                yield chunk_event(i, assistant.delta(piece), logprobs, meta=meta, token_ids=chunk.token_ids)
-        if chunk.result is not None:
-            ended[i] = chunk.result
+                yield chunk_event(i, assistant.delta(piece), logprobs, meta=meta, token_ids=new.token_ids)
+        if reply.finished:
+            ended[i] = reply
             if not assistant.is_empty(rest := turns[i].end()):  # what the parsers held to the end
                 yield chunk_event(i, assistant.delta(rest))
-            yield chunk_event(i, {}, finish=_finish(req, chunk.result, turns[i]), meta=metas.last(chunk.result))
+            yield chunk_event(i, {}, finish=_finish(req, reply, turns[i]), meta=metas.last(reply))
     if req.include_usage:
         yield event(head | {"choices": [], "usage": usage(len(prompt_ids), [ended[i] for i in range(req.n)], req.n)})
     yield DONE

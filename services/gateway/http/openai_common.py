@@ -3,13 +3,12 @@
 import time
 import uuid
 
-from services.gateway.engine_client import Chunk, GenerateInput
 from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
-from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from services.gateway.protocol.openai import OpenAIRequest
 from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
-from services.gateway.result import RequestResult
+from services.gateway.reply import Reply
 
 
 def check_model(gateway: Gateway, model: str) -> None:
@@ -30,22 +29,13 @@ def chunk_head(gateway: Gateway, req: OpenAIRequest, kind: str, id_prefix: str) 
     return head | {"usage": None} if req.include_usage else head
 
 
-def choice_inputs(req: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int],
-                  max_new: int) -> list[GenerateInput]:
-    """A prompt's n choices; choice j samples with its own seed (seed + j), so that seeded choices differ yet
-    reproduce."""
-    return [GenerateInput(input_ids=prompt_ids, sampling=req.sampling(max_new, j), logprob=req.logprob(),
-                          detokenize=req.detokenize(), stream=req.stream, fields=req.scheduler_fields(),
-                          return_routed_experts=req.return_routed_experts)
-            for j in range(req.n)]
-
-
-def finish_fields(result: RequestResult) -> dict:
+def finish_fields(result: Reply) -> dict:
     """finish_reason ("stop" | "length" | "abort", as SGLang names them) and SGLang's matched_stop."""
-    return {"finish_reason": result.finish_name, "matched_stop": result.matched_stop}
+    return {"finish_reason": result.finish_name,
+            "matched_stop": result.ending.matched_stop if result.ending is not None else None}
 
 
-def usage(prompt_tokens: int, results: list[RequestResult], n: int) -> dict:
+def usage(prompt_tokens: int, results: list[Reply], n: int) -> dict:
     """OpenAI's usage of a response whose choice p * n + j is prompt p's j-th sample. A prompt's choices share
     it, so its cached tokens are its first choice's (the others found what that one computed), as SGLang."""
     completion_tokens = sum(result.completion_tokens for result in results)
@@ -60,9 +50,9 @@ def _meta_format(req: OpenAIRequest) -> LogprobFormat:
                          return_flat_raw_top_logprobs_b64=req.return_flat_raw_top_logprobs_b64)
 
 
-def choice_meta_info(gateway: Gateway, req: OpenAIRequest, result: RequestResult) -> dict:
+def choice_meta_info(gateway: Gateway, req: OpenAIRequest, result: Reply) -> dict:
     """SGLang's meta_info of one choice; with the flat flag, the output candidates live here."""
-    return base_meta_info(result) | logprob_meta_info(result, _meta_format(req), gateway.table)
+    return base_meta_info(result) | logprob_meta_info(result.whole, _meta_format(req), gateway.table)
 
 
 class StreamedMetaInfo:
@@ -75,19 +65,18 @@ class StreamedMetaInfo:
         self.gateway, self.req = gateway, req
         self.rows_sent = [0] * choices
 
-    def chunk(self, index: int, chunk: Chunk) -> dict | None:
+    def chunk(self, index: int, reply: Reply) -> dict | None:
         if not self.req.return_meta_info:
             return None
-        rows = RequestResult(rid=chunk.rid, prompt_tokens=0, output_ids=chunk.token_ids, text=chunk.text,
-                             finish_reason=None, output=chunk.output)
-        meta = {"id": chunk.rid} | logprob_meta_info(rows, _meta_format(self.req), self.gateway.table,
+        new = reply.new
+        meta = {"id": reply.rid} | logprob_meta_info(new, _meta_format(self.req), self.gateway.table,
                                                      prompt_side=False)
-        if chunk.output is not None and self.req.return_flat_raw_output_top_logprobs:
+        if new.output is not None and self.req.return_flat_raw_output_top_logprobs:
             meta["output_top_logprobs_offset"] = self.rows_sent[index]
-        self.rows_sent[index] += len(chunk.token_ids)
+        self.rows_sent[index] += len(new.token_ids)
         return meta
 
-    def last(self, result: RequestResult) -> dict | None:
+    def last(self, result: Reply) -> dict | None:
         return base_meta_info(result) if self.req.return_meta_info else None
 
 

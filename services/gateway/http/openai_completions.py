@@ -11,7 +11,6 @@ from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openai_common import (
     StreamedMetaInfo,
     check_model,
-    choice_inputs,
     choice_meta_info,
     chunk_head,
     finish_fields,
@@ -20,14 +19,15 @@ from services.gateway.http.openai_common import (
     usage,
 )
 from services.gateway.http.openapi import request_body
-from services.gateway.http.prompts import check_lengths, encode_texts
 from services.gateway.http.sse import DONE, event, sse_response
 from services.gateway.http.streams import Generations, unless_disconnected
-from services.gateway.protocol.cost import LogprobFields, check_logprob_elements
-from services.gateway.protocol.openai import CompletionRequest
+from services.gateway.prompts import encode_texts
+from services.gateway.protocol.cost import LogprobFields
+from services.gateway.protocol.intake import generate_inputs
+from services.gateway.protocol.openai import CompletionRequest, prompt_request
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
-from services.gateway.result import RequestResult
+from services.gateway.reply import Reply
 from services.gateway.routing import routing_key
 
 ENDPOINT = "/v1/completions"
@@ -51,11 +51,8 @@ async def completions(request: Request) -> Response:
         # decoding millions of ids for echo is CPU work for a worker thread, not the event loop
         ids, texts = prompts, (await asyncio.to_thread(tokenizer.batch_decode, prompts) if req.echo
                                else [""] * len(prompts))
-    inputs = []
-    for prompt_ids in ids:
-        max_new = check_lengths(prompt_ids, gateway.limits, "prompt", req.max_tokens, "max_tokens")
-        inputs += choice_inputs(req, prompt_ids, max_new)  # choice p * n + j: prompt p's j-th sample
-    check_logprob_elements(inputs, gateway.limits, LOGPROB_FIELDS)
+    prompt = prompt_request(req)  # choice p * n + j: prompt p's j-th sample
+    inputs = generate_inputs([(prompt, prompt_ids) for prompt_ids in ids], gateway.limits, LOGPROB_FIELDS, req.n)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
@@ -99,11 +96,12 @@ def _token_ids(choice_prompts: list[list[int]] | None, index: int, token_ids) ->
     return {} if choice_prompts is None else {"prompt_token_ids": choice_prompts[index], "token_ids": token_ids}
 
 
-def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: RequestResult, echo: str,
+def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: Reply, echo: str,
             choice_prompts: list[list[int]] | None) -> dict:
-    choice = {"index": index, "text": echo + result.text,
-              "logprobs": _logprobs(gateway, req, result.prompt, result.output, 0), **finish_fields(result),
-              **_token_ids(choice_prompts, index, result.output_ids)}
+    whole = result.whole
+    choice = {"index": index, "text": echo + whole.text,
+              "logprobs": _logprobs(gateway, req, whole.prompt, whole.output, 0), **finish_fields(result),
+              **_token_ids(choice_prompts, index, whole.token_ids)}
     if req.return_meta_info:
         choice["meta_info"] = choice_meta_info(gateway, req, result)
     return choice
@@ -114,28 +112,29 @@ async def _events(gateway: Gateway, req: CompletionRequest, gens: Generations, e
     head = chunk_head(gateway, req, "text_completion", "cmpl")
     sent_chars = [0] * len(echoes)  # text already sent per choice, for text_offset
     metas = StreamedMetaInfo(gateway, req, len(echoes))
-    ended: dict[int, RequestResult] = {}  # each choice's result, as it ends
+    ended: dict[int, Reply] = {}  # each choice's result, as it ends
     prompt_sent: set[int] = set()
-    async for i, chunk in gens.merged():
-        text = chunk.text
+    async for i, reply in gens.merged():
+        new = reply.new
+        text = new.text
         if sent_chars[i] == 0 and echoes[i]:
             text = echoes[i] + text
-        if text or chunk.token_ids or chunk.prompt is not None:
+        if text or new.token_ids or new.prompt is not None:
             choice = {"index": i, "text": text,
-                      "logprobs": _logprobs(gateway, req, chunk.prompt, chunk.output, sent_chars[i]),
+                      "logprobs": _logprobs(gateway, req, new.prompt, new.output, sent_chars[i]),
                       "finish_reason": None}
             if choice_prompts is not None:  # the prompt's ids with a choice's first chunk only
-                choice |= _token_ids(choice_prompts, i, chunk.token_ids) if i not in prompt_sent else {
-                    "token_ids": chunk.token_ids}
+                choice |= _token_ids(choice_prompts, i, new.token_ids) if i not in prompt_sent else {
+                    "token_ids": new.token_ids}
                 prompt_sent.add(i)
-            if (meta := metas.chunk(i, chunk)) is not None:
+            if (meta := metas.chunk(i, reply)) is not None:
                 choice["meta_info"] = meta
             sent_chars[i] += len(text)
             yield event(head | {"choices": [choice]})
-        if chunk.result is not None:
-            ended[i] = chunk.result
-            last = {"index": i, "text": "", "logprobs": None, **finish_fields(chunk.result)}
-            if (meta := metas.last(chunk.result)) is not None:
+        if reply.finished:
+            ended[i] = reply
+            last = {"index": i, "text": "", "logprobs": None, **finish_fields(reply)}
+            if (meta := metas.last(reply)) is not None:
                 last["meta_info"] = meta
             yield event(head | {"choices": [last]})
     if req.include_usage:

@@ -1,6 +1,6 @@
 """Running a route's generations on the engine: submit, merge, collect, stop on disconnect.
 
-Every generation is an EngineClient.generate iterator; closing it before its last chunk aborts the
+Every generation is an EngineClient.generate iterator of Replies; closing it before its last aborts the
 request in the scheduler. Each helper here closes what it opened, whether it ends
 normally, fails, or is cancelled because the HTTP client went away.
 """
@@ -13,22 +13,23 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from services.gateway.engine_client import Chunk, EngineClient, GenerateInput
+from services.gateway.engine_client import EngineClient
 from services.gateway.metrics import GatewayMetrics, TokenTimer
-from services.gateway.result import RequestResult
+from services.gateway.protocol.intake import GenerateInput
+from services.gateway.reply import Reply
 
 T = TypeVar("T")
 
 
 class Generations:
-    """A route's requests, submitted together; each one's first chunk already taken.
+    """A route's requests, submitted together; each one's first reply already taken.
 
-    Taking the first chunk before answering turns the engine client's refusal (a RequestError)
+    Taking the first reply before answering turns the engine client's refusal (a RequestError)
     into an HTTP error instead of a broken stream.
     """
 
-    def __init__(self, inputs: list[GenerateInput], iterators: list[AsyncGenerator[Chunk, None]],
-                 firsts: list[Chunk],
+    def __init__(self, inputs: list[GenerateInput], iterators: list[AsyncGenerator[Reply, None]],
+                 firsts: list[Reply],
                  timers: list[TokenTimer]):
         self.inputs = inputs
         self._iterators = iterators
@@ -38,7 +39,7 @@ class Generations:
     @classmethod
     async def start(cls, engine: EngineClient, inputs: list[GenerateInput], metrics: GatewayMetrics, endpoint: str,
                     started: float, routing_key: str | None = None) -> "Generations":
-        """Submit every input and take each one's first chunk (the scheduler pool bounds the Submits in flight).
+        """Submit every input and take each one's first reply (the scheduler pool bounds the Submits in flight).
         `routing_key`: the client's session key (routing.py), for every input.
 
         If one fails, the others are cancelled (those not yet submitted never are), every
@@ -77,26 +78,26 @@ class Generations:
         return cls._started(inputs, iterators, firsts, metrics, endpoint, started)
 
     @classmethod
-    def _started(cls, inputs: list[GenerateInput], iterators: list[AsyncGenerator[Chunk, None]], firsts: list[Chunk],
+    def _started(cls, inputs: list[GenerateInput], iterators: list[AsyncGenerator[Reply, None]], firsts: list[Reply],
                  metrics: GatewayMetrics, endpoint: str, started: float) -> "Generations":
         metrics.prompt_tokens.inc(sum(len(inp.input_ids) for inp in inputs))
         timers = [TokenTimer(metrics, endpoint, started) for _ in inputs]
         now = time.perf_counter()
         for timer, first in zip(timers, firsts):
-            timer.tokens(len(first.token_ids), now)
+            timer.tokens(len(first.new.token_ids), now)
         return cls(inputs, iterators, firsts, timers)
 
-    def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
-        """(index, chunk) pairs of all generations as they arrive, until each has its result."""
-        # The common case, and a stream's every event: read in the caller's task, no task per chunk.
+    def merged(self) -> AsyncIterator[tuple[int, Reply]]:
+        """(index, reply) pairs of all generations as they arrive, until each has its last."""
+        # The common case, and a stream's every event: read in the caller's task, no task per reply.
         return self._one() if len(self._iterators) == 1 else self._many()
 
-    async def _many(self) -> AsyncIterator[tuple[int, Chunk]]:
+    async def _many(self) -> AsyncIterator[tuple[int, Reply]]:
         pending: dict[asyncio.Future, int] = {}
         try:
             for i, first in enumerate(self._firsts):
                 yield i, first
-                if first.result is None:
+                if not first.finished:
                     pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
                 else:
                     await _end(self._iterators[i])
@@ -104,10 +105,10 @@ class Generations:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in sorted(done, key=pending.__getitem__):
                     i = pending.pop(future)
-                    chunk = future.result()
-                    self._timers[i].tokens(len(chunk.token_ids), time.perf_counter())
-                    yield i, chunk
-                    if chunk.result is None:
+                    reply = future.result()
+                    self._timers[i].tokens(len(reply.new.token_ids), time.perf_counter())
+                    yield i, reply
+                    if not reply.finished:
                         pending[asyncio.ensure_future(anext(self._iterators[i]))] = i
                     else:
                         await _end(self._iterators[i])
@@ -116,30 +117,30 @@ class Generations:
                 future.cancel()
             await _close(self._iterators, list(pending))
 
-    async def _one(self) -> AsyncIterator[tuple[int, Chunk]]:
+    async def _one(self) -> AsyncIterator[tuple[int, Reply]]:
         iterator, timer = self._iterators[0], self._timers[0]
         try:
             yield 0, self._firsts[0]
-            async for chunk in iterator:  # after a first chunk with the result, this only ends the generation
-                timer.tokens(len(chunk.token_ids), time.perf_counter())
-                yield 0, chunk
+            async for reply in iterator:  # after a first reply that was the last, this only ends the generation
+                timer.tokens(len(reply.new.token_ids), time.perf_counter())
+                yield 0, reply
         finally:
             await _close(self._iterators)
 
-    async def results(self) -> list[RequestResult]:
-        """Every generation's finished result, in input order."""
-        results: dict[int, RequestResult] = {}
-        async for i, chunk in self.merged():
-            if chunk.result is not None:
-                results[i] = chunk.result
+    async def results(self) -> list[Reply]:
+        """Every generation's last reply (its whole output, and how it ended), in input order."""
+        results: dict[int, Reply] = {}
+        async for i, reply in self.merged():
+            if reply.finished:
+                results[i] = reply
         return [results[i] for i in range(len(self._iterators))]
 
     async def close(self) -> None:
         await _close(self._iterators)
 
     @staticmethod
-    async def collect(starting: Awaitable["Generations"]) -> list[RequestResult]:
-        """Every result (see results) of the generations that `starting` (a start()) starts; closes them either
+    async def collect(starting: Awaitable["Generations"]) -> list[Reply]:
+        """Every last reply (see results) of the generations that `starting` (a start()) starts; closes them either
         way. Awaited whole under unless_disconnected, a request watches its client with one task, not one for its
         start and another for its results."""
         gens = await starting
@@ -152,13 +153,13 @@ class Generations:
 _closing: set[asyncio.Task] = set()  # strong references to close tasks in flight
 
 
-async def _end(iterator: AsyncGenerator[Chunk, None]) -> None:
-    """End a generation that has given its result: its cleanup runs at once, in the caller's task (closing it
+async def _end(iterator: AsyncGenerator[Reply, None]) -> None:
+    """End a generation that has given its last reply: its cleanup runs at once, in the caller's task (closing it
     later takes a task of its own)."""
     await anext(iterator, None)
 
 
-async def _close(iterators: list[AsyncGenerator[Chunk, None]], pending: Iterable[asyncio.Future] = ()) -> None:
+async def _close(iterators: list[AsyncGenerator[Reply, None]], pending: Iterable[asyncio.Future] = ()) -> None:
     """Close the pipeline iterators (aborting unfinished requests), after the pending reads on them end.
 
     The pending reads' outcomes (results, exceptions, cancellations) are all retrieved

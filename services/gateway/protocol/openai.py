@@ -15,6 +15,8 @@ from flatwire_wire.scheduler import LogprobParams
 from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.agents.tool_choice import named_call_schema, required_calls_schema
+from services.gateway.protocol.chat import TEMPLATE_VARIABLES, ChatMessage, NamedToolChoice, Tool
+from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
     InvalidRequest,
     LogprobsModeName,
@@ -26,7 +28,7 @@ from services.gateway.protocol.parse import (
     limits_of,
     logprobs_mode,
 )
-from services.gateway.protocol.sampling import CONSTRAINTS, SamplingFields, unsupported
+from services.gateway.protocol.sampling import CONSTRAINTS, DetokenizeFields, SamplingFields, unsupported
 from services.gateway.protocol.sglang import SGLangServerFields
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens for completions, given or null
@@ -73,7 +75,7 @@ def _no_other_constraint(value: ResponseFormat | None, info: ValidationInfo) -> 
     return value
 
 
-class OpenAIRequest(SamplingFields, SGLangServerFields):
+class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     """What chat and completions share."""
 
     model: str
@@ -148,94 +150,6 @@ class OpenAIRequest(SamplingFields, SGLangServerFields):
         if self.response_format is not None and self.response_format.schema_text() is not None:
             fields["sampling.json_schema"] = "response_format"
         return fields
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionDefinition(BaseModel):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None  # the schema binds when the output is constrained (tool_choice), as vLLM
-
-
-class Tool(BaseModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it back in the history
-
-
-class MessageToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, in the history
-    tool_call_id: str | None = Field(None, validate_default=True)  # a tool's answer: to which call
-    reasoning_content: str | None = None  # an assistant's reasoning, in the history
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _function_role(cls, value):
-        if value == "function":
-            raise ValueError("role 'function' (OpenAI's deprecated function messages) is not supported by this "
-                             "server yet; send a function's result as a 'tool' message with tool_call_id")
-        return value
-
-    @field_validator("tool_call_id")
-    @classmethod
-    def _tool_call_id(cls, value, info: ValidationInfo):
-        """A tool's message says which call it answers (OpenAI requires it)."""
-        if value is None and info.data.get("role") == "tool":
-            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
-        return value
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, value, info: ValidationInfo):
-        """Only an assistant's message may go without content (OpenAI's rule: its tool calls say it all)."""
-        if value is None and info.data.get("role", "assistant") != "assistant":
-            raise ValueError(f"a {info.data['role']} message needs content")
-        return value
-
-    def template_dict(self) -> dict:
-        """The message as the chat template wants it: content as one string, the other fields only if given."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        for name in ("name", "tool_call_id", "reasoning_content"):
-            if (value := getattr(self, name)) is not None:
-                message[name] = value
-        if self.tool_calls:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        return message
-
-
-# What a chat template's own variables are: chat_template_kwargs may not replace them.
-TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
-                      "continue_final_message", "return_dict")
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -437,3 +351,11 @@ class CompletionRequest(OpenAIRequest):
         # echo returns the prompt's logprobs too, from its first position.
         return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
                              logprob_start_len=0 if self.echo else -1, logprobs_mode=logprobs_mode(self.logprobs_mode))
+
+
+def prompt_request(req: ChatCompletionRequest | CompletionRequest) -> PromptRequest:
+    """The request's prompt (each of a completion's prompts) for the intake, whose n samples are its choices."""
+    return PromptRequest(sampling=req, max_new_tokens=req.requested_max_tokens, default_max_new_tokens=None,
+                         detokenize=req.detokenize(req.min_new_tokens), logprob=req.logprob(),
+                         fields=req.scheduler_fields(), stream=req.stream,
+                         return_routed_experts=req.return_routed_experts)

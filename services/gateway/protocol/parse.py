@@ -64,18 +64,13 @@ def rename_field(param: str | None, message: str, names: dict[str, str]) -> tupl
     return param, message
 
 
-def renamed(exc: InvalidRequest, names: dict[str, str]) -> InvalidRequest:
-    param, message = rename_field(exc.param, exc.message, names)
-    return InvalidRequest(param, message, exc.status, exc.code)
-
-
 @dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
     max_context: int
     max_top_logprobs: int
     max_batch_size: int  # sub-requests (generations) one HTTP request may ask for
-    # The gateway's request limits: GatewayConfig's (config.py) defaults.
+    # The gateway's request limits (protocol/cost.py), GatewayConfig's defaults.
     max_stop_strings: int = 32
     max_stop_length: int = 256  # characters
     max_logprob_elements: int = 4 * 1024 * 1024  # positions x (top-k + ids), over a request's generations
@@ -187,7 +182,7 @@ def _unrecognized(field: object) -> str:
 
 
 def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
-    """A decoded body (or the public gRPC request as /generate's fields) -> the validated model."""
+    """A decoded body (or the public gRPC request's fields: protocol/public.py) -> the validated model."""
     try:
         return model.model_validate(data, context={"limits": limits})
     except ValidationError as exc:

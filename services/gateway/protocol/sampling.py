@@ -1,4 +1,5 @@
-"""Sampling options shared by SGLang's `sampling_params` and the OpenAI routes."""
+"""The sampling and detokenizing options that SGLang's `sampling_params`, the OpenAI routes and the public gRPC API
+share: the same fields, defaults and checks under the same names."""
 
 import json
 from typing import Annotated, Any
@@ -30,11 +31,12 @@ def _check_stop_token_ids(value: list[int] | None, info: ValidationInfo) -> list
 
 
 def _logit_bias_ids(value):
-    """OpenAI's {"<token id>": bias} keyed by ids, as the scheduler takes it."""
+    """OpenAI's {"<token id>": bias} keyed by ids, as the scheduler takes it (the public gRPC API's map has them
+    already: JSON keys are strings, its are int32)."""
     if not isinstance(value, dict):
         return value  # pydantic names the expected type
     for key in value:
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        if not (type(key) is int or (isinstance(key, str) and key.isascii() and key.isdigit())):
             raise ValueError(f"keys must be token ids, not {key!r}")
     return {int(key): bias for key, bias in value.items()}
 
@@ -103,20 +105,16 @@ def stop_list(stop: StopValue) -> list[str]:
 
 
 class SamplingFields(RequestModel):
-    """The sampling and detokenizing options /generate and the OpenAI routes share (SGLang's names,
-    defaults and checks), and the scheduler messages built from them."""
+    """What a token is chosen from (SGLang's names, defaults and checks), and the scheduler's SamplingParams built
+    from them."""
 
     temperature: Float32 = Field(default=1.0, ge=0.0, allow_inf_nan=False)  # below 1e-6: greedy (the scheduler)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: TopK = Field(default=-1, ge=-1, le=INT32_MAX)  # bounds in the schema too; 0 is refused as well
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
-    stop: Stop = None
     stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
     # Logit adjustments (what is sampled, not the logprobs returned): scheduler.proto's SamplingParams.
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
@@ -145,20 +143,43 @@ class SamplingFields(RequestModel):
         """SamplingParams.constraint's field: the one of json_schema, regex and ebnf given, if any."""
         return {name: value for name in CONSTRAINTS if (value := getattr(self, name)) is not None}
 
-    def detokenize(self) -> DetokenizeParams:
+
+class DetokenizeFields(RequestModel):
+    """How the output becomes text and where a stop string ends it (SGLang's names, defaults and checks): in
+    SGLang's sampling_params, an OpenAI request's top level, and the public gRPC request's top level."""
+
+    stop: Stop = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def detokenize(self, min_new_tokens: int) -> DetokenizeParams:
+        """The detokenizer's options; stop strings match only once the output has `min_new_tokens` (a sampling
+        field) tokens."""
         return DetokenizeParams(
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim, min_new_tokens=self.min_new_tokens)
+            stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim, min_new_tokens=min_new_tokens)
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's; cut to what the context leaves (requested_max_new_tokens)
 
 
-class SamplingOptions(SamplingFields):
-    """SGLang's `sampling_params`: the shared fields plus max_new_tokens."""
+class SamplingParamsFields(SamplingFields):
+    """SamplingFields with max_new_tokens: what a SamplingParams message holds (the public API's, the
+    scheduler's), and the core of SGLang's sampling_params."""
 
     max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=0)  # 0: the prompt's logprobs only
+
+    @property
+    def requested_max_new_tokens(self) -> int | None:
+        """max_new_tokens as the client sent it; None when it sent none (the default, which a long prompt cuts)."""
+        return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
+
+
+class SamplingOptions(SamplingParamsFields, DetokenizeFields):
+    """SGLang's `sampling_params`: the sampling and detokenizing fields, max_new_tokens, and n."""
+
     n: int = Field(default=1, ge=1)  # samples per prompt (GenerateRequest.samples_per_prompt)
     sampling_seed: int | None = Field(default=None, ge=0, lt=2**64)  # SGLang's name here for `seed`
     # SGLang's sampling parameters flatwire cannot honour yet: refused unless neutral.
@@ -168,11 +189,6 @@ class SamplingOptions(SamplingFields):
     custom_params: Annotated[Any, unsupported(None)] = None
     watermark: Annotated[Any, unsupported(None)] = None
     stream_interval: Annotated[Any, unsupported(None)] = None  # per request; the server's --stream-interval
-
-    @property
-    def requested_max_new_tokens(self) -> int | None:
-        """max_new_tokens as the client sent it; None when it sent none (the default, which a long prompt cuts)."""
-        return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
 
     @model_validator(mode="after")
     def _one_seed(self) -> "SamplingOptions":

@@ -1,10 +1,12 @@
-"""SGLang's `POST /generate` request (GenerateReqInput), the fields flatwire implements."""
+"""SGLang's `POST /generate` request (GenerateReqInput), the fields flatwire implements; each prompt of it a
+PromptRequest for the intake (protocol/intake.py)."""
 
 from typing import Annotated, Any
 
 from flatwire_wire.scheduler import LogprobParams
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
     INT32_MAX,
     InvalidRequest,
@@ -16,7 +18,7 @@ from services.gateway.protocol.parse import (
     is_id_lists,
     logprobs_mode,
 )
-from services.gateway.protocol.sampling import SamplingOptions, unsupported
+from services.gateway.protocol.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingOptions, unsupported
 
 MAX_RID_LENGTH = 256
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
@@ -234,8 +236,20 @@ class GenerateRequest(SGLangGenerateFields):
         return f"sampling_params[{i}]" if isinstance(self.sampling_params, list) else "sampling_params"
 
     def scheduler_fields(self, i: int) -> dict[str, str]:
-        """The scheduler's field names -> this request's, for prompt i (see pipeline.GenerateInput.fields)."""
-        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": ""}
+        """The scheduler's field names -> this request's, for prompt i (GenerateInput.fields): a logprob field given
+        per prompt is named with its index."""
+        per_prompt = {f"logprob.{name}": f"{name}[{i}]" for name in PER_PROMPT_FIELDS if self._is_per_prompt(name)}
+        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": "", **per_prompt}
+
+    def prompt(self, i: int) -> PromptRequest:
+        """Prompt i, for the intake."""
+        options = self.sampling_for(i)
+        return PromptRequest(sampling=options, max_new_tokens=options.requested_max_new_tokens,
+                             default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                             detokenize=options.detokenize(options.min_new_tokens), logprob=self.logprob(i),
+                             fields=self.scheduler_fields(i), stream=self.stream, rid=self.rid_for(i),
+                             return_routed_experts=self.return_routed_experts,
+                             routed_experts_start_len=self.routed_experts_start_len)
 
     @property
     def any_logprob(self) -> bool:
@@ -251,11 +265,3 @@ class GenerateRequest(SGLangGenerateFields):
             logprob_start_len=self._per_prompt("logprob_start_len", i),
             token_ids_logprob=self._per_prompt("token_ids_logprob", i) or [],
             logprobs_mode=logprobs_mode(self.logprobs_mode))
-
-    def check_logprob_start_len(self, i: int, prompt_len: int) -> None:
-        """With return_logprob, prompt i's logprob_start_len must be -1 or a position of its (tokenized) prompt."""
-        start = self.logprob(i).logprob_start_len
-        if start >= prompt_len:
-            field = "logprob_start_len" + (f"[{i}]" if self._is_per_prompt("logprob_start_len") else "")
-            raise InvalidRequest(field, f"{field}: {start} is not a position of the {prompt_len}-token prompt; use "
-                                        f"-1 (no prompt logprobs) or 0 to {prompt_len - 1}")

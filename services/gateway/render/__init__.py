@@ -1,4 +1,4 @@
-"""Response renderers: pure functions from a RequestResult's flat arrays to JSON-ready dicts.
+"""Response renderers: pure functions from a Reply (reply.py) and its views' flat arrays to JSON-ready dicts.
 
 One module per client format. Large lists come back as `orjson.Fragment`s (JSON built
 from per-id pieces, see pieces.py): serialize responses with `dumps` or any orjson

@@ -1,38 +1,39 @@
 """The packed protobuf response (GenerateResponsePacked, protos/flatwire/v1/generate.proto): raw
 little-endian arrays, no JSON. The public gRPC API sends it; /generate sends it too to a client that
-accepts application/x-protobuf, one message per chunk, length-delimited when streaming."""
+accepts application/x-protobuf, one message per streamed reply, length-delimited."""
 
 import numpy as np
 from flatwire_wire.logprobs import I32, LogprobBlock
 from flatwire_wire.public import GenerateResponse
 from flatwire_wire.steps import FinishReason
 
-from services.gateway.engine_client import Chunk
+from services.gateway.reply import Output, Reply
 
 MEDIA_TYPE = "application/x-protobuf"
 
 
-def packed_response(chunk: Chunk, prompt_tokens: int, completion_tokens: int) -> GenerateResponse:
-    """One chunk (a stream's, or the whole output) with the request's token counts so far."""
+def packed_response(reply: Reply, part: Output) -> GenerateResponse:
+    """`part` of the reply's output (a stream's event: Reply.new; a whole response: Reply.whole), with the request's
+    counts so far and, on its last reply, how it ended."""
     response = GenerateResponse(
-        rid=chunk.rid, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, text=chunk.text,
-        token_ids=np.asarray(chunk.token_ids, dtype=I32).tobytes(), weight_versions=chunk.weight_versions,
-        weight_version=chunk.weight_versions[-1].version if chunk.weight_versions else "",
-        output=LogprobBlock.of_request(chunk.output) if chunk.output is not None else None,
-        prompt=LogprobBlock.of_request(chunk.prompt) if chunk.prompt is not None else None)
-    if chunk.prompt is not None:
-        response.prompt_token_ids = np.concatenate([chunk.prompt.null_token_ids, chunk.prompt.token_ids]).astype(
+        rid=reply.rid, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens, text=part.text,
+        token_ids=np.asarray(part.token_ids, dtype=I32).tobytes(), weight_versions=reply.weight_versions,
+        weight_version=reply.weight_version or "",
+        output=LogprobBlock.of_request(part.output) if part.output is not None else None,
+        prompt=LogprobBlock.of_request(part.prompt) if part.prompt is not None else None)
+    if part.prompt is not None:
+        response.prompt_token_ids = np.concatenate([part.prompt.null_token_ids, part.prompt.token_ids]).astype(
             I32, copy=False).tobytes()
-    if (result := chunk.result) is not None and result.finish_reason is not None:
-        response.finish_reason = result.finish_reason
-        response.cached_tokens = result.cached_tokens
-        if result.routed_experts is not None:
-            response.routed_experts = result.routed_experts.astype(I32).tobytes()
-            response.routed_experts_shape = list(result.routed_experts.shape)
-        if result.finish_reason is FinishReason.STOP_STRING:
-            response.matched_stop = str(result.matched_stop)
-        elif result.finish_reason is FinishReason.STOP_TOKEN:
-            response.matched_token = int(result.matched_stop or 0)
+    if (ending := reply.ending) is not None:
+        response.finish_reason = ending.reason
+        response.cached_tokens = ending.cached_tokens
+        if ending.routed_experts is not None:
+            response.routed_experts = ending.routed_experts.astype(I32).tobytes()
+            response.routed_experts_shape = list(ending.routed_experts.shape)
+        if ending.reason is FinishReason.STOP_STRING:
+            response.matched_stop = str(ending.matched_stop)
+        elif ending.reason is FinishReason.STOP_TOKEN:
+            response.matched_token = int(ending.matched_stop or 0)
     return response
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from flatwire_wire.logprobs import RequestLogprobs
 
 from services.gateway.render import sglang_flat, sglang_nested
-from services.gateway.result import RequestResult
+from services.gateway.reply import Output
 from services.gateway.token_table import TokenTable
 
 
@@ -19,23 +19,23 @@ class LogprobFormat:
     return_flat_raw_top_logprobs_b64: bool = False  # flat arrays as base64, not JSON lists
 
 
-def logprob_meta_info(result: RequestResult, fmt: LogprobFormat, table: TokenTable, prompt_side: bool = True) -> dict:
-    """input/output token logprobs, top logprobs (nested or flat) and token-ids logprobs.
+def logprob_meta_info(part: Output, fmt: LogprobFormat, table: TokenTable, prompt_side: bool = True) -> dict:
+    """input/output token logprobs, top logprobs (nested or flat) and token-ids logprobs of a part of a request's
+    output: the whole (Reply.whole), or a streamed event's (Reply.new).
 
     Empty when the request did not ask for logprobs. A missing prompt track renders as
-    empty prompt fields, as SGLang does. For a stream chunk, pass a result whose tracks
-    hold that chunk's rows; `prompt_side=False` leaves the input fields out (a stream's
-    later events repeat those of its first).
+    empty prompt fields, as SGLang does. `prompt_side=False` leaves the input fields out
+    (a stream's later events repeat those of its first).
     """
-    output = result.output
+    output = part.output
     if output is None:
         return {}
-    ids = result.token_ids_logprob
+    ids = part.token_ids_logprob
     text = fmt.return_text_in_logprobs
     fields = {}
     sides = [("output", output, fmt.return_flat_raw_output_top_logprobs)]
     if prompt_side:
-        prompt = result.prompt or RequestLogprobs.empty(output.k, len(ids or ()))
+        prompt = part.prompt or RequestLogprobs.empty(output.k, len(ids or ()))
         sides.insert(0, ("input", prompt, fmt.return_flat_raw_top_logprobs))
     for side, track, flat in sides:
         fields[f"{side}_token_logprobs"] = sglang_nested.token_logprobs(track, table, text)

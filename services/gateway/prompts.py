@@ -1,11 +1,13 @@
-"""Prompts -> token ids (off the event loop), and the length checks SGLang makes."""
+"""Prompts -> token ids, off the event loop: texts (refused before they are tokenized when they cannot fit the
+context), and a chat's messages through the model's chat template."""
 
 import asyncio
 
 from services.common.memory import BIG_REQUEST_BYTES, trim_soon
 from services.gateway.prompt_bound import check_prompt_text
-from services.gateway.protocol.openai import ChatMessage
-from services.gateway.protocol.parse import InvalidRequest, ModelLimits
+from services.gateway.protocol.chat import ChatMessage
+from services.gateway.protocol.intake import prompt_too_long
+from services.gateway.protocol.parse import InvalidRequest
 
 ENCODE_GROUP_CHARS = 1 << 20  # texts tokenized in one call: the tokenizer's buffers for ~1 MB of text at a time
 
@@ -63,24 +65,3 @@ async def encode_chat(tokenizer, messages: list[ChatMessage], max_context: int |
         raise
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
         raise InvalidRequest("messages", f"messages: the chat template failed: {exc}") from None
-
-
-def prompt_too_long(field: str, tokens: int, max_context: int) -> InvalidRequest:
-    return InvalidRequest(field, f"{field}: the prompt has {tokens} tokens; this model's context is {max_context}")
-
-
-def check_lengths(ids: list[int], limits: ModelLimits, prompt_field: str, max_new_tokens: int | None,
-                  max_field: str, default: int | None = None) -> int:
-    """The max_new_tokens to ask for: the requested one; when None (not asked), `default` or, without one or
-    past it, what the context leaves (SGLang's scheduler cuts its default so)."""
-    if not ids:
-        raise InvalidRequest(prompt_field, f"{prompt_field}: the prompt is empty")
-    room = limits.max_context - len(ids)
-    if room <= 0:
-        raise prompt_too_long(prompt_field, len(ids), limits.max_context)
-    if max_new_tokens is None:
-        return room if default is None else min(default, room)
-    if max_new_tokens > room:
-        raise InvalidRequest(max_field, f"{max_field}: {len(ids)} prompt tokens + {max_new_tokens} new tokens "
-                                        f"exceed this model's context of {limits.max_context}")
-    return max_new_tokens
