@@ -61,3 +61,17 @@ def test_coalesced_entries_resume_from_the_first_retained_entry():
     head, *steps = journal.replay()
     assert [s.step for s in steps] == [3, 4]
     assert [list(r.output_ids) for r in head.resumed] == [[100, 101, 102, 103, 104]]
+
+
+def test_a_rid_used_again_is_not_forgotten_with_its_earlier_request():
+    """A request that reuses the rid of one that finished: when the earlier one's Finish leaves the window, the later
+    one stays tracked (it was dropped, and its next entry raised KeyError: the whole step went unpublished)."""
+    padding = 1000
+    journal = StepJournal(window_s=60, window_bytes=3 * padding)
+    journal.record(_step(1, {"busy": 0}, started=["busy"], finished=[("busy", 1)], padding=padding))
+    journal.record(_step(2, {"busy": 0}, started=["busy"], padding=padding))
+    for number in range(3, 6):  # the first step leaves the window
+        journal.record(_step(number, {"busy": number - 2}, padding=padding))
+    head, *steps = journal.replay()
+    assert [s.step for s in steps] == [4, 5]
+    assert [(r.start.rid, list(r.output_ids)) for r in head.resumed] == [("busy", [100, 101])]

@@ -28,6 +28,7 @@ class _Retained:
     at: float  # time.monotonic() when published
     size: int  # serialized bytes
     message: StepMessage
+    finished: list[_Tracked]  # the requests its Finishes end: forgotten with it (a rid may be used again meanwhile)
 
 
 class StepJournal:
@@ -49,7 +50,8 @@ class StepJournal:
             self._requests[start.rid] = _Tracked(start)
         for rid, tokens in message.entries():
             self._requests[rid].output_ids.extend(tokens)
-        retained = _Retained(time.monotonic(), len(message.encoded), message)
+        finished = [self._requests[finish.rid] for finish in message.finished if finish.rid in self._requests]
+        retained = _Retained(time.monotonic(), len(message.encoded), message, finished)
         self._steps.append(retained)
         self._bytes += retained.size
         self._evict(retained.at)
@@ -71,5 +73,6 @@ class StepJournal:
         while self._steps and (now - self._steps[0].at > self.window_s or self._bytes > self.window_bytes):
             dropped = self._steps.popleft()
             self._bytes -= dropped.size
-            for finish in dropped.message.finished:
-                self._requests.pop(finish.rid, None)
+            for tracked in dropped.finished:
+                if self._requests.get(tracked.start.rid) is tracked:  # not a later request of the same rid
+                    del self._requests[tracked.start.rid]
