@@ -1,4 +1,5 @@
-"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats, and rollout control.
+"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats, and rollout control
+(rollout_calls.py).
 
 Its handlers take and return the wire layer's twins (flatwire_wire.scheduler.SCHEDULER converts them). They run
 on the asyncio loop; the model runs in the engine thread. Each step
@@ -6,11 +7,6 @@ message is handed back to the loop with call_soon_threadsafe, recorded in the st
 journal and broadcast to every StreamSteps subscriber's queue. A new subscriber gets
 the journal's replay first, in the same loop callback that registers it, so no step
 falls between the two.
-
-Rollout control (engine.py has the semantics): a weight update is read and checked in a
-worker thread (weights.py), one at a time, then handed to the engine thread, which swaps it
-in between two steps; the other commands go to the engine thread directly. Each call returns
-once the engine applied it.
 """
 
 import asyncio
@@ -19,24 +15,11 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from flatwire_wire.control import (
     EMPTY,
-    AbortAllRequest,
-    ContinueGenerationRequest,
-    ControlReply,
-    DestroyWeightsUpdateGroupRequest,
     Empty,
-    InitWeightsUpdateGroupRequest,
-    PauseGenerationRequest,
-    ReleaseMemoryOccupationRequest,
-    ResumeMemoryOccupationRequest,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightsFromDistributedRequest,
-    UpdateWeightVersionRequest,
 )
 from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.rpc import FIELD_METADATA, STATUS_CODES
@@ -60,39 +43,28 @@ from services.common.model_store import ModelNotFound, cache_root, model_name, r
 from services.common.rpc import add_health, create_server, listen, mark_serving
 from services.common.signals import exit_now, stop_requested
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine.control import (
-    WEIGHTS_RELEASED,
-    AbortAll,
-    Continue,
-    Control,
-    FlushCache,
-    Pause,
-    ReleaseMemory,
-    ResumeMemory,
-    SetWeightVersion,
-    UpdateWeights,
-)
 from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
 from services.scheduler.kv.manager import longest_sequence
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.synthetic import SyntheticRunner
 from services.scheduler.model.weight_sync import WeightGroups
-from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
+from services.scheduler.model.weights import ServedWeights
 from services.scheduler.output.journal import StepJournal
+from services.scheduler.rollout_calls import RolloutCalls
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.step import StepRunner
 from services.scheduler.submit import InvalidTokenizedRequest, SubmitLimits, parse_request
 
-SYNTHETIC_HAS_NO_WEIGHTS = "this scheduler runs --engine synthetic: it has no weights to update"
 log = logging.getLogger("flatwire.scheduler")
 SERVICE_NAME = SCHEDULER.name
 BACKPRESSURE_POLL_S = 0.001
 CUT = object()  # queued to a subscriber that fell too far behind: its stream ends with UNAVAILABLE
 
 
-class SchedulerService:
-    """The Scheduler service (flatwire_wire.scheduler.SchedulerServicer)."""
+class SchedulerService(RolloutCalls):
+    """The Scheduler service (flatwire_wire.scheduler.SchedulerServicer): requests and their steps here, rollout
+    control in RolloutCalls."""
 
     def __init__(self, config: SchedulerConfig, model_name: str, runner: StepRunner,
                  weights: ServedWeights | None = None, grammars: Grammars | None = None):
@@ -123,12 +95,8 @@ class SchedulerService:
                       if weights is not None and isinstance(runner, ModelRunner) else None)
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
                              behind=self._behind, occupation=occupation)
-        self.weights = weights
-        self.weight_groups = WeightGroups(runner.device, config.weights_sync_timeout_s) if weights else None
-        # Their own threads: a join waits up to --weights-sync-timeout-s for a trainer that may never come, and a
-        # few of them must not take the default pool's threads, which the other controls read weights on.
-        self._group_calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-group")
-        self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
+        RolloutCalls.__init__(self, weights, WeightGroups(runner.device, config.weights_sync_timeout_s)
+                              if weights else None)
 
     def _wait_for_room(self) -> None:
         """Engine thread, between steps: while a subscriber has more than --max-subscriber-backlog messages
@@ -239,125 +207,6 @@ class SchedulerService:
 
     async def get_stats(self, request: Empty, context) -> SchedulerStats:
         return self.engine.stats
-
-    # -- rollout control --------------------------------------------------------------------------------
-
-    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> ControlReply:
-        if self._weights_released():  # said before the checkpoint is read against weights that are not there
-            return self._refused(WEIGHTS_RELEASED)
-
-        def read(weights: ServedWeights) -> StagedWeights:
-            return weights.read_checkpoint(request.model_path, request.load_format)
-
-        return await self._update_weights(read, request.abort_all_requests, request.weight_version)
-
-    async def push_weights(self, chunks, context) -> ControlReply:
-        if self.weights is None:  # refused before a byte is buffered
-            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
-        if self._weights_released():
-            return self._refused(WEIGHTS_RELEASED)
-        first, parts, size = None, [], 0
-        limit = self.weights.max_push_bytes
-        async for chunk in chunks:
-            if first is None:
-                first = chunk
-            size += len(chunk.safetensors)
-            if size > limit:
-                return self._refused(f"the pushed file passes {limit} bytes, the served model's size in float32 "
-                                     "plus a header: not a subset of its tensors")
-            parts.append(chunk.safetensors)
-        if first is None:
-            return self._refused("PushWeights got no chunk")
-        data = b"".join(parts)
-        parts.clear()
-        return await self._update_weights(lambda weights: weights.read_safetensors(data), first.abort_all_requests,
-                                          first.weight_version)
-
-    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context) -> ControlReply:
-        return await self._in_group(lambda groups: groups.init(request))
-
-    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, context
-                                              ) -> ControlReply:
-        if self.weight_groups is None:
-            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
-        groups = self.weight_groups
-        return await self._update_weights(lambda weights: groups.receive(request, weights),
-                                          request.abort_all_requests, request.weight_version)
-
-    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest, context) -> ControlReply:
-        return await self._in_group(lambda groups: groups.destroy(request.group_name))
-
-    async def _in_group(self, call: Callable[[WeightGroups], str]) -> ControlReply:
-        """A group call (blocking: a worker thread) answered with its message, or refused with why."""
-        if self.weight_groups is None:
-            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
-        try:
-            message = await asyncio.get_running_loop().run_in_executor(self._group_calls, call, self.weight_groups)
-        except WeightsRefused as exc:
-            log.warning("weight update group call refused: %s", exc)
-            return self._refused(str(exc))
-        return ControlReply(success=True, message=message, weight_version=self.engine.weight_version)
-
-    async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context) -> ControlReply:
-        return await self._memory(ReleaseMemory, request.tags)
-
-    async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context) -> ControlReply:
-        return await self._memory(ResumeMemory, request.tags)
-
-    async def _memory(self, command: type[ReleaseMemory] | type[ResumeMemory], tags: list[str]) -> ControlReply:
-        try:
-            checked = MemoryOccupation.tags_of(tags)
-        except WeightsRefused as exc:
-            return self._refused(str(exc))
-        return await self._control(command(tags=checked))
-
-    async def pause_generation(self, request: PauseGenerationRequest, context) -> ControlReply:
-        return await self._control(Pause(mode=request.mode))
-
-    async def continue_generation(self, request: ContinueGenerationRequest, context) -> ControlReply:
-        return await self._control(Continue())
-
-    async def abort_all(self, request: AbortAllRequest, context) -> ControlReply:
-        return await self._control(AbortAll())
-
-    async def flush_cache(self, request: Empty, context) -> ControlReply:
-        return await self._control(FlushCache())
-
-    async def update_weight_version(self, request: UpdateWeightVersionRequest, context) -> ControlReply:
-        if not request.new_version:
-            return self._refused("new_version: must not be empty")
-        abort = True if request.abort_all_requests is None else request.abort_all_requests  # SGLang's default
-        return await self._control(SetWeightVersion(version=request.new_version, abort_all_requests=abort))
-
-    async def _update_weights(self, read: Callable[[ServedWeights], StagedWeights], abort_all_requests: bool,
-                              version: str | None) -> ControlReply:
-        """`read(weights)` (blocking: a worker thread) checks and stages the new weights; the engine swaps them in.
-        A call whose client leaves after that still applies (SGLang's too)."""
-        if self.weights is None:
-            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
-        if version == "":  # as update_weight_version's new_version (None: the version stays)
-            return self._refused("weight_version: must not be empty")
-        async with self._updating:
-            try:
-                staged = await asyncio.to_thread(read, self.weights)
-            except WeightsRefused as exc:
-                log.warning("weight update refused: %s", exc)
-                return self._refused(str(exc))
-            return await self._control(UpdateWeights(staged=staged, abort_all_requests=abort_all_requests,
-                                                     weight_version=version))
-
-    def _weights_released(self) -> bool:
-        """A disk or pushed update would be checked against released (empty) tensors; the engine refuses it
-        anyway. (A broadcast is still received, so that the trainer's collective completes.)"""
-        occupation = self.engine.rollout.occupation
-        return occupation is not None and "weights" in occupation.released
-
-    async def _control(self, command: Control) -> ControlReply:
-        return await asyncio.wrap_future(self.engine.control(command))
-
-    def _refused(self, message: str) -> ControlReply:
-        """SGLang answers a refused control call with success false and the reason, not an error status."""
-        return ControlReply(success=False, message=message, weight_version=self.engine.weight_version)
 
 
 async def serve(config: SchedulerConfig) -> None:
