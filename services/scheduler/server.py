@@ -45,6 +45,7 @@ from services.common.signals import exit_now, stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
 from services.scheduler.kv.manager import longest_sequence
+from services.scheduler.model.architecture import UnsupportedModel
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.synthetic import SyntheticRunner
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.info("interrupted")
     except SystemExit as exc:  # the engine failed
         code = exc.code
-    except ModelNotFound as exc:  # a setup error, said in one line
+    except (ModelNotFound, UnsupportedModel) as exc:  # a setup error, said in one line
         code = f"{prog or 'scheduler'}: {exc}"
     except Exception:  # a bug: said, then ended at once (a weight-group join may wait minutes for its trainer)
         log.exception("the scheduler failed")

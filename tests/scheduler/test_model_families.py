@@ -1,5 +1,5 @@
-"""Model families with sliding windows and attention sinks (Mistral, Gemma 3, OLMo 3, gpt-oss), each a tiny random
-checkpoint made here, against transformers' own forward: greedy tokens identical and logprobs within engine_run's
+"""Model families with sliding windows, attention sinks and latent attention (Mistral, Gemma 3, OLMo 3, gpt-oss,
+DeepSeek V3), each a tiny random checkpoint made here, against transformers' own forward: greedy tokens identical and logprobs within engine_run's
 ATOL, across chunked prefills and window edges, in batches that mix prefill and decode of different lengths, on a
 prefix-cache hit, after retraction and resume; and a window group gives back the pages its window has left."""
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
@@ -40,6 +42,11 @@ FAMILIES = {
         num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
         layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default"},
         **{**COMMON, "intermediate_size": 64})),
+    # Multi-head latent attention (the KV memory keeps the latent), a dense first layer, then a grouped MoE.
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        num_hidden_layers=3, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, **{**COMMON, "num_key_value_heads": 4, "head_dim": 8})),
 }
 
 

@@ -1,19 +1,24 @@
 """What the engine reads of a model's config: the kind of memory each of its layers keeps (kv/specs.py), grouped,
 and a refusal, at load and by name, of what it does not implement.
 
-A layer attends fully or within a sliding window as transformers' own forward does: by `layer_types` where the
+A model with multi-head latent attention (a `kv_lora_rank`: DeepSeek V3, Kimi K2) keeps its latent (model/mla.py).
+Otherwise a layer attends fully or within a sliding window as transformers' own forward does: by `layer_types` where the
 config has them (Gemma 3, OLMo 3, gpt-oss, Qwen2/3 with use_sliding_window), else every layer within
 `sliding_window` where that is set (Mistral, Mixtral, Phi-3, Starcoder2 pass it to every layer). The attention
 checks, at every layer, that the window transformers passes is the one its memory keeps (model/attention.py), and
 the model runner runs a first step at load, so that a model read otherwise fails at start.
 """
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from services.scheduler.kv.specs import AttentionSpec, KVSpec, LayerGroup, group_layers
+from services.scheduler.kv.specs import AttentionSpec, KVSpec, LayerGroup, MLASpec, group_layers
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Config fields whose feature the engine does not implement, and what it is: the model is refused when one is set.
@@ -23,13 +28,35 @@ UNSUPPORTED_FIELDS = {
     "logit_scale": "scaled logits (Cohere)",
     "logits_scaling": "scaled logits (Granite)",
     "index_topk": "sparse attention (DeepSeek V3.2's indexer)",
-    "kv_lora_rank": "multi-head latent attention (DeepSeek V3, Kimi K2)",
 }
 NEUTRAL = (None, 1, 1.0)
 
 
 class UnsupportedModel(ValueError):
     """A checkpoint the engine cannot run: the message names the model, the feature, and what is supported."""
+
+
+def load_config(model_dir: Path) -> PretrainedConfig:
+    """The checkpoint's config. One whose model type transformers does not know is read by the config class of an
+    architecture it names that transformers has: Kimi K2's `kimi_k2`, published for remote code, is DeepSeek V3's
+    (`DeepseekV3ForCausalLM`). It then takes that class's model type, under which transformers converts the
+    checkpoint's weights as it loads them (DeepSeek V3's experts, one tensor each in the checkpoint, are fused):
+    under an unknown type they would be missing, and initialized at random."""
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as exc:
+        try:
+            raw = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            raise UnsupportedModel(f"{model_dir}: its config.json does not load: {exc}") from None
+        for architecture in raw.get("architectures") or []:
+            if (config_class := getattr(getattr(transformers, architecture, None), "config_class", None)) is not None:
+                config = config_class.from_pretrained(model_dir)
+                config.model_type = config_class.model_type
+                return config
+        raise UnsupportedModel(f"{model_dir}: model type {raw.get('model_type')!r} is not one transformers "
+                               f"{transformers.__version__} knows, nor is any of its architectures "
+                               f"({', '.join(raw.get('architectures') or []) or 'none'})") from None
 
 
 def check_supported(name: str, config) -> None:
@@ -51,6 +78,8 @@ def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[KVSpec]:
     """What each decoder layer keeps per token, stored in `dtype`."""
     check_supported(name, text_config)
     layers = int(text_config.num_hidden_layers)
+    if latent := getattr(text_config, "kv_lora_rank", None):  # DeepSeek V3, Kimi K2: model/mla.py
+        return [MLASpec(int(latent), int(text_config.qk_rope_head_dim), dtype)] * layers
     window = getattr(text_config, "sliding_window", None) or 0
     layer_types = list(getattr(text_config, "layer_types", None) or
                        ["sliding_attention" if window else "full_attention"] * layers)
@@ -75,5 +104,9 @@ def describe_groups(groups: list[LayerGroup]) -> str:
     """The layers by kind, for logs and refusals: "24 layers: 12 full attention, 12 sliding window 128"."""
     kinds: Counter[str] = Counter()
     for group in groups:
-        kinds["full attention" if not group.window else f"sliding window {group.window}"] += len(group.layers)
+        if isinstance(group.spec, MLASpec):
+            kind = f"latent attention ({group.spec.latent_dim} + {group.spec.rope_dim} a token)"
+        else:
+            kind = f"sliding window {group.window}" if group.window else "full attention"
+        kinds[kind] += len(group.layers)
     return f"{sum(kinds.values())} layers: " + ", ".join(f"{count} {kind}" for kind, count in kinds.items())

@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
 from services.scheduler.kv.pool import KVPool, pool_pages
-from services.scheduler.kv.specs import token_bytes
-from services.scheduler.model.architecture import UnsupportedModel, describe_groups, layer_groups
+from services.scheduler.kv.specs import MLASpec, token_bytes
+from services.scheduler.model.architecture import UnsupportedModel, describe_groups, layer_groups, load_config
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
+from services.scheduler.model.mla import use_latent_cache
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.step import Batch, StepResult
@@ -79,7 +80,7 @@ class ModelRunner:
         self.name = str(model_dir)
         self.device = pick_device(device)
         self.attention_backend = check_backend(attention_backend, self.device)
-        config = AutoConfig.from_pretrained(model_dir)
+        config = load_config(model_dir)
         text_config = config.get_text_config()
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
         groups = layer_groups(str(model_dir), text_config, self.dtype)  # before the weights: a refusal is quick
@@ -88,10 +89,17 @@ class ModelRunner:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
         else:
             transformers_logging.disable_progress_bar()  # a bar of carriage returns in the service's log
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype,
+            model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=self.dtype,
                                                          attn_implementation=ATTENTION_NAME)
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        if isinstance(groups[0].spec, MLASpec):
+            if self.attention_backend != "torch":
+                raise UnsupportedModel(f"{model_dir}: --attention-backend {self.attention_backend} does not run "
+                                       "multi-head latent attention yet; use --attention-backend torch")
+            if use_latent_cache(self.model) != sum(len(group.layers) for group in groups):
+                raise UnsupportedModel(f"{model_dir}: a kv_lora_rank, but not every layer is DeepSeek V3's latent "
+                                       "attention")
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(text_config.vocab_size)

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
-from transformers import AutoConfig
 
 from services.common.tokenizer import load_tokenizer
 from services.scheduler.kv.pool import DEFAULT_CPU_TOKENS
+from services.scheduler.model.architecture import load_config
 from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.model.runner import model_max_context
 from services.scheduler.step import Batch, BatchRow, DoneStep, StepResult
@@ -57,7 +57,7 @@ class SyntheticRunner:
 
     def __init__(self, model_dir: Path, context_length: int, max_top_logprobs: int, step_ms: float,
                  page_size: int = 16, max_total_tokens: int = 0):
-        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        config = load_config(model_dir).get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = _eos_ids(model_dir, config)
         self.max_context = min(context_length or model_max_context(config), model_max_context(config))

@@ -106,10 +106,11 @@ class TorchPlan:
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int = 0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, H, D] against one layer's caches [pages, page_size, Hkv, D] -> [T, H, D]. `window`: the
-        keys a query sees, its own included (transformers' `sliding_window`; 0: all before it); `sinks` [H]: the
-        layer's sink logits (gpt-oss), not scaled by `scale`."""
-        out = query.new_empty(query.shape)
+        """query [T, H, D] against one layer's caches, keys [pages, page_size, Hkv, D] and values [pages,
+        page_size, Hkv, Dv] -> [T, H, Dv]. `window`: the keys a query sees, its own included (transformers'
+        `sliding_window`; 0: all before it); `sinks` [H]: the layer's sink logits (gpt-oss), not scaled by
+        `scale`."""
+        out = query.new_empty((*query.shape[:2], values.shape[-1]))
         for group in self.groups(window):
             context_keys, context_values = _context(group.pages, keys), _context(group.pages, values)
             mask = group.mask

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
-from transformers import AutoConfig
+
+from services.scheduler.model.architecture import load_config
 
 # Config keys that do not change what the weights mean: where the config was saved from, by which
 # version, and the dtype it was saved in (every tensor is cast to the served dtype).
@@ -62,7 +63,7 @@ def _listed(items: list[str]) -> str:
 
 def _config_of(path: Path) -> dict:
     try:
-        config = AutoConfig.from_pretrained(path).to_dict()
+        config = load_config(path).to_dict()
     except (OSError, ValueError, KeyError) as exc:
         raise WeightsRefused(f"{path}: its config.json does not load: {exc}") from None
     return {key: value for key, value in config.items() if key not in IGNORED_CONFIG_KEYS}
