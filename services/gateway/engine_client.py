@@ -60,8 +60,9 @@ FAIR_SHARE = 2
 
 
 class RequestError(Exception):
-    """A request the pipeline refused: status is "invalid_argument", "not_found", "resource_exhausted"
-    (admission control: HTTP 429, gRPC RESOURCE_EXHAUSTED) or "unavailable"."""
+    """A request the pipeline refused or failed: status is "invalid_argument", "not_found", "resource_exhausted"
+    (admission control: HTTP 429, gRPC RESOURCE_EXHAUSTED), "unavailable" (a hop went away: 503, UNAVAILABLE) or
+    "internal" (a step that ran it raised: 500, INTERNAL)."""
 
     def __init__(self, status: str, field: str | None, message: str):
         super().__init__(message)
@@ -80,6 +81,7 @@ class GenerationState:
     ending: Ending | None = None  # how it ended, once it did
     ended_at: float = 0.0
     failure: str | None = None  # why the request failed (a server-side fault)
+    failure_status: str = "unavailable"  # RequestError's status for it
     abort_requested: bool = False  # by EngineClient.abort: stopped in its scheduler as soon as it has one
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     woken_at: float = 0.0  # when wakeup was last set while the generator waited on it (less how late its message was)
@@ -200,7 +202,7 @@ class EngineClient:
                         await asyncio.sleep(min(late, coalesce_s))  # the next messages' tokens join this reply
                 state.wakeup.clear()
                 if state.failure is not None:
-                    raise RequestError("unavailable", None, state.failure)
+                    raise RequestError(state.failure_status, None, state.failure)
                 reply = self._reply(state)
                 if reply.new.token_ids or reply.new.prompt is not None or reply.finished:
                     yield reply
@@ -300,7 +302,7 @@ class EngineClient:
     def _finish(self, state: GenerationState, finish: Finish, weight_version: str) -> None:
         """`weight_version`: of the message that brought the finish, the version in force when the request ended."""
         if finish.reason == FinishReason.ERROR:
-            return self._fail(state, finish.message)
+            return self._fail(state, finish.message, "internal" if finish.step_failed else "unavailable")
         held = len(state.outputs.token_ids)
         if finish.reason != FinishReason.ABORT:
             if held != finish.output_tokens:
@@ -311,11 +313,11 @@ class EngineClient:
         state.outputs.end(weight_version)
         state.ending, state.ended_at = Ending.of(finish), time.perf_counter()
 
-    def _fail(self, state: GenerationState, why: str) -> None:
+    def _fail(self, state: GenerationState, why: str, status: str = "unavailable") -> None:
         """End the request with an error (a server-side fault); its generate() raises it."""
         if not state.ended:
             log.warning("request %s failed: %s", state.rid, why)
-            _end_with_error(state, why)
+            _end_with_error(state, why, status)
 
     def _fail_many(self, states: list[GenerationState], why: str) -> None:
         """_fail for every one of `states` that still runs, with one log line for the fault, not one per request."""
@@ -341,8 +343,8 @@ class EngineClient:
         self._fail_many([state for state in self._requests.values() if state.scheduler == scheduler], why)
 
 
-def _end_with_error(state: GenerationState, why: str) -> None:
-    state.failure = why
+def _end_with_error(state: GenerationState, why: str, status: str = "unavailable") -> None:
+    state.failure, state.failure_status = why, status
     state.wakeup.set()
 
 

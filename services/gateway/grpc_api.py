@@ -50,6 +50,7 @@ ERROR_CODES = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
 }
 
 

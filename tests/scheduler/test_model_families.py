@@ -1,7 +1,8 @@
 """Model families with sliding windows, attention sinks and latent attention (Mistral, Gemma 3, OLMo 3, gpt-oss,
-DeepSeek V3), each a tiny random checkpoint made here, against transformers' own forward: greedy tokens identical and logprobs within engine_run's
-ATOL, across chunked prefills and window edges, in batches that mix prefill and decode of different lengths, on a
-prefix-cache hit, after retraction and resume; and a window group gives back the pages its window has left."""
+DeepSeek V3), each a tiny random checkpoint made here, against transformers' own forward: greedy tokens identical
+and logprobs within engine_run's ATOL, across chunked prefills and window edges, in batches that mix prefill and
+decode of different lengths, on a prefix-cache hit, after retraction and resume; and a window group gives back the
+pages its window has left."""
 
 import numpy as np
 import pytest

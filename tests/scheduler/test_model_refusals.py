@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Gemma2Config,

@@ -11,7 +11,8 @@ from services.gateway.protocol.parse import InvalidRequest
 
 # nginx's "client closed request": nobody reads it, it marks the log line of a request whose client left.
 CLIENT_CLOSED = 499
-ENGINE_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503}
+ENGINE_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503,
+                 "internal": 500}
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
                429: "RateLimitError"}

@@ -207,9 +207,10 @@ class Engine:
         self.scheduler.update_from_output(batch, result, out, behind=self.behind())
 
     def _fail_step(self, batch: Batch, exc: Exception, out: Outgoing) -> None:
-        log.error("step failed", exc_info=exc)
+        """A step that raised fails its requests (named with the cause, logged once); the engine serves on."""
+        log.error("a step of %d requests failed; they end with its error", len(batch.rows), exc_info=exc)
         self._step += 1
-        self.scheduler.fail(batch, str(exc), out)
+        self.scheduler.fail(batch, f"{type(exc).__name__}: {exc}", out)
 
     def _drain_inbox(self, block: bool) -> tuple[list[Request], list[AbortRequest], list[Control]]:
         new: list[Request] = []

@@ -254,12 +254,15 @@ class Scheduler:
             self.pending_rows.put(with_rows, sources, result.output)
 
     def fail(self, batch: Batch, why: str, out: Outgoing) -> None:
-        """A step that raised: its requests end with the error; their pending output never ships."""
+        """A step that raised: its requests end with the error (step_failed: a fault of the server, not a scheduler
+        gone); their pending output never ships. The KV memory a failed step wrote is no request's: the requests
+        let go of it, and only what earlier steps computed is cached."""
         for row in batch.rows:
-            if row.request.status is not RequestStatus.FINISHED:  # a request may hold two rows of a failed step
+            if row.request.status is not RequestStatus.FINISHED:
                 row.request.pending.release_lane()
-                out.finished.append(self.finish(row.request, FinishReason.ERROR,
-                                                message=f"scheduler step failed: {why}"))
+                finish = self.finish(row.request, FinishReason.ERROR, message=f"scheduler step failed: {why}")
+                finish.step_failed = True
+                out.finished.append(finish)
 
     # -- status changes --
 

@@ -78,6 +78,8 @@ class Finish:
     # With return_routed_experts: int32 [tokens, layers, top_k] packed (routed_experts_of reads it).
     routed_experts: bytes = b""
     routed_experts_shape: list[int] = field(default_factory=list)
+    # ERROR: a step that ran the request raised (HTTP 500, gRPC INTERNAL), not the scheduler going away (503).
+    step_failed: bool = False
 
     def routed_experts_of(self) -> np.ndarray | None:
         """The routed experts as int32 [tokens, layers, top_k]; None when the request did not ask."""

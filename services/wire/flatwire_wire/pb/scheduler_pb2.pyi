@@ -179,7 +179,7 @@ class RequestStart(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("rid", "reason", "matched_token", "matched_stop", "message", "output_tokens", "cached_tokens", "routed_experts", "routed_experts_shape")
+    __slots__ = ("rid", "reason", "matched_token", "matched_stop", "message", "output_tokens", "cached_tokens", "routed_experts", "routed_experts_shape", "step_failed")
     RID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class Finish(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FAILED_FIELD_NUMBER: _ClassVar[int]
     rid: str
     reason: _arrays_pb2.FinishReason
     matched_token: int
@@ -198,7 +199,8 @@ class Finish(_message.Message):
     cached_tokens: int
     routed_experts: bytes
     routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    step_failed: bool
+    def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version", "made_at_unix_us")
