@@ -11,7 +11,9 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
@@ -19,6 +21,7 @@ from transformers import (
     MistralForCausalLM,
     Olmo3Config,
     Olmo3ForCausalLM,
+    SiglipVisionConfig,
 )
 
 from services.scheduler.kv.prefix_cache import DROPPED
@@ -122,3 +125,26 @@ def test_a_window_group_gives_back_the_pages_its_window_left(family):
                 assert held <= most if window else held == len(table), (window, table)
     check(reference, ids, 60, run.result("long"))
     assert run.engine.kv.pages.free == run.engine.kv.pages.usable  # nothing leaked
+
+
+def test_a_vision_language_checkpoint_is_served_text_only(tmp_path):
+    """Gemma 3 as published: the vision-language class (its text model under model.language_model, the config's
+    text part under text_config, no eos at the top) serves text, equal to transformers' own forward."""
+    text = Gemma3TextConfig(num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                            layer_types=SLIDING_THEN_FULL, **COMMON)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                 mm_tokens_per_image=4, image_token_index=VOCAB - 3,
+                                                 boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 1)
+                                   ).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Gemma3ForConditionalGeneration"
+    run = Run(tmp_path, chunked_prefill_size=13)
+    cases = prompts(4, [9, 40])
+    for rid, ids in cases.items():
+        run.submit(rid, ids, 12)
+    run.run()
+    for rid, ids in cases.items():
+        check(reference, ids, 12, run.result(rid))

@@ -56,8 +56,8 @@ def pick_dtype(name: str, device: torch.device, checkpoint_dtype) -> torch.dtype
 
 def eos_token_ids(model) -> list[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = model.config.eos_token_id
+    if eos is None:  # a vision-language checkpoint's is its text model's
+        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
