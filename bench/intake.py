@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     for k in ks:
         progress.step(f"k={k}")
         encoded = messages(args.requests, k)
-        timing = measure(lambda: intake(encoded, args.requests, k), repeats=7)
+        timing = measure(lambda encoded=encoded, k=k: intake(encoded, args.requests, k), repeats=7)
         per_entry = timing.median / (MESSAGES * args.requests)
         results[f"k{k}_entry_s"] = per_entry
         table.add(k, fmt_time(per_entry), fmt_time(timing.median / MESSAGES))

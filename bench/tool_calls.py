@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         results[f"{key}_cpu_s"] = statistics.median(each)
         results[f"{key}_cpu_s_rounds"] = each
     progress.step("the parse alone")
-    parses = {stream: measure(lambda: parse_alone(stream)) for stream in (False, True)}
+    parses = {stream: measure(lambda stream=stream: parse_alone(stream)) for stream in (False, True)}
     results["parse_unary_s"], results["parse_stream_s"] = parses[False].median, parses[True].median
     table = Table(f"Gateway CPU per chat round trip: median of {args.rounds} rounds of {args.requests} requests "
                   f"of each kind, at concurrency {args.concurrency}",

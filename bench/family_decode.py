@@ -1,0 +1,122 @@
+"""A decode step per model family, the engine against transformers' own generate with its cache.
+
+    python -m bench.family_decode      # about 10 minutes on 2 cores
+
+Each family as a mid-size random model of its own architecture (8 layers, hidden 512, 8 query heads over 2 KV
+heads of 64, a 32000-token vocabulary; windows of 256 where the family has them, so that a 1024-token context
+reaches past them; gpt-oss with sinks and 8 experts, DeepSeek V3 with its latent and 8 experts), float32 on the CPU.
+The engine: the median seconds of a decode step of B requests placed at the context (bench/in_process.py, the
+scheduler's policy, KV manager and model step). transformers: (generate of N + 1 tokens - generate of 1) / N for
+the same B prompts, greedy, with its own cache (DynamicCache; sliding layers keep their window).
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
+)
+
+from bench.common import Progress, Table, fmt_ratio, fmt_time, write_results
+from bench.in_process import InProcessSteps, random_prompt
+from services.scheduler.model.runner import ModelRunner
+
+CONTEXT, BATCHES, STEPS, WINDOW = 1024, (1, 8), 8, 256
+COMMON = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, eos_token_id=None)
+SLIDING_THEN_FULL = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+FAMILIES = {
+    "Llama (full attention)": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "Mistral (every layer windowed)": lambda: MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **COMMON)),
+    "Gemma 3 (3 windowed : 1 full)": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        sliding_window=WINDOW, query_pre_attn_scalar=64, layer_types=SLIDING_THEN_FULL, **COMMON)),
+    "OLMo 3 (3 windowed : 1 full)": lambda: Olmo3ForCausalLM(Olmo3Config(
+        sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, **COMMON)),
+    "gpt-oss (alternating, sinks, MoE)": lambda: GptOssForCausalLM(GptOssConfig(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 4, num_local_experts=8,
+        num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        **{**COMMON, "intermediate_size": 512})),
+    "DeepSeek V3 (MLA, MoE)": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        moe_intermediate_size=512, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=256, qk_rope_head_dim=32,
+        qk_nope_head_dim=32, v_head_dim=64, **{**COMMON, "num_key_value_heads": 8, "head_dim": 32})),
+}
+
+
+def prompt(seed: int) -> list[int]:
+    return [token % COMMON["vocab_size"] for token in random_prompt(seed, CONTEXT)]
+
+
+def engine_step(runner: ModelRunner, batch: int) -> float:
+    """Median seconds of a decode step of `batch` requests placed at CONTEXT tokens."""
+    engine = InProcessSteps(runner, batch)
+    for i in range(batch):
+        engine.place(engine.request(f"d{i}", prompt(i)[:CONTEXT - 1], STEPS + 2))
+    engine.step()
+    seconds = []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        engine.step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+@torch.inference_mode()
+def transformers_step(model, batch: int) -> float:
+    """Seconds per token of transformers' greedy generate past the prefill, with its own cache."""
+    prompts = torch.tensor([prompt(i) for i in range(batch)])
+
+    def generate(tokens: int) -> float:
+        start = time.perf_counter()
+        model.generate(prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        return time.perf_counter() - start
+
+    generate(1)  # warm
+    return (generate(STEPS + 1) - generate(1)) / STEPS
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    progress = Progress(len(FAMILIES), "family_decode")
+    table = Table(f"A decode step at {CONTEXT} tokens of context: the engine against transformers' generate",
+                  ["family", *[f"B={b}: engine, transformers, ratio" for b in BATCHES]],
+                  "Mid-size random models of each architecture, float32 on the CPU; median of "
+                  f"{STEPS} steps (the engine), (generate({STEPS + 1}) - generate(1)) / {STEPS} (transformers).")
+    data = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, make in FAMILIES.items():
+            progress.step(name)
+            torch.manual_seed(0)
+            path = Path(scratch) / "model"
+            make().save_pretrained(path)
+            runner = ModelRunner(path, "cpu", "float32", 0, max(BATCHES),
+                                 max_total_tokens=max(BATCHES) * (CONTEXT + 64))
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cells = []
+            for batch in BATCHES:
+                ours, theirs = engine_step(runner, batch), transformers_step(reference, batch)
+                data[f"{name} B={batch}"] = {"engine_s": ours, "transformers_s": theirs}
+                cells.append(f"{fmt_time(ours)}, {fmt_time(theirs)}, {fmt_ratio(ours / theirs)}")
+            table.add(name, *cells)
+            del runner, reference
+    print(write_results("family_decode", "python -m bench.family_decode", [table], data))
+
+
+if __name__ == "__main__":
+    main()
