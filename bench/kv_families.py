@@ -21,8 +21,8 @@ from transformers import PretrainedConfig
 from bench.common import Progress, Table, fmt_bytes, fmt_ratio, write_results
 from services.scheduler.kv.manager import KVManager, KVState
 from services.scheduler.kv.pool import KVPool
-from services.scheduler.kv.specs import LayerGroup, group_layers, token_bytes
-from services.scheduler.model.architecture import layer_specs
+from services.scheduler.kv.specs import KVLayout, LayerGroup, token_bytes
+from services.scheduler.model.architecture import layout_of
 
 CONTEXT, CHUNK, PAGE = 32768, 2048, 16
 MEMORY = 24 * 2**30  # bytes of KV memory, bf16
@@ -64,7 +64,7 @@ class Session:
 
 
 def groups_of(shape: dict) -> list[LayerGroup]:
-    return group_layers(layer_specs("bench", PretrainedConfig(**shape), DTYPE))
+    return layout_of("bench", PretrainedConfig(**shape), DTYPE).groups
 
 
 def full_attention_token_bytes(shape: dict) -> int:
@@ -81,7 +81,8 @@ def in_pool(groups: list[LayerGroup]) -> tuple[int, int]:
     pool laid out on the meta device, sessions prefilled into the KV manager until the next does not fit."""
     page_bytes = token_bytes(groups) * PAGE
     pages = MEMORY // page_bytes + 1
-    assert KVPool(groups, pages, PAGE, torch.device("meta")).bytes == (pages * page_bytes)
+    layout = KVLayout(groups, None, sum(len(group.layers) for group in groups))
+    assert KVPool(layout, pages, PAGE, torch.device("meta")).bytes == (pages * page_bytes)
     kv = KVManager(pages, PAGE, tuple(group.window for group in groups), prefix_cache=False)
     sessions, one_session = 0, 0
     while True:

@@ -31,6 +31,9 @@ class SchedulerConfig(ServiceConfig):
     max_prefill_tokens: int = option(16384, "with --chunked-prefill-size -1, the prompt tokens one step prefills; "
                                      "a longer prompt is still admitted, alone")
     disable_radix_cache: bool = option(False, "no prefix cache: every request prefills its whole prompt")
+    state_checkpoints: int = option(0, "a linear-attention model (Qwen3.5, Qwen3-Next): checkpoints of its state at "
+                                    "page boundaries the prefix cache keeps, each the size of one request's state; "
+                                    "0: as many as --max-running-requests")
     logprobs_mode: str = option("raw_logprobs", "the distribution output logprobs are of when a request names none "
                                 "(vLLM's names): raw_logprobs, the model's; processed_logprobs, the one each token "
                                 "was drawn from (after logit_bias, penalties, grammar, temperature, top-k/p, min-p)")
@@ -101,6 +104,8 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError("--replay-window-s, --replay-window-mb: must not be negative")
         if self.context_length < 0:
             raise ValueError("--context-length: must be 0 (the model's maximum) or positive")
+        if self.state_checkpoints < 0:
+            raise ValueError("--state-checkpoints: must be 0 (automatic) or positive")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests: must be 0 (automatic) or positive")
         try:

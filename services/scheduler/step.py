@@ -89,6 +89,7 @@ class StepRunner(Protocol):
     num_pages: int  # of the KV memory, page 0 (padding) included
     page_size: int
     kv_windows: tuple[int, ...]  # each layer group's sliding window (0: full attention): kv/specs.py
+    state_slots: tuple[int, int] | None  # linear-attention state slots (running, checkpoints); None: no such layers
     expert_routing: ExpertRouting | None  # what a MoE model's routers chose, with --enable-return-routed-experts
 
     def step(self, batch: Batch) -> StepResult:

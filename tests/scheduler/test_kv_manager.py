@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
 
-from services.scheduler.kv.manager import KVManager, longest_sequence
+from services.scheduler.kv.manager import FRESH, KVManager, longest_sequence
 from services.scheduler.kv.prefix_cache import DROPPED
+from services.scheduler.kv.states import StateSlots
 from services.scheduler.request import Request
 from services.scheduler.submit import SubmitLimits, parse_request
 
@@ -33,11 +34,11 @@ def run_prefill(kv: KVManager, r: Request) -> None:
 
 
 def decode(kv: KVManager, r: Request, steps: int) -> None:
-    """`steps` decode rows of one token each."""
+    """`steps` decode rows of one token each: the token sampled last is computed, and one more is sampled."""
     for token in range(steps):
         r.append_output(token)
         kv.allocate(r, r.length)
-        kv.computed(r, r.length - 1, commit=False)
+        kv.computed(r, r.length, commit=False)
 
 
 def check_accounting(kv: KVManager, requests: list[Request]) -> None:
@@ -168,3 +169,34 @@ def test_eviction_drops_window_pages_of_interior_nodes_before_whole_leaves():
 ])
 def test_longest_sequence(windows, pages, expected):
     assert longest_sequence(pages, PAGE, windows, prefill_budget=4) == expected
+
+
+def test_linear_attention_state_resumes_only_at_a_checkpoint():
+    """A model with linear-attention layers: a row that reaches a page's end takes a checkpoint (a state slot after
+    the running ones), which the prefix cache keeps with that page's node; a request resumes its state only at a node
+    that keeps one, starting from a copy of it; every slot is free again once nothing holds it."""
+    states = StateSlots(running=2, checkpoints=3)
+    kv = KVManager(64, PAGE, states=states)
+    first = request("first", tokens(9, 10))
+    first.slot = 0
+    kv.match(first)
+    kv.allocate(first, first.length)
+    assert first.kv.restore == FRESH and first.kv.capture == (2, 2)  # the state after 8 tokens, into slot 2
+    kv.computed(first, first.length, commit=True)
+    assert first.kv.captured is None and states.refs[2] == 1  # the cache keeps it
+    decode(kv, first, 3)  # positions 10, 11, 12: the row ending at 12 takes the state after page 3
+    assert first.kv.captured == (3, 3)
+    kv.free(first)  # page 3's node keeps it
+    assert states.free == 1
+    again = request("again", tokens(9, 10) + [0, 1, 2, 7])  # its prompt continues the first's output
+    assert kv.match(again) == 12 and again.kv.restore == 3 and states.refs[3] == 2
+    kv.allocate(again, again.length)
+    kv.computed(again, again.length, commit=True)  # the row started from it: the request lets go of it
+    assert states.refs[3] == 1 and again.kv.restore is None
+    kv.free(again)
+    short = request("short", tokens(9, 7))  # pages hold up to 4, but no checkpoint after page 1: resumes nowhere
+    assert kv.match(short) == 0
+    kv.free(short, commit=False)
+    kv.flush()
+    assert states.free == states.checkpoints
+    check_accounting(kv, [])

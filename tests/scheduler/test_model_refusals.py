@@ -47,8 +47,11 @@ def load(path) -> ModelRunner:
 
 @pytest.mark.parametrize("make,changes,feature", [
     (lambda: Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **TINY)),
-     {"layer_types": ["linear_attention", "full_attention"]},
-     "layer type linear_attention is not supported; this engine runs full_attention and sliding_attention layers"),
+     {"layer_types": ["chunked_attention", "full_attention"]},
+     "layer type chunked_attention is not supported; this engine runs full_attention, sliding_attention, "
+     "linear_attention layers"),
+    (lambda: Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **TINY)),
+     {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention layers that are not Gated DeltaNet"),
     (lambda: Gemma2ForCausalLM(Gemma2Config(num_hidden_layers=2, **TINY)), {},
      "attention logit soft-capping (Gemma 2) (attn_logit_softcapping = 50.0)"),
     (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK)), {"index_topk": 64},

@@ -28,6 +28,7 @@ from services.scheduler.engine.control import Control, stopped_reply
 from services.scheduler.engine.policy import Scheduler, SlotPool
 from services.scheduler.engine.rollout import RolloutControl
 from services.scheduler.kv.manager import KVManager
+from services.scheduler.kv.states import StateSlots
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.output.step_output import Outgoing, step_message
 from services.scheduler.request import Request
@@ -59,7 +60,8 @@ class Engine:
         self.wait_for_room = wait_for_room  # back-pressure from the subscribers, between steps
         self.behind = behind
         self.kv = KVManager(runner.num_pages, runner.page_size, runner.kv_windows,
-                            prefix_cache=not config.disable_radix_cache)
+                            prefix_cache=not config.disable_radix_cache,
+                            states=StateSlots(*runner.state_slots) if runner.state_slots else None)
         self.scheduler = Scheduler(self.kv, SlotPool(config.max_running_requests), config.prefill_budget,
                                    chunked=config.chunked_prefill_size > 0, max_context=runner.max_context,
                                    compile_timeout_s=config.grammar_compile_timeout_s,

@@ -173,7 +173,7 @@ class Scheduler:
             if victim in decoding:
                 decoding.remove(victim)
                 starting = [(r, n) for r, n in starting if r is not victim]
-        for request, _ in starting:
+        for request in decoding:  # their new pages, and a checkpoint of a linear-attention state at a page's end
             self.kv.allocate(request, request.length)
         return [BatchRow(r, r.length - 1, r.length) for r in decoding]
 

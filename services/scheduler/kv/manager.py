@@ -8,7 +8,9 @@ pool's tensors (pool.py) are the model's: the manager hands out the page numbers
 
 A model's layers come in groups (specs.py), each with a page table per request. A sliding-window group needs only
 the pages of the window before the row it computes next: the pages before it are given back as the sequence
-grows (DROPPED in its table), for any group to use.
+grows (DROPPED in its table), for any group to use. A model's linear-attention layers keep a state per request in
+its request slot (states.py); a row that reaches a page boundary also takes a checkpoint of it there, which the
+prefix cache keeps with that page's node, and a request that matches a cached prefix starts from the checkpoint.
 """
 
 from dataclasses import dataclass, field
@@ -18,6 +20,9 @@ import numpy as np
 
 from services.scheduler.kv.pages import PagePool
 from services.scheduler.kv.prefix_cache import DROPPED, PrefixCache, first_visible_page
+from services.scheduler.kv.states import NO_STATE, StateSlots
+
+FRESH = -1  # KVState.restore: the request's linear-attention state starts from zeros
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request
@@ -34,6 +39,12 @@ class KVState:
     computed: int = 0  # leading tokens whose KV the pages hold
     committed_pages: int = 0  # leading full pages put in the prefix cache
     epoch: int = 0  # the prefix cache's epoch when the KV began: KV of older weights is never cached
+    # Linear-attention state (a model with such layers): where the request's next row starts from (FRESH: zeros; a
+    # checkpoint slot: its copy; None: the state its slot holds), and checkpoints (pages, slot) after that many
+    # pages: the one the next row takes, and the last one taken that the prefix cache does not keep yet.
+    restore: int | None = FRESH
+    capture: tuple[int, int] | None = None
+    captured: tuple[int, int] | None = None
 
 
 def longest_sequence(num_pages: int, page_size: int, windows: tuple[int, ...], prefill_budget: int) -> int:
@@ -67,12 +78,15 @@ class KVStats:
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, windows: tuple[int, ...] = (0,), prefix_cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, windows: tuple[int, ...] = (0,), prefix_cache: bool = True,
+                 states: StateSlots | None = None):
         """`num_pages`: of the pool, the padding page 0 included; `windows`: each layer group's window (0: full
-        attention); `prefix_cache`: False, every request computes its whole sequence."""
+        attention); `prefix_cache`: False, every request computes its whole sequence; `states`: the linear-attention
+        state slots, for a model that has such layers."""
         self.windows = windows
         self.pages = PagePool(num_pages, page_size)
-        self.prefix_cache = PrefixCache(self.pages, list(windows), enabled=prefix_cache)
+        self.states = states
+        self.prefix_cache = PrefixCache(self.pages, list(windows), enabled=prefix_cache, states=states)
 
     @property
     def page_size(self) -> int:
@@ -95,8 +109,9 @@ class KVManager:
         limit = len(sequence) - 1
         if request.owes_prompt_logprobs:
             limit = min(limit, request.prompt_logprob_start - 1)
-        tables = self.prefix_cache.match(sequence, limit)
-        request.kv = KVState(tables, len(tables[0]) * self.page_size, epoch=self.prefix_cache.epoch)
+        tables, state = self.prefix_cache.match(sequence, limit)
+        request.kv = KVState(tables, len(tables[0]) * self.page_size, epoch=self.prefix_cache.epoch,
+                             restore=FRESH if state == NO_STATE else state)
         return request.kv.computed
 
     def _span(self, request: "Request", window: int, end: int) -> tuple[int, int]:
@@ -117,14 +132,21 @@ class KVManager:
         kv = request.kv
         if not kv.tables:
             kv.tables = [[] for _ in self.windows]
-        new = self.pages_needed(request, end)
-        if new > self.pages.free:
-            self.prefix_cache.evict(new - self.pages.free)
-        fresh = iter(self.pages.allocate(new))
-        for window, table in zip(self.windows, kv.tables):
-            first, last = self._span(request, window, end)
-            table.extend([DROPPED] * (first - len(table)))
-            table.extend(next(fresh) for _ in range(last - len(table)))
+        if new := self.pages_needed(request, end):
+            if new > self.pages.free:
+                self.prefix_cache.evict(new - self.pages.free)
+            fresh = iter(self.pages.allocate(new))
+            for window, table in zip(self.windows, kv.tables):
+                first, last = self._span(request, window, end)
+                table.extend([DROPPED] * (first - len(table)))
+                table.extend(next(fresh) for _ in range(last - len(table)))
+        boundary = end // self.page_size
+        if self.states is not None and boundary * self.page_size > kv.computed and kv.capture is None:
+            slot = self.states.allocate()
+            if slot is None and self.prefix_cache.evict_state():
+                slot = self.states.allocate()
+            if slot is not None:  # else no checkpoint here: a later boundary takes one
+                kv.capture = (boundary, slot)
 
     def computed(self, request: "Request", end: int, commit: bool) -> None:
         """A step computed the request's KV up to position `end`: a window group gives back the pages its next query
@@ -132,6 +154,13 @@ class KVManager:
         request with the same prefix, n samples or a session's next turn), those given back included."""
         kv = request.kv
         kv.computed = end
+        if kv.restore is not None:  # the row started from it: the checkpoint is the request's no more
+            if kv.restore != FRESH:
+                self.states.release(kv.restore)  # type: ignore[union-attr]
+            kv.restore = None
+        if kv.capture is not None:
+            self._release_captured(kv)
+            kv.captured, kv.capture = kv.capture, None
         if commit:
             self.commit(request)
         for window, table in zip(self.windows, kv.tables):
@@ -146,7 +175,8 @@ class KVManager:
         kv = request.kv
         full = kv.computed // self.page_size
         if full > kv.committed_pages and kv.epoch == self.prefix_cache.epoch:
-            self.prefix_cache.insert(request.sequence(), kv.tables, full)
+            if self.prefix_cache.insert(request.sequence(), kv.tables, full, kv.captured):
+                kv.captured = None  # the cache keeps it
             kv.committed_pages = full
 
     def free(self, request: "Request", commit: bool = True) -> None:
@@ -154,9 +184,21 @@ class KVManager:
         False: an admission that did not happen computed nothing)."""
         if commit:
             self.commit(request)
-        for table in request.kv.tables:
+        kv = request.kv
+        for table in kv.tables:
             self.pages.release([page for page in table if page != DROPPED])
+        if self.states is not None:
+            self._release_captured(kv)
+            for slot in (kv.restore, kv.capture and kv.capture[1]):
+                if slot not in (None, FRESH):
+                    self.states.release(slot)  # type: ignore[arg-type]
         request.kv = KVState()
+
+    def _release_captured(self, kv: KVState) -> None:
+        """Let go of the last checkpoint taken, which the prefix cache did not keep."""
+        if kv.captured is not None:
+            self.states.release(kv.captured[1])  # type: ignore[union-attr]
+            kv.captured = None
 
     def flush(self) -> None:
         """Forget every cached page (the weights changed)."""

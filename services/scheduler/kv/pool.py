@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from services.scheduler.kv.specs import LayerGroup, full_attention_bytes, group_size, token_bytes
+from services.scheduler.kv.specs import KVLayout, full_attention_bytes, group_size, token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -24,24 +24,28 @@ DEFAULT_CPU_TOKENS = 131072  # the KV memory of the former 32 slots x 4096 token
 
 
 class KVPool:
-    """`routed_top_k`: also keep, per slot and layer, the top-k experts a MoE router chose for the token
+    """`state_slots`: linear-attention state slots (the running requests' and the prefix cache's checkpoints), per
+    such layer a conv state [slots, conv_dim, width] and a recurrent state [slots, heads, key_dim, value_dim];
+    `routed_top_k`: also keep, per slot and layer, the top-k experts a MoE router chose for the token
     (model/routed_experts.py): int32 [num_pages, page_size, layers, top_k], -1 where none did, at the slots of the
     full-attention group's pages."""
 
-    def __init__(self, groups: list[LayerGroup], num_pages: int, page_size: int, device: torch.device,
+    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, device: torch.device, state_slots: int = 0,
                  routed_top_k: int = 0):
-        self.groups = groups
-        self.num_layers = sum(len(group.layers) for group in groups)
-        self.group_of = [0] * self.num_layers  # each decoder layer's group
-        self.tensor_of = [0] * self.num_layers  # and its tensor in the pool
-        for index, group in enumerate(groups):
+        self.layout = layout
+        self.groups = layout.groups
+        self.group_of: dict[int, int] = {}  # each paged decoder layer's group
+        self.tensor_of: dict[int, int] = {}  # and its tensor in the pool
+        for index, group in enumerate(self.groups):
             for tensor, layer in enumerate(group.layers):
                 self.group_of[layer], self.tensor_of[layer] = index, tensor
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
+        self.state_slots = state_slots if layout.states is not None else 0
         self._routed_top_k = routed_top_k
         self._tensors: list[list[torch.Tensor]] = []  # [kind][tensor]: keys (and values) shared by the groups
+        self._states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # linear layer -> (conv, recurrent)
         self.routed_experts = torch.empty(0, dtype=torch.int32)
         self.resume()
 
@@ -52,26 +56,42 @@ class KVPool:
     def values(self, layer: int) -> torch.Tensor:
         return self._tensors[1][self.tensor_of[layer]]
 
+    def states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A linear-attention layer's (conv state, recurrent state), indexed by state slot."""
+        return self._states[layer]
+
     def resume(self) -> None:
         """(Re)allocate the tensors, zero-filled."""
-        spec = self.groups[0].spec
-        shape = (self.num_pages, self.page_size, *spec.page_shape)
-        self._tensors = [[torch.zeros(shape, dtype=spec.dtype, device=self.device)
-                          for _ in range(group_size(self.groups))] for _ in range(spec.tensors)]
+        if self.groups:
+            spec = self.groups[0].spec
+            shape = (self.num_pages, self.page_size, *spec.page_shape)
+            self._tensors = [[torch.zeros(shape, dtype=spec.dtype, device=self.device)
+                              for _ in range(group_size(self.groups))] for _ in range(spec.tensors)]
+        if (states := self.layout.states) is not None:
+            recurrent, slots = states.spec, self.state_slots
+            self._states = {layer: (
+                torch.zeros(slots, recurrent.conv_dim, recurrent.conv_width, dtype=recurrent.dtype, device=self.device),
+                torch.zeros(slots, recurrent.heads, recurrent.key_dim, recurrent.value_dim, dtype=torch.float32,
+                            device=self.device))
+                for layer in states.layers}
         if self._routed_top_k:
-            self.routed_experts = torch.full((self.num_pages, self.page_size, self.num_layers, self._routed_top_k),
-                                             -1, dtype=torch.int32, device=self.device)
+            self.routed_experts = torch.full(
+                (self.num_pages, self.page_size, self.layout.num_layers, self._routed_top_k), -1, dtype=torch.int32,
+                device=self.device)
 
     def release(self) -> None:
         """Free the tensors (memory release: no request holds a page)."""
-        self._tensors = []
+        self._tensors, self._states = [], {}
         self.routed_experts = torch.empty(0, dtype=torch.int32)
 
-    def clear_padding(self) -> None:
-        """Zero page 0 again (the start-up check runs a step in it)."""
+    def clear_slot(self, page: int, state: int) -> None:
+        """Zero a page and a state slot again (the start-up check runs a step in them)."""
         for tensors in self._tensors:
             for tensor in tensors:
-                tensor[0].zero_()
+                tensor[page].zero_()
+        for conv, recurrent in self._states.values():
+            conv[state].zero_()
+            recurrent[state].zero_()
 
     @property
     def token_bytes(self) -> int:
@@ -80,19 +100,22 @@ class KVPool:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for tensors in self._tensors for t in tensors) + \
-            self.routed_experts.numel() * self.routed_experts.element_size()
+        tensors = [t for kinds in self._tensors for t in kinds] + [t for pair in self._states.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in (*tensors, self.routed_experts))
 
 
-def pool_pages(max_total_tokens: int, page_size: int, groups: list[LayerGroup], device: torch.device,
-               mem_fraction_static: float) -> int:
+def pool_pages(max_total_tokens: int, page_size: int, layout: KVLayout, device: torch.device,
+               mem_fraction_static: float, state_slots: int = 0) -> int:
     """The pool's pages (page 0, the padding page, included) for the memory of --max-total-tokens tokens kept in
-    every layer (what a full-attention model of these layers holds for them; window groups fit more) or, on CUDA
-    without it, --mem-fraction-static of the device's memory less what the weights (already loaded) take."""
+    every paged layer (what a full-attention model of these layers holds for them; window groups fit more) or, on
+    CUDA without it, --mem-fraction-static of the device's memory less what the weights (already loaded) and the
+    `state_slots` linear-attention state slots take."""
+    groups = layout.groups
     slot = token_bytes(groups)  # one token of one group, over the tensors the groups share
     if not max_total_tokens and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        room = int(mem_fraction_static * total) - torch.cuda.memory_allocated(device)
+        states = state_slots * layout.states.slot_bytes if layout.states is not None else 0
+        room = int(mem_fraction_static * total) - torch.cuda.memory_allocated(device) - states
         if room <= 0:
             raise ValueError(f"--mem-fraction-static {mem_fraction_static}: the weights already take "
                              f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")

@@ -11,7 +11,9 @@ its pages once (PagePool); pages that no request holds are given back when pages
 A sliding-window group's page may be missing from a node (0: given back, SGLang's tombstone): a query sees only the
 window before it, so a prefix is usable up to a page boundary p only if every window group holds the pages of the
 window before p. When pages run short, the window pages of nodes that stay (interior ones, or ones a request
-holds) go first, least recently used first, then whole leaves.
+holds) go first, least recently used first, then whole leaves. A model with linear-attention layers resumes a
+prefix only at a node that keeps a checkpoint of their state (states.py); checkpoints go least recently used
+first when their slots run short.
 
 Only full pages are shared: a partly filled last page stays its request's own. A weight update or a new weight
 version flushes the tree (`flush`, a new `epoch`): KV computed by the old weights never serves a new request.
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.scheduler.kv.pages import PagePool
+from services.scheduler.kv.states import NO_STATE, StateSlots
 
 DROPPED = 0  # a window group's page given back (page 0 is never handed out)
 
@@ -34,6 +37,7 @@ class PageNode:
     parent: "PageNode | None"
     children: dict[bytes, "PageNode"] = field(default_factory=dict)
     last_use: int = 0  # the cache's clock when a request last matched or inserted it
+    state: int = NO_STATE  # the linear-attention state after its page: a checkpoint slot
 
 
 def first_visible_page(position: int, window: int, page_size: int) -> int:
@@ -42,11 +46,13 @@ def first_visible_page(position: int, window: int, page_size: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, pages: PagePool, windows: list[int], enabled: bool = True):
-        """`windows`: each layer group's window (0: full attention)."""
+    def __init__(self, pages: PagePool, windows: list[int], enabled: bool = True, states: StateSlots | None = None):
+        """`windows`: each layer group's window (0: full attention); `states`: the linear-attention state slots, for
+        a model that has such layers."""
         self.pages = pages
         self.page_size = pages.page_size
         self.windows = windows
+        self.states = states
         self.enabled = enabled
         self.root = PageNode(b"", [], None)
         self.epoch = 0  # bumped by flush: requests whose KV is older insert nothing
@@ -59,13 +65,14 @@ class PrefixCache:
         step = self.page_size * 4
         return [data[i * step:(i + 1) * step] for i in range(pages)]
 
-    def match(self, tokens: np.ndarray, limit: int) -> list[list[int]]:
+    def match(self, tokens: np.ndarray, limit: int) -> tuple[list[list[int]], int]:
         """Each group's page table of the longest cached prefix of tokens[:limit] that every group can resume
-        from (DROPPED before a window group's window), each page held once more for the caller (who releases
-        them with the rest of its tables)."""
+        from (DROPPED before a window group's window), and the checkpoint of the linear-attention state there
+        (NO_STATE: none, or no such layers); each page and the checkpoint held once more for the caller (who
+        releases them with the rest of its tables)."""
         tables: list[list[int]] = [[] for _ in self.windows]
         if not self.enabled:
-            return tables
+            return tables, NO_STATE
         path: list[PageNode] = []
         node: PageNode | None = self.root
         for key in self._keys(tokens, limit // self.page_size):
@@ -80,26 +87,35 @@ class PrefixCache:
             first = first_visible_page(length * self.page_size, window, self.page_size)
             tables[group] = [DROPPED] * first + [node.pages[group] for node in path[first:length]]
             self.pages.retain(tables[group][first:])
-        return tables
+        state = path[length - 1].state if length and self.states is not None else NO_STATE
+        if state != NO_STATE:
+            self.states.retain(state)  # type: ignore[union-attr]
+        return tables, state
 
     def _resumable(self, path: list[PageNode], length: int) -> bool:
         """Whether a request can resume after the first `length` pages of `path`: each window group holds the
-        pages its next query sees."""
+        pages its next query sees, and the node there keeps the linear-attention state, if the model has such
+        layers."""
+        if self.states is not None and length and path[length - 1].state == NO_STATE:
+            return False
         for group, window in enumerate(self.windows):
             first = first_visible_page(length * self.page_size, window, self.page_size)
             if window and any(node.pages[group] == DROPPED for node in path[first:length]):
                 return False
         return True
 
-    def insert(self, tokens: np.ndarray, tables: list[list[int]], full_pages: int) -> None:
+    def insert(self, tokens: np.ndarray, tables: list[list[int]], full_pages: int,
+               state: tuple[int, int] | None = None) -> bool:
         """Cache the first `full_pages` pages of a request's tables, whose tokens (tokens[:full_pages * page_size])
         have their KV computed. A page whose tokens another request cached first is a duplicate: the request's
         table takes the cached page instead, and lets go of its own; a window page the node had given back is taken
-        from the request."""
+        from the request. `state`: (pages, slot) a checkpoint of the linear-attention state after that many pages,
+        kept by their node (with the caller's hold) unless it has one: whether it was."""
         if not self.enabled:
-            return
+            return False
         self._clock += 1
         node = self.root
+        kept = False
         for i, key in enumerate(self._keys(tokens, full_pages)):
             child = node.children.get(key)
             if child is None:
@@ -119,6 +135,21 @@ class PrefixCache:
                     table[i] = cached
             child.last_use = self._clock
             node = child
+            if state is not None and state[0] == i + 1 and child.state == NO_STATE:
+                child.state, kept = state[1], True
+        return kept
+
+    def evict_state(self) -> bool:
+        """Give back the checkpoint that only the tree holds and was used least recently; whether there was one."""
+        if self.states is None:
+            return False
+        held = [n for n in self._nodes() if n.state != NO_STATE and self.states.refs[n.state] == 1]
+        if not held:
+            return False
+        node = min(held, key=lambda n: n.last_use)
+        self.states.release(node.state)
+        node.state = NO_STATE
+        return True
 
     def evict(self, count: int) -> int:
         """Give back up to `count` pages that only the tree holds: the window pages of nodes that stay (interior, or
@@ -160,6 +191,9 @@ class PrefixCache:
 
     def _drop(self, node: PageNode) -> int:
         """Let go of a node removed from the tree; how many of its pages that frees."""
+        if node.state != NO_STATE and self.states is not None:
+            self.states.release(node.state)
+            node.state = NO_STATE
         freed = 0
         for group, page in enumerate(node.pages):
             if page != DROPPED:

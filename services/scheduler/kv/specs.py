@@ -5,6 +5,8 @@ layers grouped by it.
   latest positions only (sliding-window attention): pages wholly before every window can be given back.
 - `MLASpec` (DeepSeek V3, Kimi K2): one compressed latent and one rope key per token, shared by every head; the
   attention decompresses or absorbs it.
+- `RecurrentSpec` (Qwen3.5, Qwen3-Next's Gated DeltaNet layers): no pages, a fixed-size state per request (and per
+  checkpoint the prefix cache keeps), whatever the sequence's length.
 
 A spec carries the dtype its tensors are stored in, so that a narrower KV cache (fp8) is a spec of another
 dtype, not another pool. `group_layers` puts the layers of a model into groups of one spec and (but for the last
@@ -78,7 +80,29 @@ class MLASpec:
         return self
 
 
-KVSpec = AttentionSpec | MLASpec
+KVSpec = AttentionSpec | MLASpec  # kept in pages
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """Per layer and state slot, not per token: a linear-attention layer's (Gated DeltaNet's) state. Its causal
+    convolution's last `conv_width` inputs [conv_dim, conv_width], in the model's dtype, and its recurrent state
+    [heads, key_dim, value_dim] in float32 (as transformers keeps it: the decay and the delta rule accumulate)."""
+
+    conv_dim: int
+    conv_width: int  # the convolution's kernel less one
+    heads: int  # value heads
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    @property
+    def state_bytes(self) -> int:
+        """One slot of one layer."""
+        return self.conv_dim * self.conv_width * self.dtype.itemsize + self.heads * self.key_dim * self.value_dim * 4
+
+
+LayerSpec = KVSpec | RecurrentSpec
 
 
 @dataclass(frozen=True)
@@ -93,12 +117,49 @@ class LayerGroup:
         return self.spec.window
 
 
-def group_layers(specs: list[KVSpec]) -> list[LayerGroup]:
-    """Groups of the layers (specs[i]: layer i's), each of one spec and, but for the last of a spec, of the size of
-    the smallest kind: a page of any group then spans the same tensors. Layers of different kinds must store alike
-    (the same heads, widths and dtype)."""
+@dataclass(frozen=True)
+class StateGroup:
+    """The linear-attention layers: a state slot each per request (and per prefix-cache checkpoint)."""
+
+    spec: RecurrentSpec
+    layers: tuple[int, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        """One state slot over the group's layers: what a request holds whatever its length."""
+        return len(self.layers) * self.spec.state_bytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a model's decoder layers keep: the paged groups (attention, latents) and the recurrent state group."""
+
+    groups: list[LayerGroup]
+    states: StateGroup | None
+    num_layers: int
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each paged group's window (0: every position)."""
+        return tuple(group.window for group in self.groups)
+
+
+def kv_layout(specs: list[LayerSpec]) -> KVLayout:
+    """The layers (specs[i]: layer i's) laid out: recurrent ones in the state group, the others in page groups."""
+    recurrent = [(layer, spec) for layer, spec in enumerate(specs) if isinstance(spec, RecurrentSpec)]
+    if len({spec for _, spec in recurrent}) > 1:
+        raise ValueError(f"linear-attention layers of different shapes: {sorted({str(s) for _, s in recurrent})}")
+    states = StateGroup(recurrent[0][1], tuple(layer for layer, _ in recurrent)) if recurrent else None
+    paged = {layer: spec for layer, spec in enumerate(specs) if not isinstance(spec, RecurrentSpec)}
+    return KVLayout(group_layers(paged), states, len(specs))
+
+
+def group_layers(specs: dict[int, KVSpec]) -> list[LayerGroup]:
+    """Groups of the layers (specs[layer]: its spec), each of one spec and, but for the last of a spec, of the size
+    of the smallest kind: a page of any group then spans the same tensors. Layers of different kinds must store
+    alike (the same heads, widths and dtype)."""
     kinds: dict[KVSpec, list[int]] = {}
-    for layer, spec in enumerate(specs):
+    for layer, spec in specs.items():
         kinds.setdefault(spec, []).append(layer)
     if len({spec.storage() for spec in kinds}) > 1:
         raise ValueError(f"layers of different kinds store different shapes: {sorted(map(str, kinds))}")

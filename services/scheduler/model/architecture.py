@@ -2,7 +2,9 @@
 and a refusal, at load and by name, of what it does not implement.
 
 A model with multi-head latent attention (a `kv_lora_rank`: DeepSeek V3, Kimi K2) keeps its latent (model/mla.py).
-Otherwise a layer attends fully or within a sliding window as transformers' own forward does: by `layer_types` where the
+A `linear_attention` layer (Qwen3.5, Qwen3-Next: Gated DeltaNet) keeps a state per request
+(model/linear_attention.py). Otherwise a layer attends fully or within a sliding window as transformers' own
+forward does: by `layer_types` where the
 config has them (Gemma 3, OLMo 3, gpt-oss, Qwen2/3 with use_sliding_window), else every layer within
 `sliding_window` where that is set (Mistral, Mixtral, Phi-3, Starcoder2 pass it to every layer). The attention
 checks, at every layer, that the window transformers passes is the one its memory keeps (model/attention.py), and
@@ -18,9 +20,9 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from services.scheduler.kv.specs import AttentionSpec, KVSpec, LayerGroup, MLASpec, group_layers
+from services.scheduler.kv.specs import AttentionSpec, KVLayout, LayerSpec, MLASpec, RecurrentSpec, kv_layout
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # Config fields whose feature the engine does not implement, and what it is: the model is refused when one is set.
 UNSUPPORTED_FIELDS = {
     "attn_logit_softcapping": "attention logit soft-capping (Gemma 2)",
@@ -74,8 +76,8 @@ def check_supported(name: str, config) -> None:
                                    f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
 
 
-def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[KVSpec]:
-    """What each decoder layer keeps per token, stored in `dtype`."""
+def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[LayerSpec]:
+    """What each decoder layer keeps, stored in `dtype`."""
     check_supported(name, text_config)
     layers = int(text_config.num_hidden_layers)
     if latent := getattr(text_config, "kv_lora_rank", None):  # DeepSeek V3, Kimi K2: model/mla.py
@@ -85,25 +87,62 @@ def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[KVSpec]:
                        ["sliding_attention" if window else "full_attention"] * layers)
     if unknown := sorted(set(layer_types) - set(LAYER_TYPES)):
         raise UnsupportedModel(f"{name}: layer type {', '.join(unknown)} is not supported; this engine runs "
-                               f"{' and '.join(LAYER_TYPES)} layers")
+                               f"{', '.join(LAYER_TYPES)} layers")
     if "sliding_attention" in layer_types and not window:
         raise UnsupportedModel(f"{name}: sliding_attention layers, but no sliding_window in the config")
     heads = int(text_config.num_attention_heads)
     head_dim = int(getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads)
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-    return [AttentionSpec(kv_heads, head_dim, dtype, window if kind == "sliding_attention" else 0)
-            for kind in layer_types[:layers]]
+    attention: dict[str, LayerSpec] = {
+        kind: AttentionSpec(kv_heads, head_dim, dtype, window if kind == "sliding_attention" else 0)
+        for kind in ("full_attention", "sliding_attention")}
+    if "linear_attention" in layer_types:
+        if getattr(text_config, "linear_num_key_heads", None) is None:
+            raise UnsupportedModel(f"{name}: linear_attention layers that are not Gated DeltaNet (Qwen3.5's, "
+                                   "Qwen3-Next's): the only linear attention this engine runs")
+        attention["linear_attention"] = gated_delta_spec(text_config, dtype)
+    return [attention[kind] for kind in layer_types[:layers]]
 
 
-def layer_groups(name: str, text_config, dtype: torch.dtype) -> list[LayerGroup]:
-    """The model's decoder layers grouped by the KV memory they keep."""
-    return group_layers(layer_specs(name, text_config, dtype))
+def gated_delta_spec(text_config, dtype: torch.dtype) -> RecurrentSpec:
+    """A Gated DeltaNet layer's state (Qwen3.5, Qwen3-Next: model/linear_attention.py)."""
+    key_heads, key_dim = int(text_config.linear_num_key_heads), int(text_config.linear_key_head_dim)
+    value_heads, value_dim = int(text_config.linear_num_value_heads), int(text_config.linear_value_head_dim)
+    return RecurrentSpec(conv_dim=2 * key_heads * key_dim + value_heads * value_dim,
+                         conv_width=int(text_config.linear_conv_kernel_dim) - 1, heads=value_heads, key_dim=key_dim,
+                         value_dim=value_dim, dtype=dtype)
 
 
-def describe_groups(groups: list[LayerGroup]) -> str:
+def layout_of(name: str, text_config, dtype: torch.dtype) -> KVLayout:
+    """The model's decoder layers laid out by the memory they keep."""
+    return kv_layout(layer_specs(name, text_config, dtype))
+
+
+def route_layers(name: str, model: torch.nn.Module, layout: KVLayout, attention_backend: str) -> None:
+    """Route the layers that keep more than keys and values through the KV pool: MLA layers through their latent
+    cache (model/mla.py), linear-attention layers through their state slots (model/linear_attention.py)."""
+    from services.scheduler.model.linear_attention import use_paged_state
+    from services.scheduler.model.mla import use_latent_cache
+
+    if layout.groups and isinstance(layout.groups[0].spec, MLASpec):
+        if attention_backend != "torch":
+            raise UnsupportedModel(f"{name}: --attention-backend {attention_backend} does not run multi-head latent "
+                                   "attention yet; use --attention-backend torch")
+        if use_latent_cache(model) != sum(len(group.layers) for group in layout.groups):
+            raise UnsupportedModel(f"{name}: a kv_lora_rank, but not every layer is DeepSeek V3's latent attention")
+    if layout.states is not None and use_paged_state(model) != len(layout.states.layers):
+        raise UnsupportedModel(f"{name}: linear_attention layers that are not Gated DeltaNet (Qwen3.5's, "
+                               "Qwen3-Next's): the only linear attention this engine runs")
+    if not layout.groups:
+        raise UnsupportedModel(f"{name}: no attention layer: this engine keeps KV pages for at least one")
+
+
+def describe(layout: KVLayout) -> str:
     """The layers by kind, for logs and refusals: "24 layers: 12 full attention, 12 sliding window 128"."""
     kinds: Counter[str] = Counter()
-    for group in groups:
+    if layout.states is not None:
+        kinds["linear attention"] = len(layout.states.layers)
+    for group in layout.groups:
         if isinstance(group.spec, MLASpec):
             kind = f"latent attention ({group.spec.latent_dim} + {group.spec.rope_dim} a token)"
         else:

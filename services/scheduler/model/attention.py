@@ -13,7 +13,7 @@ the layer's sliding window if it has one, with its attention sinks if it has the
 """
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from transformers import AttentionInterface
 
 from services.scheduler.kv.pool import KVPool
 from services.scheduler.model.torch_attention import TorchPlan
+
+if TYPE_CHECKING:
+    from services.scheduler.model.linear_attention import StateRows
 
 ATTENTION_NAME = "flatwire"
 BACKENDS = ("torch", "triton")
@@ -64,10 +67,12 @@ class PagedBatch:
     pool: KVPool
     write_offsets: torch.Tensor  # [T] each new token's offset in its page
     groups: list[GroupStep]
+    states: "StateRows | None" = None  # the rows' linear-attention state slots (model/linear_attention.py)
 
     @classmethod
     def build(cls, pool: KVPool, tables: list[list[list[int]]], starts: np.ndarray, ends: np.ndarray,
-              device: torch.device, backend: str = "torch", query_group: int = 1) -> "PagedBatch":
+              device: torch.device, backend: str = "torch", query_group: int = 1,
+              states: "StateRows | None" = None) -> "PagedBatch":
         """Row i feeds positions [starts[i], ends[i]) of its request, whose KV lives in tables[g][i] in layer group
         g; the rows' tokens follow each other in the flat sequence. `query_group`: query heads per KV head."""
         ps = pool.page_size
@@ -90,7 +95,7 @@ class PagedBatch:
             else:
                 plan = TorchPlan.build(rows, starts, counts, first, ps, device)
             steps.append(GroupStep(_put(flat_tables[table_starts[owners] + positions // ps], device), plan))
-        return cls(pool=pool, write_offsets=_put(positions % ps, device), groups=steps)
+        return cls(pool=pool, write_offsets=_put(positions % ps, device), groups=steps, states=states)
 
 
 def _put(array: np.ndarray, device: torch.device) -> torch.Tensor:

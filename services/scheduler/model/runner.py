@@ -17,12 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
+from services.scheduler.kv.manager import FRESH
 from services.scheduler.kv.pool import KVPool, pool_pages
-from services.scheduler.kv.specs import MLASpec, token_bytes
-from services.scheduler.model.architecture import UnsupportedModel, describe_groups, layer_groups, load_config
+from services.scheduler.kv.specs import token_bytes
+from services.scheduler.model.architecture import UnsupportedModel, describe, layout_of, load_config, route_layers
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
-from services.scheduler.model.mla import use_latent_cache
+from services.scheduler.model.linear_attention import StateRows, state_rows
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.step import Batch, StepResult
@@ -71,11 +72,12 @@ class ModelRunner:
     def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
                  logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
-                 cuda_graph_max_bs: int = 0, load_format: str = "auto"):
+                 cuda_graph_max_bs: int = 0, load_format: str = "auto", state_checkpoints: int = 0):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
         `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
         replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
-        checkpoint's config alone), else the checkpoint's."""
+        checkpoint's config alone), else the checkpoint's; `state_checkpoints`: a linear-attention model's state
+        checkpoints for the prefix cache (0: `max_running`)."""
         self.logits_chunk_rows = logits_chunk_rows
         self.name = str(model_dir)
         self.device = pick_device(device)
@@ -83,7 +85,8 @@ class ModelRunner:
         config = load_config(model_dir)
         text_config = config.get_text_config()
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
-        groups = layer_groups(str(model_dir), text_config, self.dtype)  # before the weights: a refusal is quick
+        layout = layout_of(self.name, text_config, self.dtype)  # before the weights: a refusal is quick
+        groups = layout.groups
         if load_format == "dummy":  # random weights built on the device, the config alone (benchmarks)
             with self.device:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
@@ -93,33 +96,31 @@ class ModelRunner:
                                                          attn_implementation=ATTENTION_NAME)
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
-        if isinstance(groups[0].spec, MLASpec):
-            if self.attention_backend != "torch":
-                raise UnsupportedModel(f"{model_dir}: --attention-backend {self.attention_backend} does not run "
-                                       "multi-head latent attention yet; use --attention-backend torch")
-            if use_latent_cache(self.model) != sum(len(group.layers) for group in groups):
-                raise UnsupportedModel(f"{model_dir}: a kv_lora_rank, but not every layer is DeepSeek V3's latent "
-                                       "attention")
+        route_layers(self.name, self.model, layout, self.attention_backend)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = eos_token_ids(self.model)
         self.max_context = min(context_length or model_max_context(text_config), model_max_context(text_config))
         self.query_group = text_config.num_attention_heads // groups[0].spec.page_shape[0]
-        self.kv_windows = tuple(group.window for group in groups)
+        self.kv_windows = layout.windows
+        self.state_slots = (max_running, state_checkpoints or max_running) if layout.states is not None else None
+        slots = sum(self.state_slots) if self.state_slots else 0
         self.kv_token_bytes = per_token = token_bytes(groups)
         self.page_size = page_size
-        self.num_pages = pool_pages(max_total_tokens, page_size, groups, self.device, mem_fraction_static)
-        self.kv = KVPool(groups, self.num_pages, page_size, self.device,
+        self.num_pages = pool_pages(max_total_tokens, page_size, layout, self.device, mem_fraction_static, slots)
+        self.kv = KVPool(layout, self.num_pages, page_size, self.device, state_slots=slots,
                          routed_top_k=router_top_k(self.model) if routed_experts else 0)
         self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
         self.sampler = Sampler(max_running, self.vocab_size, self.device)
         self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
         self._check_a_step()
+        states = (f"; {slots} linear-attention state slots of {layout.states.slot_bytes} bytes" if layout.states
+                  else "")
         log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d pages of %d tokens (%.2f GiB, %d bytes a "
-                 "page slot; %s)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
-                 self.max_context, self.num_pages - 1, page_size, self.kv.bytes / 2**30, per_token,
-                 describe_groups(groups))
+                 "page slot%s; %s)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
+                 self.max_context, self.num_pages - 1, page_size, self.kv.bytes / 2**30, per_token, states,
+                 describe(layout))
 
     def _decode_graphs(self, max_batch: int, hidden_size: int) -> "DecodeGraphs | None":
         if not max_batch:
@@ -130,9 +131,9 @@ class ModelRunner:
         if self.expert_routing is not None:
             raise ValueError("--enable-cuda-graph: not with --enable-return-routed-experts (its recording runs on "
                              "the host, per step)")
-        if len(self.kv.groups) > 1:
-            raise ValueError("--enable-cuda-graph: decode graphs hold one page table per row, and this model's layers "
-                             f"keep their KV in {len(self.kv.groups)} groups ({describe_groups(self.kv.groups)})")
+        if len(self.kv.groups) > 1 or self.kv.layout.states is not None:
+            raise ValueError("--enable-cuda-graph: decode graphs hold one page table per row and attend only, and "
+                             f"this model's layers are {describe(self.kv.layout)}")
         from services.scheduler.model.cuda_graphs import DecodeGraphs  # imports triton
 
         # Off CUDA only the interpreted kernels get here (check_backend): the tests, which run graphs eagerly.
@@ -154,7 +155,7 @@ class ModelRunner:
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             # A mask mapping tells transformers the masks are handled (by our attention).
-            attention_mask={"full_attention": None, "sliding_attention": None},
+            attention_mask={"full_attention": None, "sliding_attention": None, "linear_attention": None},
             use_cache=False,
             paged_batch=paged,
         )
@@ -168,11 +169,17 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, tables[0])  # every row decodes: one token each
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)
         ends = np.array([row.end for row in batch.rows], dtype=np.int64)
-        return self._forward_rows(tables, starts, ends, input_ids, positions)
+        states = None
+        if self.state_slots is not None:
+            kvs = [row.request.kv for row in batch.rows]
+            states = state_rows([row.request.slot for row in batch.rows], starts, ends - starts,
+                                [kv.restore for kv in kvs], [kv.capture for kv in kvs], self.page_size)
+        return self._forward_rows(tables, starts, ends, input_ids, positions, states)
 
     def _forward_rows(self, tables: list[list[list[int]]], starts: np.ndarray, ends: np.ndarray,
-                      input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group)
+                      input_ids: np.ndarray, positions: np.ndarray, states: StateRows | None) -> torch.Tensor:
+        paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group,
+                                 states)
         routing = self.expert_routing
         with routing.recording(tables[routing.group], starts, ends) if routing else nullcontext():
             return self._decode(self._tensor(input_ids), self._tensor(positions), paged)
@@ -183,12 +190,14 @@ class ModelRunner:
         fails at start, naming its model, rather than on its first request."""
         try:
             tables = [[[0, 0]] for _ in self.kv.groups]
-            rows = np.array([0]), np.array([2])
-            self.logits(self._forward_rows(tables, *rows, np.array([0, 0]), np.array([0, 1])))
+            starts, ends = np.array([0]), np.array([2])
+            states = state_rows([0], starts, ends - starts, [FRESH], [None], self.page_size) \
+                if self.state_slots is not None else None
+            self.logits(self._forward_rows(tables, starts, ends, np.array([0, 0]), np.array([0, 1]), states))
         except Exception as exc:
             raise UnsupportedModel(f"{self.name}: a first step failed ({type(exc).__name__}: {exc})") from exc
         finally:
-            self.kv.clear_padding()
+            self.kv.clear_slot(page=0, state=0)
             if self.expert_routing is not None:
                 self.kv.routed_experts[0] = -1
 

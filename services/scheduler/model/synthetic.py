@@ -63,6 +63,7 @@ class SyntheticRunner:
         self.max_context = min(context_length or model_max_context(config), model_max_context(config))
         self.page_size = page_size
         self.kv_windows: tuple[int, ...] = (0,)  # one group of pages, which the policy counts
+        self.state_slots: tuple[int, int] | None = None
         self.num_pages = (max_total_tokens or DEFAULT_CPU_TOKENS) // page_size + 1
         self.expert_routing: ExpertRouting | None = None  # no model, no routers
         self.device, self.dtype = torch.device("cpu"), torch.float32

@@ -1,0 +1,169 @@
+"""Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) over the step's flat batch, each request's state in its
+slot of the KV pool (kv/pool.py: a conv state and a recurrent state per linear layer and slot).
+
+transformers' layer runs one sequence, its state in a Cache. Here every row of the step is a request of its own:
+its causal convolution starts from the last inputs its slot keeps, and the gated delta rule from its recurrent
+state. Decoding rows (one token each) are one batched recurrent update (transformers'
+torch_recurrent_gated_delta_rule, as its cached decode runs); a prefill chunk runs the chunked rule
+(torch_chunk_gated_delta_rule) over its own tokens, no padding to the longest. A row that starts anew starts from
+zeros, or from a checkpoint of the prefix cache (a copy into its slot); a row that reaches a page boundary leaves a
+copy of the state there in a checkpoint slot (the chunk split at the boundary), for the prefix cache to keep
+(kv/states.py). transformers' own forward is the reference every path is tested against.
+
+`use_paged_state(model)` swaps this forward in for every Gated DeltaNet layer; the step's PagedBatch reaches it as
+a forward kwarg, as it reaches model/attention.py.
+"""
+
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.kv.manager import FRESH
+
+
+@dataclass
+class StateRows:
+    """What a step's rows need of the state slots (built once per step, used by every linear layer)."""
+
+    slots: list[int]  # each row's state slot (its request slot)
+    firsts: list[int]  # each row's first index in the flat sequence
+    counts: list[int]  # its tokens
+    restore: list[int | None]  # where its state starts from: FRESH, a checkpoint slot, or None (its slot's)
+    captures: list[tuple[int, int] | None]  # (tokens into the row, checkpoint slot): the state there is kept
+
+    @property
+    def decoding(self) -> list[int]:
+        """Rows of one token that continue their state: one batched recurrent update."""
+        return [i for i, count in enumerate(self.counts) if count == 1 and self.restore[i] is None]
+
+
+def is_gated_delta_net(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_v_dim"))
+
+
+def use_paged_state(model: nn.Module) -> int:
+    """Route every Gated DeltaNet layer through the paged state; how many layers that is."""
+    layers = [module for module in model.modules() if is_gated_delta_net(module)]
+    for module in layers:
+        module.forward = types.MethodType(gated_delta_net, module)
+    return len(layers)
+
+
+def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(mixed q, k, v [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv]) of flat hidden states [T, hidden]: Qwen3.5's
+    separate projections, or Qwen3-Next's fused ones in their grouped order."""
+    if hasattr(self, "in_proj_qkvz"):
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden[None]),
+                                                                       self.in_proj_ba(hidden[None]))
+        mixed = torch.cat([x.reshape(x.shape[1], -1) for x in (query, key, value)], dim=-1)
+        return mixed, z[0], b[0], a[0]
+    tokens = hidden.shape[0]
+    return (self.in_proj_qkv(hidden), self.in_proj_z(hidden).view(tokens, -1, self.head_v_dim),
+            self.in_proj_b(hidden), self.in_proj_a(hidden))
+
+
+def gated_delta_net(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, paged_batch=None, **kwargs):
+    """Qwen3_5GatedDeltaNet / Qwen3NextGatedDeltaNet.forward over the step's flat batch [1, T, hidden]."""
+    assert paged_batch is not None and paged_batch.states is not None  # the model runner passes them
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    rows: StateRows = paged_batch.states
+    conv_states, recurrent_states = paged_batch.pool.states(self.layer_idx)
+    _restore(rows, conv_states, recurrent_states)
+    mixed, z, b, a = _projections(self, hidden_states[0])
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float: in half precision A may be -inf
+    weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel]
+    out = mixed.new_empty(mixed.shape[0], z.shape[1], self.head_v_dim)
+
+    def split(x: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [tokens, conv_dim] -> query, key [1, tokens, Hk, dk], value [1, tokens, Hv, dv]."""
+        query, key, value = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (query.reshape(1, tokens, -1, self.head_k_dim), key.reshape(1, tokens, -1, self.head_k_dim),
+                value.reshape(1, tokens, -1, self.head_v_dim))
+
+    decoding = rows.decoding
+    if decoding:
+        slots = torch.tensor([rows.slots[i] for i in decoding], device=mixed.device)
+        flat = torch.tensor([rows.firsts[i] for i in decoding], device=mixed.device)
+        window = torch.cat([conv_states[slots], mixed[flat].unsqueeze(-1).to(conv_states.dtype)], dim=-1)
+        conv_states[slots] = window[:, :, 1:]
+        convolved = _conv_last(self, window, weight)
+        query, key, value = split(convolved, len(decoding))  # one token of each row, as a batch of one token each
+        attended, state = torch_recurrent_gated_delta_rule(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), g=g[flat].unsqueeze(1),
+            beta=beta[flat].unsqueeze(1), initial_state=recurrent_states[slots], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        recurrent_states[slots] = state.to(recurrent_states.dtype)
+        out[flat] = attended[:, 0].to(out.dtype)
+    for i in sorted(set(range(len(rows.slots))) - set(decoding)):
+        first, count, slot = rows.firsts[i], rows.counts[i], rows.slots[i]
+        capture = rows.captures[i]
+        cuts = [0, capture[0], count] if capture is not None and capture[0] < count else [0, count]
+        for start, end in zip(cuts, cuts[1:]):
+            span = slice(first + start, first + end)
+            tokens = end - start
+            window = torch.cat([conv_states[slot], mixed[span].T.to(conv_states.dtype)], dim=-1)
+            conv_states[slot] = window[:, -conv_states.shape[-1]:]
+            convolved = _activate(self, F.conv1d(window[None].to(weight.dtype), weight.unsqueeze(1), self.conv1d.bias,
+                                                 groups=window.shape[0])[0].T)
+            query, key, value = split(convolved, tokens)
+            attended, state = torch_chunk_gated_delta_rule(
+                query, key, value, g=g[span][None], beta=beta[span][None], initial_state=recurrent_states[slot][None],
+                output_final_state=True, use_qk_l2norm_in_kernel=True)
+            recurrent_states[slot] = state[0].to(recurrent_states.dtype)
+            out[span] = attended[0].to(out.dtype)
+            if capture is not None and end == capture[0]:
+                _keep(conv_states, recurrent_states, slot, capture[1])
+    for i in decoding:
+        if (capture := rows.captures[i]) is not None:  # a decoding row whose token ends a page
+            _keep(conv_states, recurrent_states, rows.slots[i], capture[1])
+    normed = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(normed.reshape(1, out.shape[0], -1))
+
+
+def _activate(self, x: torch.Tensor) -> torch.Tensor:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[self.activation](x) if self.activation else x
+
+
+def _conv_last(self, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal convolution's output at the last input of each window [rows, conv_dim, kernel] -> [rows, conv_dim]
+    (what transformers' causal_conv1d_update computes for one token)."""
+    convolved = (window.to(weight.dtype) * weight[None]).sum(-1)
+    if self.conv1d.bias is not None:
+        convolved = convolved + self.conv1d.bias
+    return _activate(self, convolved)
+
+
+def _restore(rows: StateRows, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+    """Each row that starts anew takes its state: zeros, or a copy of a checkpoint."""
+    for slot, source in zip(rows.slots, rows.restore):
+        if source == FRESH:
+            conv[slot].zero_()
+            recurrent[slot].zero_()
+        elif source is not None:
+            conv[slot] = conv[source]
+            recurrent[slot] = recurrent[source]
+
+
+def _keep(conv: torch.Tensor, recurrent: torch.Tensor, slot: int, checkpoint: int) -> None:
+    conv[checkpoint] = conv[slot]
+    recurrent[checkpoint] = recurrent[slot]
+
+
+def state_rows(slots: list[int], starts: np.ndarray, counts: np.ndarray, restore: list[int | None],
+               captures: list[tuple[int, int] | None], page_size: int) -> StateRows:
+    """The rows' StateRows: `captures` per row (pages, checkpoint slot) after that many pages of the sequence."""
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+    at = [None if capture is None else (capture[0] * page_size - int(start), capture[1])
+          for capture, start in zip(captures, starts.tolist())]
+    return StateRows(slots, firsts, counts.tolist(), restore, at)
