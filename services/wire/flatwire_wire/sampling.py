@@ -2,9 +2,10 @@
 set of them that a request carries from its submit to its last step.
 
 The scheduler builds a request's options once, at submit (SamplingOptions.of its SamplingParams); the gateway's
-request models (services/gateway/protocol/sampling.py) take their defaults from DEFAULT_SAMPLING and their bounds
-from RANGES, and refuse through `check`, so that every API and the scheduler refuse the same values. The rules that
-need the served model (token ids within its vocabulary, lengths within its context and KV memory) are each edge's.
+request models (services/gateway/protocol/sampling.py) take their defaults from DEFAULT_SAMPLING and their ranges
+from RANGES, and refuse by those ranges' checks, so that every API and the scheduler refuse the same values with the
+same message. The rules that need the served model (token ids within its vocabulary, lengths within its context and
+KV memory) are each edge's.
 """
 
 from collections.abc import Mapping
@@ -118,7 +119,7 @@ class SamplingOptions:
     constraint: tuple[str, str] | None = None  # structured output: (one of CONSTRAINTS, its text)
 
     def __post_init__(self) -> None:
-        # Copies: the lists of the message they are built from stay the message's.
+        # Read-only copies: the message they are built from stays its own.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", MappingProxyType(dict(self.logit_bias)))
         for name in RANGES:
