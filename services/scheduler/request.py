@@ -53,7 +53,7 @@ class Request:
     processed_logprobs: bool  # output logprobs of the distribution sampled from (LogprobsMode.PROCESSED), not raw
     return_routed_experts: bool  # its Finish carries the experts each of its tokens was routed to
     routed_experts_start_len: int  # from this position on
-    adjustment: LogitAdjustment | None  # `sampling`'s adjustments on the device's terms; None: the raw logits
+    adjustment: LogitAdjustment | None  # `sampling`'s penalties, logit_bias, min_new_tokens as arrays; None: none
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet
     status: RequestStatus = RequestStatus.WAITING
