@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.sampling import SamplingOptions
 from flatwire_wire.steps import DetokenizeParams
 
 from services.scheduler.kv.manager import KVState
@@ -43,21 +44,16 @@ class Request:
     owner: str
     input_ids: np.ndarray  # [prompt_len] int64
     detokenize: DetokenizeParams
-    max_new_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float
-    top_k: int  # 0: off
-    min_p: float
-    stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    sampling: SamplingOptions  # what its tokens are chosen from, built at submit
+    stop_ids: frozenset[int]  # the tokens that end it: eos (unless ignore_eos) and stop_token_ids
     return_logprob: bool
     top_logprobs_num: int  # 0 unless return_logprob
     logprob_start_len: int  # -1 unless return_logprob
     token_ids_logprob: list[int]  # empty unless return_logprob
     processed_logprobs: bool  # output logprobs of the distribution sampled from (LogprobsMode.PROCESSED), not raw
-    seed: int | None
     return_routed_experts: bool  # its Finish carries the experts each of its tokens was routed to
     routed_experts_start_len: int  # from this position on
-    adjustment: LogitAdjustment | None  # penalties, logit_bias, min_new_tokens; None: sample the raw logits
+    adjustment: LogitAdjustment | None  # `sampling`'s penalties, logit_bias, min_new_tokens as arrays; None: none
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet
     status: RequestStatus = RequestStatus.WAITING
@@ -108,6 +104,6 @@ class Request:
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own random stream (seeded requests only), so that its draws
         do not depend on which other requests share the step."""
-        if self.seed is not None and self._generator is None:
-            self._generator = torch.Generator(device).manual_seed(self.seed)
+        if self.sampling.seed is not None and self._generator is None:
+            self._generator = torch.Generator(device).manual_seed(self.sampling.seed)
         return self._generator

@@ -1,10 +1,11 @@
 """The scheduler's edge for new requests: a submitted TokenizedRequest checked whole and turned into a Request.
 
 Every refusal names the offending field (InvalidTokenizedRequest.field, in the internal API's names; the
-gateway renames it to the client's), and the server answers it with INVALID_ARGUMENT.
+gateway renames it to the client's), and the server answers it with INVALID_ARGUMENT. The sampling options are
+built and checked by their own rules (flatwire_wire.sampling, which the gateway applies too); the checks here are
+those that need the served model.
 """
 
-import math
 import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -12,19 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import xgrammar as xgr
 from flatwire_wire.logprobs import LogprobsMode
-from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
+from flatwire_wire.sampling import InvalidSampling, SamplingOptions
+from flatwire_wire.scheduler import TokenizedRequest
 
 from services.scheduler.output.pending import PendingOutput
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.sampling.grammar import Grammars, InvalidGrammar
 from services.scheduler.sampling.logit_adjust import LogitAdjustment
 
-# A temperature below this samples greedily (SGLang's _SAMPLING_EPS): logits / 1e-45 are inf or nan,
-# and the softmax of those picks token 0 instead of the most likely one.
-GREEDY_BELOW_TEMPERATURE = 1e-6
 # Bounds the tokens (and logprob rows) a request holds back between two entries.
 MAX_STREAM_INTERVAL = 1024
-DEFAULT_MAX_NEW_TOKENS = 128  # the public APIs' default (SGLang's); the gateway always sets it
 
 
 class InvalidTokenizedRequest(ValueError):
@@ -63,7 +61,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field. A constrained
     request's grammar is parsed by `grammars` and compiled in their thread (the request is COMPILING until then);
     without them it is refused."""
-    sampling, logprob = msg.sampling, msg.logprob
+    logprob = msg.logprob
     _check(bool(msg.rid), "rid", "must not be empty")
     input_ids = np.array(msg.input_ids, dtype=np.int64)
     _check(len(input_ids) > 0, "input_ids", "must not be empty")
@@ -73,28 +71,18 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     _check(len(input_ids) < limits.max_total_tokens, "input_ids",
            f"{len(input_ids)} tokens do not fit the KV memory of {limits.max_total_tokens} tokens (max_total_tokens)")
     _check(msg.stream_interval <= MAX_STREAM_INTERVAL, "stream_interval", f"must be at most {MAX_STREAM_INTERVAL}")
-    max_new_tokens = DEFAULT_MAX_NEW_TOKENS if sampling.max_new_tokens is None else sampling.max_new_tokens
-    temperature = 1.0 if sampling.temperature is None else sampling.temperature
-    _check(math.isfinite(temperature) and temperature >= 0, "sampling.temperature", "must be a finite number >= 0")
-    if temperature < GREEDY_BELOW_TEMPERATURE:  # as SGLang: dividing the logits by it would overflow
-        temperature = 0.0
-    top_p = 1.0 if sampling.top_p is None else sampling.top_p
-    _check(0 < top_p <= 1, "sampling.top_p", "must be in (0, 1]")
-    min_p = 0.0 if sampling.min_p is None else sampling.min_p
-    _check(0 <= min_p <= 1, "sampling.min_p", "must be in [0, 1]")
+    try:
+        sampling = SamplingOptions.of(msg.sampling)
+    except InvalidSampling as refused:
+        raise InvalidTokenizedRequest(f"sampling.{refused.field}", str(refused)) from None
+    max_new_tokens = sampling.max_new_tokens
     _check_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits.vocab_size)
-    for name in ("frequency_penalty", "presence_penalty"):
-        _check(math.isfinite(getattr(sampling, name)), f"sampling.{name}", "must be a finite number")
-    repetition_penalty = 1.0 if sampling.repetition_penalty is None else sampling.repetition_penalty
-    _check(0 < repetition_penalty < math.inf, "sampling.repetition_penalty", "must be a finite number > 0")
-    _check(sampling.min_new_tokens <= max_new_tokens, "sampling.min_new_tokens", "must not exceed max_new_tokens")
     # Its whole sequence must fit the KV memory at once (past the context it ends anyway: LENGTH).
     longest = min(len(input_ids) + max_new_tokens, limits.max_context)
     _check(longest <= limits.max_total_tokens, "sampling.max_new_tokens",
            f"{len(input_ids)} prompt tokens + {max_new_tokens} new ones do not fit the KV memory of "
            f"{limits.max_total_tokens} tokens (max_total_tokens)")
     _check_ids(list(sampling.logit_bias), "sampling.logit_bias", limits.vocab_size)
-    _check(all(map(math.isfinite, sampling.logit_bias.values())), "sampling.logit_bias", "biases must be finite")
 
     wants = logprob.return_logprob
     _check(logprob.top_logprobs_num <= limits.max_top_logprobs, "logprob.top_logprobs_num",
@@ -124,22 +112,16 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         owner=msg.owner,
         input_ids=input_ids,
         detokenize=msg.detokenize,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(sampling.top_k, 0) if sampling.top_k is not None else 0,
-        min_p=min_p,
+        sampling=sampling,
         stop_ids=frozenset() if sampling.ignore_eos else stop_ids,
         return_logprob=wants,
         top_logprobs_num=top_k,
         logprob_start_len=logprob.logprob_start_len if wants else -1,
         token_ids_logprob=ids,
         processed_logprobs=wants and (logprob.logprobs_mode or limits.logprobs_mode) is LogprobsMode.PROCESSED,
-        seed=sampling.seed,
         return_routed_experts=msg.return_routed_experts,
         routed_experts_start_len=msg.routed_experts_start_len,
-        adjustment=LogitAdjustment.of(sampling.frequency_penalty, sampling.presence_penalty, repetition_penalty,
-                                      sampling.min_new_tokens, stop_ids, dict(sampling.logit_bias)),
+        adjustment=LogitAdjustment.of(sampling, stop_ids),
         grammar=None,
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
@@ -148,17 +130,14 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
     )
 
 
-def _grammar(sampling: SamplingParams, stop_ids: frozenset[int],
+def _grammar(sampling: SamplingOptions, stop_ids: frozenset[int],
              grammars: Grammars | None) -> Future[xgr.GrammarMatcher] | None:
-    """The request's grammar matcher to be, if it has a constraint (SamplingParams.constraint): parsed now (a
+    """The request's grammar matcher to be, if it has a constraint (SamplingOptions.constraint): parsed now (a
     constraint that does not parse is refused), compiled after Submit has answered."""
     if sampling.constraint is None:
         return None
     kind, text = sampling.constraint
-    # The grammar decides where the output ends: with a stop token, once it is complete.
-    why = f"cannot be combined with a {kind} constraint: the output ends with eos once it matches"
-    _check(not sampling.ignore_eos, "sampling.ignore_eos", why)
-    _check(sampling.min_new_tokens == 0, "sampling.min_new_tokens", why)
+    # The grammar ends the output with a stop token once it is complete: there must be one.
     _check(bool(stop_ids), "sampling.stop_token_ids",
            f"the model has no eos token: a {kind} constraint needs stop_token_ids to end the output with")
     if grammars is None:

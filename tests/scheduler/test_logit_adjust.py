@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from flatwire_wire.sampling import SamplingOptions
 from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from transformers import (
     LogitsProcessor,
@@ -35,7 +36,9 @@ class FrequencyPresencePenalty(LogitsProcessor):
 
 
 def adjustment(frequency=0.0, presence=0.0, repetition=1.0, min_new_tokens=0, stop_ids=frozenset(), bias=None):
-    return LogitAdjustment.of(frequency, presence, repetition, min_new_tokens, frozenset(stop_ids), bias or {})
+    options = SamplingOptions(frequency_penalty=frequency, presence_penalty=presence, repetition_penalty=repetition,
+                              min_new_tokens=min_new_tokens, logit_bias=bias or {})
+    return LogitAdjustment.of(options, frozenset(stop_ids))
 
 
 def reference_processors(prompt_len: int, frequency=0.0, presence=0.0, repetition=1.0, min_new_tokens=0,

@@ -4,14 +4,16 @@ from dataclasses import dataclass, field
 
 from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.public import GenerateRequest, SamplingParams
+from flatwire_wire.sampling import DEFAULT_SAMPLING
 
 
 @dataclass(frozen=True)
 class Options:
-    """Sampling, logprob and stop options: the fields of GenerateRequest (protos/flatwire/v1/generate.proto)."""
+    """Sampling, logprob and stop options: the fields of GenerateRequest (protos/flatwire/v1/generate.proto). A
+    sampling option left None takes the server's default (flatwire_wire.sampling.DEFAULT_SAMPLING)."""
 
-    max_new_tokens: int = 128
-    temperature: float | None = None  # None: 1.0; 0: greedy
+    max_new_tokens: int = DEFAULT_SAMPLING.max_new_tokens
+    temperature: float | None = None  # 0: greedy
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -21,7 +23,7 @@ class Options:
     # Change what is sampled, not the logprobs returned unless logprobs_mode is processed_logprobs.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float | None = None  # None: 1.0 (off)
+    repetition_penalty: float | None = None
     min_new_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Structured output, at most one: the output follows the JSON schema (JSON text), regex or EBNF grammar.

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
+from flatwire_wire.sampling import DEFAULT_SAMPLING, Range
 from flatwire_wire.scheduler import LogprobParams
 from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
 
@@ -28,10 +29,19 @@ from services.gateway.protocol.parse import (
     limits_of,
     logprobs_mode,
 )
-from services.gateway.protocol.sampling import CONSTRAINTS, DetokenizeFields, SamplingFields, unsupported
+from services.gateway.protocol.sampling import (
+    CONSTRAINTS,
+    DetokenizeFields,
+    MaxNewTokens,
+    MinNewTokens,
+    Rule,
+    SamplingFields,
+    unsupported,
+)
 from services.gateway.protocol.sglang import SGLangServerFields
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens for completions, given or null
+OPENAI_TEMPERATURE = Range(0.0, 2.0)  # OpenAI's documented range, within the server's
 
 
 class StreamOptions(RequestModel):
@@ -80,8 +90,8 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
 
     model: str
     n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=0)  # 0: the prompt's logprobs only (with echo)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's range
+    max_tokens: MaxNewTokens | None = None  # 0: the prompt's logprobs only (with echo)
+    temperature: Annotated[float, Rule("temperature", OPENAI_TEMPERATURE)] = DEFAULT_SAMPLING.temperature
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -94,7 +104,7 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     ngram_corpus_id: Annotated[Any, unsupported(None)] = None
     return_cached_tokens_details: Annotated[bool | None, unsupported(None, False)] = None
     # SGLang's (and vLLM's) name for min_new_tokens here
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: MinNewTokens | None = None
     # SGLang extensions (besides the sampling fields)
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False
@@ -156,7 +166,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: MaxNewTokens | None = None
     return_flat_raw_top_logprobs_b64: bool = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
@@ -300,7 +310,7 @@ class CompletionRequest(OpenAIRequest):
     tools: Annotated[list | None, unsupported(None, [])] = None
     tool_choice: Annotated[str | dict | None, unsupported(None, "none")] = None
     suffix: Annotated[str | None, unsupported(None, "")] = None  # OpenAI's insertion after the completion
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)
+    max_tokens: MaxNewTokens | None = DEFAULT_COMPLETION_TOKENS
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
 

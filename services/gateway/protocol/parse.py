@@ -20,12 +20,6 @@ M = TypeVar("M", bound=BaseModel)
 # A request's `logprobs_mode` (vLLM's names; absent: the scheduler's --logprobs-mode).
 LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]
 
-# What the scheduler's messages can carry (protobuf int32 / float32): a larger value makes building the
-# message fail, so each client field bound to one is checked against these first.
-INT32_MAX = 2**31 - 1
-FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
-
 
 class RequestModel(BaseModel):
     """A request body's top-level object (and SGLang's sampling_params): a field it does not declare is refused

@@ -12,20 +12,20 @@ from typing import Annotated, Any
 
 from flatwire_wire import public
 from flatwire_wire.logprobs import LogprobsMode
+from flatwire_wire.sampling import DEFAULT_SAMPLING, INT32_MAX, TOP_K_NO_LIMIT
 from flatwire_wire.scheduler import LogprobParams
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.protocol.cost import LogprobFields
 from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
-    INT32_MAX,
     InvalidRequest,
     ModelLimits,
     check_token_ids,
     check_top_k,
     parse_data,
 )
-from services.gateway.protocol.sampling import DEFAULT_MAX_NEW_TOKENS, DetokenizeFields, SamplingParamsFields
+from services.gateway.protocol.sampling import DetokenizeFields, SamplingParamsFields
 
 LOGPROB_FIELDS = LogprobFields(top_k="top_logprobs_num", max_new_tokens="sampling.max_new_tokens",
                                token_ids="token_ids_logprob", prompt="the prompt from logprob_start_len")
@@ -40,7 +40,7 @@ class PublicSampling(SamplingParamsFields):
     @classmethod
     def _no_limit(cls, value: Any) -> Any:
         """generate.proto's top_k <= 0 is no limit: /generate's -1."""
-        return -1 if isinstance(value, int) and value <= 0 else value
+        return TOP_K_NO_LIMIT if isinstance(value, int) and value <= 0 else value
 
 
 class PublicGenerateRequest(DetokenizeFields):
@@ -88,7 +88,7 @@ class PublicGenerateRequest(DetokenizeFields):
     def prompt(self) -> PromptRequest:
         """The request's prompt, for the intake; `sampling` is the scheduler's name too."""
         return PromptRequest(sampling=self.sampling, max_new_tokens=self.sampling.requested_max_new_tokens,
-                             default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                             default_max_new_tokens=DEFAULT_SAMPLING.max_new_tokens,
                              detokenize=self.detokenize(self.sampling.min_new_tokens), logprob=self.logprob(),
                              fields={"input_ids": self.prompt_field, "logprob": ""}, stream=self.stream,
                              return_routed_experts=self.return_routed_experts,

@@ -1,29 +1,51 @@
 """The sampling and detokenizing options that SGLang's `sampling_params`, the OpenAI routes and the public gRPC API
-share: the same fields, defaults and checks under the same names."""
+share: the same fields and checks under the same names. A sampling option's default and range are the server's
+(flatwire_wire.sampling, which the scheduler applies too): each field reads them from there (Rule)."""
 
 import json
+from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any
 
+from flatwire_wire.sampling import CONSTRAINTS, DEFAULT_SAMPLING, FLOAT32_TINY, RANGES, Range, check_logit_bias
 from flatwire_wire.scheduler import SamplingParams
 from flatwire_wire.steps import DetokenizeParams
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic_core import core_schema
 
 from services.gateway.protocol.cost import check_stop
-from services.gateway.protocol.parse import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, RequestModel, check_token_ids
+from services.gateway.protocol.parse import RequestModel, check_token_ids
 
 StopValue = str | list[str] | None
 
 
-def _check_top_k(value: int) -> int:
-    if value == 0 or value < -1 or value > INT32_MAX:
-        raise ValueError(f"top_k must be -1 (no limit) or in [1, {INT32_MAX}]")
-    return value
+@dataclass(frozen=True)
+class Rule:
+    """A field checked by its sampling option's rule (flatwire_wire.sampling.RANGES), which names the option when it
+    refuses, or by `narrower` bounds, one API's own; its bounds are in the OpenAPI schema too."""
 
+    option: str
+    narrower: Range | None = None
 
-def _check_float32(value: float) -> float:
-    if value > FLOAT32_MAX:
-        raise ValueError(f"{value:g} is above the largest float32 (3.4e38)")
-    return value
+    @property
+    def bounds(self) -> Range:
+        return self.narrower or RANGES[self.option]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(partial(self.bounds.check, self.option), handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict:
+        bounds = self.bounds
+        low = bounds.low if bounds.off is None else min(bounds.low, bounds.off)
+        return {**handler(schema), "exclusiveMinimum" if bounds.low_open else "minimum": low, "maximum": bounds.high}
 
 
 def _check_stop_token_ids(value: list[int] | None, info: ValidationInfo) -> list[int] | None:
@@ -44,12 +66,8 @@ def _logit_bias_ids(value):
 def _check_logit_bias(value: dict[int, float] | None, info: ValidationInfo) -> dict[int, float] | None:
     if value:
         check_token_ids(list(value), info)
-        for bias in value.values():
-            _check_float32(abs(bias))
+        check_logit_bias(value)
     return value
-
-
-CONSTRAINTS = ("json_schema", "regex", "ebnf")  # structured output: SamplingParams.constraint, at most one
 
 
 def _schema_text(value):
@@ -66,13 +84,12 @@ def _one_constraint(value: str | None, info: ValidationInfo) -> str | None:
     return value
 
 
-TopK = Annotated[int, AfterValidator(_check_top_k)]
-Float32 = Annotated[float, AfterValidator(_check_float32)]
+MaxNewTokens = Annotated[int, Rule("max_new_tokens")]
+MinNewTokens = Annotated[int, Rule("min_new_tokens")]
+Seed = Annotated[int, Rule("seed")]
 StopTokenIds = Annotated[list[int] | None, AfterValidator(_check_stop_token_ids)]
 Stop = Annotated[StopValue, AfterValidator(check_stop)]  # at most max_stop_strings of max_stop_length
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's and SGLang's range
-LogitBias = Annotated[dict[int, Annotated[float, Field(allow_inf_nan=False)]] | None,
-                      BeforeValidator(_logit_bias_ids), AfterValidator(_check_logit_bias)]
+LogitBias = Annotated[dict[int, float] | None, BeforeValidator(_logit_bias_ids), AfterValidator(_check_logit_bias)]
 Constraint = Annotated[str | None, AfterValidator(_one_constraint)]  # compiled (and refused) by the scheduler
 
 
@@ -108,18 +125,18 @@ class SamplingFields(RequestModel):
     """What a token is chosen from (SGLang's names, defaults and checks), and the scheduler's SamplingParams built
     from them."""
 
-    temperature: Float32 = Field(default=1.0, ge=0.0, allow_inf_nan=False)  # below 1e-6: greedy (the scheduler)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: TopK = Field(default=-1, ge=-1, le=INT32_MAX)  # bounds in the schema too; 0 is refused as well
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    temperature: Annotated[float, Rule("temperature")] = DEFAULT_SAMPLING.temperature
+    top_p: Annotated[float, Rule("top_p")] = DEFAULT_SAMPLING.top_p
+    top_k: Annotated[int, Rule("top_k")] = DEFAULT_SAMPLING.top_k
+    min_p: Annotated[float, Rule("min_p")] = DEFAULT_SAMPLING.min_p
+    seed: Seed | None = DEFAULT_SAMPLING.seed
     stop_token_ids: StopTokenIds = None
-    ignore_eos: bool = False
+    ignore_eos: bool = DEFAULT_SAMPLING.ignore_eos
     # Logit adjustments (what is sampled, not the logprobs returned): scheduler.proto's SamplingParams.
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, allow_inf_nan=False)  # SGLang's range
-    min_new_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    frequency_penalty: Annotated[float, Rule("frequency_penalty")] = DEFAULT_SAMPLING.frequency_penalty
+    presence_penalty: Annotated[float, Rule("presence_penalty")] = DEFAULT_SAMPLING.presence_penalty
+    repetition_penalty: Annotated[float, Rule("repetition_penalty")] = DEFAULT_SAMPLING.repetition_penalty
+    min_new_tokens: MinNewTokens = DEFAULT_SAMPLING.min_new_tokens
     logit_bias: LogitBias = None
     # Structured output (SGLang's; the OpenAI routes' response_format too): the scheduler's grammar.py.
     json_schema: Annotated[Constraint, BeforeValidator(_schema_text)] = None  # JSON text (or an object)
@@ -162,14 +179,11 @@ class DetokenizeFields(RequestModel):
             stop=stop_list(self.stop), no_stop_trim=self.no_stop_trim, min_new_tokens=min_new_tokens)
 
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's; cut to what the context leaves (requested_max_new_tokens)
-
-
 class SamplingParamsFields(SamplingFields):
     """SamplingFields with max_new_tokens: what a SamplingParams message holds (the public API's, the
     scheduler's), and the core of SGLang's sampling_params."""
 
-    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=0)  # 0: the prompt's logprobs only
+    max_new_tokens: MaxNewTokens = DEFAULT_SAMPLING.max_new_tokens  # cut to what the context leaves when not given
 
     @property
     def requested_max_new_tokens(self) -> int | None:
@@ -177,11 +191,11 @@ class SamplingParamsFields(SamplingFields):
         return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
 
 
-class SamplingOptions(SamplingParamsFields, DetokenizeFields):
+class SGLangSamplingParams(SamplingParamsFields, DetokenizeFields):
     """SGLang's `sampling_params`: the sampling and detokenizing fields, max_new_tokens, and n."""
 
     n: int = Field(default=1, ge=1)  # samples per prompt (GenerateRequest.samples_per_prompt)
-    sampling_seed: int | None = Field(default=None, ge=0, lt=2**64)  # SGLang's name here for `seed`
+    sampling_seed: Seed | None = None  # SGLang's name here for `seed`
     # SGLang's sampling parameters flatwire cannot honour yet: refused unless neutral.
     stop_regex: Annotated[Any, unsupported(None, [])] = None
     structural_tag: Annotated[Any, unsupported(None)] = None
@@ -191,7 +205,7 @@ class SamplingOptions(SamplingParamsFields, DetokenizeFields):
     stream_interval: Annotated[Any, unsupported(None)] = None  # per request; the server's --stream-interval
 
     @model_validator(mode="after")
-    def _one_seed(self) -> "SamplingOptions":
+    def _one_seed(self) -> "SGLangSamplingParams":
         if self.sampling_seed is not None:
             if self.seed is not None and self.seed != self.sampling_seed:
                 raise ValueError("seed and sampling_seed differ: give one")

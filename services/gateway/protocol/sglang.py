@@ -3,12 +3,12 @@ PromptRequest for the intake (protocol/intake.py)."""
 
 from typing import Annotated, Any
 
+from flatwire_wire.sampling import DEFAULT_SAMPLING, INT32_MAX
 from flatwire_wire.scheduler import LogprobParams
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
-    INT32_MAX,
     InvalidRequest,
     LogprobsModeName,
     RequestModel,
@@ -18,7 +18,7 @@ from services.gateway.protocol.parse import (
     is_id_lists,
     logprobs_mode,
 )
-from services.gateway.protocol.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingOptions, unsupported
+from services.gateway.protocol.sampling import SGLangSamplingParams, unsupported
 
 MAX_RID_LENGTH = 256
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
@@ -83,7 +83,7 @@ class GenerateRequest(SGLangGenerateFields):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     # One object for every prompt of a batch, or one per prompt.
-    sampling_params: SamplingOptions | list[SamplingOptions] = Field(default_factory=SamplingOptions)
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] = Field(default_factory=SGLangSamplingParams)
     # The logprob fields: one value for every prompt of a batch, or a list of one per prompt (SGLang's).
     return_logprob: bool | list[bool] = False
     # First prompt position with logprobs; -1: output logprobs only.
@@ -228,7 +228,7 @@ class GenerateRequest(SGLangGenerateFields):
         assert self.input_ids is not None  # the validator requires text or input_ids
         return self.input_ids if is_id_lists(self.input_ids) else [self.input_ids]
 
-    def sampling_for(self, i: int) -> SamplingOptions:
+    def sampling_for(self, i: int) -> SGLangSamplingParams:
         return self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
 
     def sampling_field(self, i: int) -> str:
@@ -245,7 +245,7 @@ class GenerateRequest(SGLangGenerateFields):
         """Prompt i, for the intake."""
         options = self.sampling_for(i)
         return PromptRequest(sampling=options, max_new_tokens=options.requested_max_new_tokens,
-                             default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                             default_max_new_tokens=DEFAULT_SAMPLING.max_new_tokens,
                              detokenize=options.detokenize(options.min_new_tokens), logprob=self.logprob(i),
                              fields=self.scheduler_fields(i), stream=self.stream, rid=self.rid_for(i),
                              return_routed_experts=self.return_routed_experts,

@@ -213,7 +213,7 @@ class Scheduler:
     def _reserve(self, request: Request) -> int:
         """Pages a running request needs beyond its own for its next DECODE_RESERVE_TOKENS tokens."""
         return self.kv.pages_needed(request, min(request.length + DECODE_RESERVE_TOKENS,
-                                                 request.prompt_len + request.max_new_tokens))
+                                                 request.prompt_len + request.sampling.max_new_tokens))
 
     def _preempt(self, request: Request, why: str) -> None:
         log.info("KV memory %s: retracting request %s (%d tokens)", why, request.rid, request.length)
@@ -234,7 +234,7 @@ class Scheduler:
         with_rows, sources = [], []  # the pending entries that take a logprob row, and its row in the step's
         for row, (sampled, token) in enumerate(zip(batch.sampling, result.next_ids.tolist())):
             request = sampled.request
-            if request.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
+            if request.sampling.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
                 out.end(request, self.finish(request, FinishReason.LENGTH))
                 continue
             request.append_output(token)
@@ -245,7 +245,7 @@ class Scheduler:
                 sources.append(row)
             if token in request.stop_ids:
                 out.end(request, self.finish(request, FinishReason.STOP_TOKEN, matched_token=token))
-            elif len(request.output_ids) >= request.max_new_tokens or request.length >= self.max_context:
+            elif len(request.output_ids) >= request.sampling.max_new_tokens or request.length >= self.max_context:
                 out.end(request, self.finish(request, FinishReason.LENGTH))
             elif pending.due(behind) and request.status is RequestStatus.RUNNING:  # not retracted since it launched
                 out.due.append(request)

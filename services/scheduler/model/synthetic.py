@@ -94,7 +94,8 @@ class SyntheticRunner:
     def step(self, batch: Batch) -> StepResult:
         rows = [row.request for row in batch.sampling]
         # The new token's position is the sequence length so far (prompt + generated).
-        where = np.array([((r.seed or 0) * SEED_STRIDE + r.length) % len(self.text) for r in rows], dtype=np.int64)
+        where = np.array([((r.sampling.seed or 0) * SEED_STRIDE + r.length) % len(self.text) for r in rows],
+                         dtype=np.int64)
         chosen = self.text[where]
         result = StepResult(next_ids=self.candidates[chosen],
                             prompt=[self._prompt_rows(row) for row in batch.rows if len(row.prompt_positions)])

@@ -11,6 +11,7 @@ over a flat distribution would flip between neighbouring tokens.
 from dataclasses import dataclass
 
 import torch
+from flatwire_wire.sampling import SamplingOptions
 
 NUCLEUS_HEAD = 1024  # top-p looks at this many best tokens first
 
@@ -20,12 +21,19 @@ class SamplingBatch:
     """Sampling parameters of the step's non-greedy rows, as host lists: every decision
     below (which rows, which transforms, how many candidates) is made without a device sync."""
 
-    rows: list[int]  # indices of rows with temperature > 0
+    rows: list[int]  # indices of the rows that are not greedy
     temperature: list[float]
     top_p: list[float]  # 1: off
-    top_k: list[int]  # 0: off
+    top_k: list[int]  # below 1: off
     min_p: list[float]  # 0: off
     generators: list[torch.Generator | None]  # per-request streams; None: the default generator
+
+    @classmethod
+    def of(cls, sampled: list[tuple[int, SamplingOptions, torch.Generator | None]]) -> "SamplingBatch":
+        """The step's rows that are not greedy, each (row, its request's options, its request's random stream)."""
+        return cls(rows=[row for row, _, _ in sampled], temperature=[o.temperature for _, o, _ in sampled],
+                   top_p=[o.top_p for _, o, _ in sampled], top_k=[o.top_k for _, o, _ in sampled],
+                   min_p=[o.min_p for _, o, _ in sampled], generators=[g for _, _, g in sampled])
 
 
 def put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

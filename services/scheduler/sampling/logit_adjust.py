@@ -13,21 +13,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from flatwire_wire.sampling import SamplingOptions
 
 # A bias beyond this works as this: the token is always (or never) chosen. Bounded so that the biased logit,
-# divided by the smallest temperature that is sampled (submit.GREEDY_BELOW_TEMPERATURE), stays a finite float32: a
-# token biased to +inf would turn softmax's every probability into NaN and sample token 0.
+# divided by the smallest temperature that is sampled (flatwire_wire.sampling.GREEDY_BELOW_TEMPERATURE), stays a
+# finite float32: a token biased to +inf would turn softmax's every probability into NaN and sample token 0.
 MAX_BIAS = 1e30
 
 
 @dataclass(frozen=True)
 class LogitAdjustment:
-    """One request's adjustments; a request without any has none (Request.adjustment is None)."""
+    """One request's adjustments (its options' penalties, min_new_tokens and logit_bias) as the device applies them;
+    a request without any has none (Request.adjustment is None)."""
 
-    frequency_penalty: float  # 0: off
-    presence_penalty: float  # 0: off
-    repetition_penalty: float  # 1: off
-    min_new_tokens: int  # 0: off
+    options: SamplingOptions
     blocked_early: np.ndarray  # int64 token ids not sampled before min_new_tokens (eos, stop_token_ids)
     bias_ids: np.ndarray  # int64
     bias_values: np.ndarray  # float32, added to the logits of bias_ids
@@ -35,18 +34,18 @@ class LogitAdjustment:
     @property
     def counts_tokens(self) -> bool:
         """Whether a penalty depends on the tokens seen so far."""
-        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+        options = self.options
+        return options.frequency_penalty != 0 or options.presence_penalty != 0 or options.repetition_penalty != 1
 
     @classmethod
-    def of(cls, frequency_penalty: float, presence_penalty: float, repetition_penalty: float, min_new_tokens: int,
-           stop_ids: frozenset[int], logit_bias: dict[int, float]) -> "LogitAdjustment | None":
-        """The adjustment, or None when every field asks for nothing."""
-        adjustment = cls(frequency_penalty, presence_penalty, repetition_penalty, min_new_tokens,
-                         blocked_early=np.array(sorted(stop_ids), dtype=np.int64),
-                         bias_ids=np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias)),
-                         bias_values=np.clip(np.fromiter(logit_bias.values(), dtype=np.float64, count=len(logit_bias)),
+    def of(cls, options: SamplingOptions, stop_ids: frozenset[int]) -> "LogitAdjustment | None":
+        """The adjustment of a request with these options and stop tokens, or None when its options ask for none."""
+        bias = options.logit_bias
+        adjustment = cls(options, blocked_early=np.array(sorted(stop_ids), dtype=np.int64),
+                         bias_ids=np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+                         bias_values=np.clip(np.fromiter(bias.values(), dtype=np.float64, count=len(bias)),
                                              -MAX_BIAS, MAX_BIAS).astype(np.float32))
-        if adjustment.counts_tokens or min_new_tokens > 0 or logit_bias:
+        if adjustment.counts_tokens or options.min_new_tokens > 0 or bias:
             return adjustment
         return None
 
@@ -79,19 +78,20 @@ class SlotPenalties:
         if self.occurrences is None or self.subtract is None or self.scale is None:
             self.occurrences, self.subtract, self.scale = (
                 torch.zeros(self.shape, dtype=torch.float32, device=self.device) for _ in range(3))
-        self.frequency[slot] = adjustment.frequency_penalty
-        self.presence[slot] = adjustment.presence_penalty
-        self.repetition[slot] = adjustment.repetition_penalty
+        options = adjustment.options
+        self.frequency[slot] = options.frequency_penalty
+        self.presence[slot] = options.presence_penalty
+        self.repetition[slot] = options.repetition_penalty
         self.occurrences[slot].zero_()
         self.scale[slot].fill_(1.0)
         seen = np.concatenate([prompt, np.asarray(output, dtype=np.int64)])
-        self.scale[slot, torch.from_numpy(seen).to(self.device)] = adjustment.repetition_penalty
+        self.scale[slot, torch.from_numpy(seen).to(self.device)] = options.repetition_penalty
         if output:
             tokens = torch.tensor(output, dtype=torch.long, device=self.device)
             self.occurrences[slot].index_put_((tokens,), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         occurrences = self.occurrences[slot]
-        self.subtract[slot] = (adjustment.frequency_penalty * occurrences
-                               + adjustment.presence_penalty * occurrences.clamp(max=1))
+        self.subtract[slot] = (options.frequency_penalty * occurrences
+                               + options.presence_penalty * occurrences.clamp(max=1))
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each slot's newly sampled token (one per slot) into its penalties."""
@@ -123,7 +123,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[AdjustedRow], penalties: Slot
         adjusted.index_copy_(0, _tensor([r.row for r in penalised], logits.device, torch.long),
                              _penalise(adjusted, penalised, penalties))
     # Last, so that every penalty above works on finite logits; a penalty keeps -inf anyway.
-    early = [r for r in rows if r.output_len < r.adjustment.min_new_tokens]
+    early = [r for r in rows if r.output_len < r.adjustment.options.min_new_tokens]
     _add_sparse(adjusted, [(r.row, r.adjustment.blocked_early, np.full(len(r.adjustment.blocked_early), -np.inf,
                                                                        dtype=np.float32)) for r in early])
     return adjusted
@@ -140,12 +140,12 @@ def _penalise(logits: torch.Tensor, rows: list[AdjustedRow], penalties: SlotPena
     device = logits.device
     slots = _tensor([r.slot for r in rows], device, torch.long)
     values = logits.index_select(0, _tensor([r.row for r in rows], device, torch.long))
-    adjustments = [r.adjustment for r in rows]
-    if any(a.repetition_penalty != 1 for a in adjustments):
+    options = [r.adjustment.options for r in rows]
+    if any(o.repetition_penalty != 1 for o in options):
         # logit / p where positive, logit * p otherwise (p is 1 at unseen tokens), in float arithmetic.
         scale = penalties.scale.index_select(0, slots)
         values = values.clamp(min=0) / scale + values.clamp(max=0) * scale
-    if any(a.frequency_penalty or a.presence_penalty for a in adjustments):
+    if any(o.frequency_penalty or o.presence_penalty for o in options):
         values = values - penalties.subtract.index_select(0, slots)
     return values
 

@@ -42,11 +42,8 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor, requests: list[Request]) -> Choice:
         """The next token of each request from its row of float32 `logits` [B, V], and the logprob rows."""
-        sampled = [(i, r) for i, r in enumerate(requests) if r.temperature > 0]
-        params = SamplingBatch(
-            rows=[i for i, _ in sampled], temperature=[r.temperature for _, r in sampled],
-            top_p=[r.top_p for _, r in sampled], top_k=[r.top_k for _, r in sampled],
-            min_p=[r.min_p for _, r in sampled], generators=[r.generator(self.device) for _, r in sampled])
+        params = SamplingBatch.of([(i, r.sampling, r.generator(self.device)) for i, r in enumerate(requests)
+                                   if not r.sampling.greedy])
         constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
         draw, adjusted = self._draw(logits, requests, params, constrained)
         output = None

@@ -28,6 +28,7 @@ from flatwire_wire.control import (
 from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.pb import arrays_pb2, scheduler_pb2
 from flatwire_wire.rpc import ServiceSpec, messages_of
+from flatwire_wire.sampling import CONSTRAINTS
 from flatwire_wire.steps import DetokenizeParams, FinishReason, StepMessage
 from flatwire_wire.submit_batch import SubmitBatcher
 
@@ -35,17 +36,20 @@ from flatwire_wire.submit_batch import SubmitBatcher
 @twin(scheduler_pb2.SamplingParams)
 @dataclass
 class SamplingParams:
-    max_new_tokens: int | None = None  # None: 128
-    temperature: float | None = None  # None: 1.0; 0: greedy
-    top_p: float | None = None  # None: 1.0
-    top_k: int | None = None  # None or <= 0: no limit
-    min_p: float | None = None  # None: 0.0
+    """A request's sampling options as the message carries them; the scheduler builds them into a checked
+    SamplingOptions (sampling.py), where a field left None takes its default."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None  # 0: greedy
+    top_p: float | None = None
+    top_k: int | None = None  # <= 0: no limit
+    min_p: float | None = None
     seed: int | None = None  # None: not reproducible
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float | None = None  # None: 1 (off)
+    repetition_penalty: float | None = None
     min_new_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Structured output: at most one (the proto's oneof `constraint`).
@@ -56,7 +60,7 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, text) of the structured-output constraint, if any."""
-        return next(((kind, text) for kind in ("json_schema", "regex", "ebnf")
+        return next(((kind, text) for kind in CONSTRAINTS
                      if (text := getattr(self, kind)) is not None), None)
 
 
