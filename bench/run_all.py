@@ -23,7 +23,7 @@ from bench.common import OUT_DIR, Progress, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream", "weights", "sampling_costs",
-              "prefix", "kv_capacity", "kv_families", "decode_context", "tool_calls",
+              "prefix", "kv_capacity", "kv_families", "family_decode", "hybrid", "decode_context", "tool_calls",
               "capacity_workers", "capacity_parsers", "capacity_bursts", "http_framework", "routed_experts"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"

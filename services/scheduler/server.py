@@ -84,7 +84,9 @@ class SchedulerService(RolloutCalls):
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             max_running_requests=config.max_running_requests, instance_id=uuid.uuid4().hex,
             max_total_tokens=kv_tokens, page_size=runner.page_size, prefix_cache=not config.disable_radix_cache,
-            logprobs_mode=self.limits.logprobs_mode)
+            logprobs_mode=self.limits.logprobs_mode, kv_layers=runner.kv_layers,
+            state_bytes_per_request=runner.state_bytes,
+            state_checkpoints=runner.state_slots[1] if runner.state_slots else 0)
         self.config = config
         self.grammars = grammars
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)

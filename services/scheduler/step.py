@@ -90,6 +90,8 @@ class StepRunner(Protocol):
     page_size: int
     kv_windows: tuple[int, ...]  # each layer group's sliding window (0: full attention): kv/specs.py
     state_slots: tuple[int, int] | None  # linear-attention state slots (running, checkpoints); None: no such layers
+    state_bytes: int  # one state slot over every linear-attention layer (0: none)
+    kv_layers: str  # what the model's layers keep, for logs and /get_server_info
     expert_routing: ExpertRouting | None  # what a MoE model's routers chose, with --enable-return-routed-experts
 
     def step(self, batch: Batch) -> StepResult:

@@ -41,6 +41,8 @@ def test_server_info(http, served, model_dir, path):
     assert info["model_path"] == served
     assert info["max_total_num_tokens"] == info["max_running_requests"] * info["context_length"] > 0
     assert info["context_length"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert info["kv_layers"] == "4 layers: 4 full attention"  # the default model's
+    assert info["state_bytes_per_request"] == info["state_checkpoints"] == 0  # no linear attention
     # What bench_serving reads after every run (any SGLang 0.4/0.5 version of it).
     server_info_json = info["decode"][0] if "decode" in info else info
     assert server_info_json["internal_states"][0].get("avg_spec_accept_length", None) is None

@@ -122,6 +122,11 @@ async def server_info(request: Request) -> Response:
         "max_running_requests": info.max_running_requests,  # per scheduler replica
         "max_total_num_tokens": info.max_total_tokens,  # of each replica's KV memory
         "page_size": info.page_size,
+        "kv_layers": info.kv_layers,  # what the model's layers keep
+        # A linear-attention model's state: what one request holds whatever its length, and the checkpoints of it
+        # the prefix cache keeps (at page boundaries).
+        "state_bytes_per_request": info.state_bytes_per_request,
+        "state_checkpoints": info.state_checkpoints,
         # Each replica's KV memory now (from its last health round): pages held, cached, free; the prefix cache.
         "kv_memory": {address: _kv_memory(replica.stats) for address, replica in engine.schedulers.replicas.items()},
         "scheduler_replicas": len(engine.schedulers.replicas),

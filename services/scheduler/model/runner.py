@@ -105,6 +105,8 @@ class ModelRunner:
         self.query_group = text_config.num_attention_heads // groups[0].spec.page_shape[0]
         self.kv_windows = layout.windows
         self.state_slots = (max_running, state_checkpoints or max_running) if layout.states is not None else None
+        self.state_bytes = layout.states.slot_bytes if layout.states is not None else 0
+        self.kv_layers = describe(layout)
         slots = sum(self.state_slots) if self.state_slots else 0
         self.kv_token_bytes = per_token = token_bytes(groups)
         self.page_size = page_size
@@ -115,12 +117,11 @@ class ModelRunner:
         self.sampler = Sampler(max_running, self.vocab_size, self.device)
         self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
         self._check_a_step()
-        states = (f"; {slots} linear-attention state slots of {layout.states.slot_bytes} bytes" if layout.states
-                  else "")
+        states = f"; {slots} linear-attention state slots of {self.state_bytes} bytes" if layout.states else ""
         log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d pages of %d tokens (%.2f GiB, %d bytes a "
                  "page slot%s; %s)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
                  self.max_context, self.num_pages - 1, page_size, self.kv.bytes / 2**30, per_token, states,
-                 describe(layout))
+                 self.kv_layers)
 
     def _decode_graphs(self, max_batch: int, hidden_size: int) -> "DecodeGraphs | None":
         if not max_batch:

@@ -64,6 +64,8 @@ class SyntheticRunner:
         self.page_size = page_size
         self.kv_windows: tuple[int, ...] = (0,)  # one group of pages, which the policy counts
         self.state_slots: tuple[int, int] | None = None
+        self.state_bytes = 0
+        self.kv_layers = "synthetic: no model layers"
         self.num_pages = (max_total_tokens or DEFAULT_CPU_TOKENS) // page_size + 1
         self.expert_routing: ExpertRouting | None = None  # no model, no routers
         self.device, self.dtype = torch.device("cpu"), torch.float32

@@ -139,6 +139,9 @@ class ModelInfo:
     page_size: int = 0
     prefix_cache: bool = False  # whether it keeps one (not --disable-radix-cache)
     logprobs_mode: LogprobsMode = LogprobsMode.RAW  # a request's that names none (--logprobs-mode)
+    kv_layers: str = ""  # what the model's layers keep
+    state_bytes_per_request: int = 0  # linear-attention state one request holds (0: no such layers)
+    state_checkpoints: int = 0  # of that state, which the prefix cache may keep
 
 
 @twin(scheduler_pb2.SchedulerStats)
