@@ -9,6 +9,7 @@ a page more; checkpoints beyond their slots go least recently used first."""
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     Qwen3_5Config,
@@ -167,3 +168,22 @@ def test_the_vision_language_layout_is_served_text_only(tmp_path):
     run.run()
     for rid, ids in cases.items():
         check(reference, ids, 10, run.result(rid))
+
+
+def test_multi_token_prediction_weights_are_skipped_knowingly(tmp_path, caplog):
+    """A checkpoint with Qwen3-Next's multi-token-prediction layer (mtp.*): not loaded (no speculative decoding
+    here), said in the start log, and the model serves as transformers' does."""
+    torch.manual_seed(0)
+    FAMILIES["qwen3_next"]().save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.zeros(64, 128)
+    weights["mtp.norm.weight"] = torch.ones(64)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with caplog.at_level("INFO", logger="services.scheduler.model.runner"):
+        run = Run(tmp_path, own_runner=True)
+    assert "2 of its tensors are not loaded" in caplog.text and "2 matching ^mtp.*" in caplog.text
+    ids = prompts(8, [9])["r0"]
+    run.submit("r", ids, 6)
+    run.run()
+    check(reference, ids, 6, run.result("r"))

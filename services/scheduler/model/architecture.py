@@ -12,11 +12,13 @@ the model runner runs a first step at load, so that a model read otherwise fails
 """
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -59,6 +61,21 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         raise UnsupportedModel(f"{model_dir}: model type {raw.get('model_type')!r} is not one transformers "
                                f"{transformers.__version__} knows, nor is any of its architectures "
                                f"({', '.join(raw.get('architectures') or []) or 'none'})") from None
+
+
+def unused_tensors(model_dir: Path, model: torch.nn.Module) -> dict[str, int]:
+    """The checkpoint's tensors the model's class declares it leaves unloaded (transformers'
+    _keys_to_ignore_on_load_unexpected: Qwen3.5's and Qwen3-Next's multi-token-prediction layers, a vision tower the
+    text model does not use), counted by pattern, so that the log says what is skipped."""
+    patterns = list(getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or [])
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text()).get("weight_map", {}))
+    else:
+        names = [name for file in sorted(Path(model_dir).glob("*.safetensors"))
+                 for name in safe_open(str(file), "pt").keys()]
+    counts = {pattern: sum(1 for name in names if re.search(pattern, name)) for pattern in patterns}
+    return {pattern: count for pattern, count in counts.items() if count}
 
 
 def check_supported(name: str, config) -> None:

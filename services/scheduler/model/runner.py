@@ -20,7 +20,14 @@ from transformers.utils import logging as transformers_logging
 from services.scheduler.kv.manager import FRESH
 from services.scheduler.kv.pool import KVPool, pool_pages
 from services.scheduler.kv.specs import token_bytes
-from services.scheduler.model.architecture import UnsupportedModel, describe, layout_of, load_config, route_layers
+from services.scheduler.model.architecture import (
+    UnsupportedModel,
+    describe,
+    layout_of,
+    load_config,
+    route_layers,
+    unused_tensors,
+)
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
 from services.scheduler.model.linear_attention import StateRows, state_rows
@@ -97,6 +104,11 @@ class ModelRunner:
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         route_layers(self.name, self.model, layout, self.attention_backend)
+        if load_format != "dummy" and (unused := unused_tensors(model_dir, self.model)):
+            matching = ", ".join(f"{count} matching {pattern}" for pattern, count in unused.items())
+            log.info("%s: %s of its tensors are not loaded, as its model class declares (%s): multi-token prediction "
+                     "layers (no speculative decoding here) or a vision tower (text only)", model_dir,
+                     sum(unused.values()), matching)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = int(text_config.vocab_size)
