@@ -17,6 +17,7 @@ On the default model and the mid-size one (bench/models.py), in process.
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 from bench.common import Progress, Table, fmt_ratio, fmt_time, write_results
 from bench.in_process import InProcessSteps, random_prompt
@@ -29,12 +30,14 @@ STEPS = 4  # timed decode steps per point (after one untimed)
 STALL_DECODERS, STALL_PROMPT, CHUNK = 8, 4096, 512
 
 
-def decode_step(runner: ModelRunner, contexts: list[int]) -> float:
-    """The median seconds of a decode step of requests at these contexts (tokens each)."""
+def decode_step(runner: ModelRunner, contexts: list[int],
+                prompt: Callable[[int, int], list[int]] = random_prompt) -> float:
+    """The median seconds of a decode step of requests at these contexts (tokens each); `prompt(seed, length)`:
+    their placed tokens."""
     engine = InProcessSteps(runner, len(contexts))
     for i, context in enumerate(contexts):
         # context - 1 tokens placed, then the decode steps add theirs
-        engine.place(engine.request(f"d{i}", random_prompt(i, context - STEPS - 1), STEPS + 2))
+        engine.place(engine.request(f"d{i}", prompt(i, context - STEPS - 1), STEPS + 2))
     engine.step()
     seconds = []
     for _ in range(STEPS):

@@ -11,7 +11,6 @@ the same B prompts, greedy, with its own cache (DynamicCache; sliding layers kee
 """
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +33,9 @@ from transformers import (
 )
 
 from bench.common import Progress, Table, fmt_ratio, fmt_time, write_results
-from bench.in_process import InProcessSteps, random_prompt
+from bench.decode_context import STEPS as ENGINE_STEPS
+from bench.decode_context import decode_step
+from bench.in_process import random_prompt
 from services.scheduler.model.runner import ModelRunner
 
 CONTEXT, BATCHES, STEPS, WINDOW = 1024, (1, 8), 8, 256
@@ -59,22 +60,13 @@ FAMILIES = {
 }
 
 
-def prompt(seed: int) -> list[int]:
-    return [token % COMMON["vocab_size"] for token in random_prompt(seed, CONTEXT)]
+def prompt(seed: int, length: int = CONTEXT) -> list[int]:
+    return [token % COMMON["vocab_size"] for token in random_prompt(seed, length)]
 
 
 def engine_step(runner: ModelRunner, batch: int) -> float:
-    """Median seconds of a decode step of `batch` requests placed at CONTEXT tokens."""
-    engine = InProcessSteps(runner, batch)
-    for i in range(batch):
-        engine.place(engine.request(f"d{i}", prompt(i)[:CONTEXT - 1], STEPS + 2))
-    engine.step()
-    seconds = []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        engine.step()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    """Median seconds of a decode step of `batch` requests at CONTEXT tokens (bench.decode_context's step)."""
+    return decode_step(runner, [CONTEXT] * batch, prompt)
 
 
 @torch.inference_mode()
@@ -97,7 +89,7 @@ def main() -> None:
     table = Table(f"A decode step at {CONTEXT} tokens of context: the engine against transformers' generate",
                   ["family", *[f"B={b}: engine, transformers, ratio" for b in BATCHES]],
                   "Mid-size random models of each architecture, float32 on the CPU; median of "
-                  f"{STEPS} steps (the engine), (generate({STEPS + 1}) - generate(1)) / {STEPS} (transformers).")
+                  f"{ENGINE_STEPS} steps (the engine), (generate({STEPS + 1}) - generate(1)) / {STEPS} (transformers).")
     data = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, make in FAMILIES.items():

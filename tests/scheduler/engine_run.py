@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequest
 from flatwire_wire.steps import Finish, StepMessage
+from transformers import AutoModelForCausalLM
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
@@ -150,5 +151,28 @@ def check(model, prompt: list[int], new_tokens: int, got: dict, logprob_start_le
         np.testing.assert_allclose(got["prompt"].topk_values, rows.topk(K).values, atol=ATOL, rtol=0)
 
 
+def run_and_check(run: Run, model, cases: dict[str, list[int]], new_tokens: int) -> None:
+    """Submit every case at once (greedy, `new_tokens` each), run them out, and check each against `model`."""
+    for rid, ids in cases.items():
+        run.submit(rid, ids, new_tokens)
+    run.run()
+    for rid, ids in cases.items():
+        check(model, ids, new_tokens, run.result(rid))
+
+
 def prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 240_000, length).tolist()
+
+
+def prompts(seed: int, lengths: list[int], vocab: int) -> dict[str, list[int]]:
+    """Prompts "r0", "r1", ... of these lengths, of token ids in [3, vocab)."""
+    rng = np.random.default_rng(seed)
+    return {f"r{i}": rng.integers(3, vocab, n).tolist() for i, n in enumerate(lengths)}
+
+
+def tiny_checkpoint(path: Path, make) -> tuple[Path, torch.nn.Module]:
+    """The random model `make()` builds (seed 0), saved to `path`, and transformers' own float32 reading of it (the
+    reference)."""
+    torch.manual_seed(0)
+    make().save_pretrained(path)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

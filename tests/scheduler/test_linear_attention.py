@@ -22,7 +22,8 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from tests.scheduler.engine_run import Run, check
+from tests.scheduler.engine_run import Run, check, run_and_check, tiny_checkpoint
+from tests.scheduler.engine_run import prompts as tiny_prompts
 
 VOCAB, PAGE = 512, 4
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -39,15 +40,12 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    FAMILIES[request.param]().save_pretrained(path)
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    """(checkpoint path, transformers' model) of one family."""
+    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), FAMILIES[request.param])
 
 
 def prompts(seed: int, lengths: list[int]) -> dict[str, list[int]]:
-    rng = np.random.default_rng(seed)
-    return {f"r{i}": rng.integers(3, VOCAB, n).tolist() for i, n in enumerate(lengths)}
+    return tiny_prompts(seed, lengths, VOCAB)
 
 
 @pytest.mark.parametrize("chunk", [3, 2048])
@@ -55,11 +53,7 @@ def test_mixed_batches_equal_transformers(family, chunk):
     path, reference = family
     run = Run(path, chunked_prefill_size=chunk)
     cases = prompts(0, [1, 5, 17, 40])
-    for rid, ids in cases.items():
-        run.submit(rid, ids, 12)
-    run.run()
-    for rid, ids in cases.items():
-        check(reference, ids, 12, run.result(rid))
+    run_and_check(run, reference, cases, 12)
 
 
 def test_every_chunk_boundary_gives_the_whole_prompts_output(tmp_path):
@@ -163,11 +157,7 @@ def test_the_vision_language_layout_is_served_text_only(tmp_path):
     assert type(reference).__name__ == "Qwen3_5ForCausalLM"
     run = Run(tmp_path, chunked_prefill_size=13)
     cases = prompts(6, [9, 40])
-    for rid, ids in cases.items():
-        run.submit(rid, ids, 10)
-    run.run()
-    for rid, ids in cases.items():
-        check(reference, ids, 10, run.result(rid))
+    run_and_check(run, reference, cases, 10)
 
 
 def test_multi_token_prediction_weights_are_skipped_knowingly(tmp_path, caplog):

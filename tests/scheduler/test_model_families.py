@@ -4,7 +4,6 @@ and logprobs within engine_run's ATOL, across chunked prefills and window edges,
 decode of different lengths, on a prefix-cache hit, after retraction and resume; and a window group gives back the
 pages its window has left."""
 
-import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -25,7 +24,8 @@ from transformers import (
 )
 
 from services.scheduler.kv.prefix_cache import DROPPED
-from tests.scheduler.engine_run import Run, check
+from tests.scheduler.engine_run import Run, check, run_and_check, tiny_checkpoint
+from tests.scheduler.engine_run import prompts as tiny_prompts
 
 VOCAB, WINDOW, PAGE = 512, 16, 4
 # No eos: the reference (transformers' generate with min_new_tokens) would hold it off where the engine, ignoring
@@ -57,15 +57,11 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     """(checkpoint path, transformers' model) of one family."""
-    path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    FAMILIES[request.param]().save_pretrained(path)
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), FAMILIES[request.param])
 
 
 def prompts(seed: int, lengths: list[int]) -> dict[str, list[int]]:
-    rng = np.random.default_rng(seed)
-    return {f"r{i}": rng.integers(3, VOCAB, n).tolist() for i, n in enumerate(lengths)}
+    return tiny_prompts(seed, lengths, VOCAB)
 
 
 def test_mixed_batches_and_chunked_prefills_equal_transformers(family):
@@ -74,11 +70,7 @@ def test_mixed_batches_and_chunked_prefills_equal_transformers(family):
     path, reference = family
     run = Run(path, chunked_prefill_size=13)
     cases = prompts(0, [5, WINDOW, WINDOW + 1, 40])
-    for rid, ids in cases.items():
-        run.submit(rid, ids, 24)
-    run.run()
-    for rid, ids in cases.items():
-        check(reference, ids, 24, run.result(rid))
+    run_and_check(run, reference, cases, 24)
 
 
 def test_a_prefix_cache_hit_equals_transformers(family):
@@ -143,8 +135,4 @@ def test_a_vision_language_checkpoint_is_served_text_only(tmp_path):
     assert type(reference).__name__ == "Gemma3ForConditionalGeneration"
     run = Run(tmp_path, chunked_prefill_size=13)
     cases = prompts(4, [9, 40])
-    for rid, ids in cases.items():
-        run.submit(rid, ids, 12)
-    run.run()
-    for rid, ids in cases.items():
-        check(reference, ids, 12, run.result(rid))
+    run_and_check(run, reference, cases, 12)
