@@ -38,7 +38,7 @@ ALLOWED = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity
 class Request:
     rid: str
     owner: str
