@@ -79,7 +79,8 @@ def _json(text: str) -> object:
 
 
 class TaggedCalls:
-    """qwen25 / hermes: `<tool_call>{json}</tool_call>` blocks among content."""
+    """qwen25 / hermes: `<tool_call>{json}</tool_call>` blocks among content. A block's body is read by `_whole`
+    and `_partial` (JSON here; a subclass reads another format in the same blocks)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     ARGUMENT_KEYS = ("arguments", "parameters")
@@ -106,7 +107,7 @@ class TaggedCalls:
                 if self._stream:
                     parsed.calls += self._update(body)
                 break
-            call = _call_of(_json(body.strip()), self.ARGUMENT_KEYS, self._functions)
+            call = self._whole(body)
             if call is not None:
                 parsed.calls += self._open.finish(call)
             elif self._open.named:  # broken after its name went out: what of its arguments reads as JSON
@@ -118,16 +119,25 @@ class TaggedCalls:
         self._held = pending
         return parsed
 
+    def _whole(self, body: str) -> ToolCall | None:
+        """The call a block's whole body is; None if it is not one."""
+        return _call_of(_json(body.strip()), self.ARGUMENT_KEYS, self._functions)
+
+    def _partial(self, body: str) -> tuple[object, object]:
+        """(its name where complete, its arguments so far) of a block's body so far."""
+        assert self._open is not None
+        value = partial_json(body.lstrip())
+        if not isinstance(value, dict):
+            return None, None
+        named = None if self._open.named else partial_json(body.lstrip(), complete_strings=True)
+        name = named.get("name") if isinstance(named, dict) else None
+        return name, next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
+
     def _update(self, body: str, force: bool = False) -> list[CallFragment]:
         assert self._open is not None
         if not self._parses.due(len(body)) and not force:
             return []
-        value = partial_json(body.lstrip())
-        if not isinstance(value, dict):
-            return []
-        named = None if self._open.named else partial_json(body.lstrip(), complete_strings=True)
-        name = named.get("name") if isinstance(named, dict) else None
-        arguments = next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
+        name, arguments = self._partial(body)
         return self._open.update(name if name in self._functions else None, arguments)
 
     def _close(self, body: str) -> list[CallFragment]:
@@ -138,7 +148,7 @@ class TaggedCalls:
         held, self._held = self._held, ""
         if self._open is None:
             return Parsed(held)
-        if (call := _call_of(_json(held.strip()), self.ARGUMENT_KEYS, self._functions)) is not None:
+        if (call := self._whole(held)) is not None:
             calls = self._open.finish(call)  # whole but never closed (the model stopped at its end): a call
         elif self._open.named:  # cut short after its name went out: it stays a call
             calls = self._close(held)
