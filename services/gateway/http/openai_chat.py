@@ -91,7 +91,8 @@ def _turn(gateway: Gateway, req: ChatCompletionRequest, prompt_ids: list[int]) -
     if req.tool_choice_name in ("required", "function"):
         tools = ForcedCalls(req.function_names, req.forced_function, stream=req.stream)
     elif req.tool_choice_name == "auto" and config.tool_call_parser is not None:
-        tools = tool_call_parser(config.tool_call_parser, req.function_names, stream=req.stream)
+        schemas = {tool.function.name: tool.function.parameters for tool in req.tools or []}
+        tools = tool_call_parser(config.tool_call_parser, schemas, stream=req.stream)
     return AssistantTurn(think, tools, stream_reasoning=req.stream_reasoning,
                          max_calls=None if req.parallel_tool_calls else 1)
 
