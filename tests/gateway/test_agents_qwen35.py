@@ -1,7 +1,7 @@
 """A model served with Qwen3.5's chat template (tests/gateway/qwen35_template.py) through the real `openai` client:
 a gateway started without --tool-call-parser reads its XML tool calls (the template names the format), typed by
-the tools' schemas, unary and streamed; the reasoning block its prompt opens (--reasoning-parser deepseek-r1)
-split out.
+the tools' schemas, unary and streamed; forced calls; the reasoning block its prompt opens (--reasoning-parser
+deepseek-r1) split out, and never taking a forced call's JSON.
 
 The default model's checkpoint with this template in place of its own; its random weights write what SGLang's
 `regex` field makes them write, so that what is tested is the parse of real output.
@@ -103,6 +103,17 @@ def test_a_call_cut_by_max_tokens(qwen35, model):
     schemas = {"get_weather": WEATHER["function"]["parameters"]}
     written = read_function(unary.message.content.removeprefix("<tool_call>"), schemas).arguments
     assert json.loads(streamed["calls"][0]["arguments"]) == written
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_forced_calls_are_calls_not_the_reasoning_the_prompt_opened(qwen35, model, stream, tool_choice):
+    """The grammar makes the output JSON from its first token: none of it is reasoning, though the prompt opened
+    a <think> block."""
+    got = chat(qwen35, model, stream=stream, tools=[TIME], tool_choice=tool_choice, parallel_tool_calls=False)
+    assert calls_of(got) == [("get_time", {"zone": "CET"})]
+    reasoning = got["reasoning"] if stream else got.choices[0].message.model_extra["reasoning_content"]
+    assert not reasoning
 
 
 def test_the_template_renders_the_tools_and_opens_the_reasoning(qwen35, model):

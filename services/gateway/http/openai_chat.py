@@ -98,12 +98,16 @@ def _turn(gateway: Gateway, req: ChatCompletionRequest, prompt_ids: list[int]) -
     and with tools the server's tool-call parser (auto) or the forced calls' JSON (required, a function); calls
     stream piece by piece when the request streams."""
     config = gateway.config
+    forced = req.tool_choice_name in ("required", "function")
     think = None
     if config.reasoning_parser and req.separate_reasoning:
-        think = ThinkBlock(config.reasoning_parser, prompt_closes_block(gateway.engine.tokenizer, prompt_ids))
+        # A forced call's output is the grammar's JSON from its first token: none of it is in a block that the
+        # prompt opened (deepseek-r1's, Qwen3.5's), as if the prompt had closed it.
+        after_block = forced or prompt_closes_block(gateway.engine.tokenizer, prompt_ids)
+        think = ThinkBlock(config.reasoning_parser, after_block)
     tools: ToolCallParser | None = None
     parser = _tool_call_parser(gateway)
-    if req.tool_choice_name in ("required", "function"):
+    if forced:
         tools = ForcedCalls(req.function_names, req.forced_function, stream=req.stream)
     elif req.tool_choice_name == "auto" and parser is not None:
         schemas = {tool.function.name: tool.function.parameters for tool in req.tools or []}
