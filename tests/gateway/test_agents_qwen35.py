@@ -9,14 +9,12 @@ The default model's checkpoint with this template in place of its own; its rando
 
 import json
 
-import openai
 import pytest
 
 from harness.http import exact_regex
-from harness.stack import another_gateway
 from services.gateway.agents.xml_calls import read_function
 from tests.gateway.qwen35_template import QWEN35_CHAT_TEMPLATE
-from tests.gateway.test_agents import chat
+from tests.gateway.test_agents import agent_client, chat
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city for some days",
@@ -39,10 +37,8 @@ def qwen35(stack, model_dir, tmp_path_factory):
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         (checkpoint / name).symlink_to(model_dir / name)
     (checkpoint / "chat_template.jinja").write_text(QWEN35_CHAT_TEMPLATE)
-    with another_gateway(stack, "--model", str(checkpoint), "--reasoning-parser", "deepseek-r1") as http:
-        with openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
-                           timeout=120) as client:
-            yield client
+    with agent_client(stack, "--model", str(checkpoint), "--reasoning-parser", "deepseek-r1") as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
