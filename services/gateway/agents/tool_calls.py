@@ -178,7 +178,7 @@ class XmlCalls(TaggedCalls):
 
     def _whole(self, body: str) -> ToolCall | None:
         read = read_function(body, self._schemas)
-        if not read.whole or read.name not in self._functions:
+        if not read.whole or read.name is None:
             return None
         return ToolCall(read.name, json.dumps(read.arguments, ensure_ascii=False))
 
@@ -188,7 +188,8 @@ class XmlCalls(TaggedCalls):
 
     def _update(self, body: str, force: bool = False) -> list[CallFragment]:
         assert self._open is not None
-        # Until its name is out a call's text is short and its parse cheap: read every piece of it.
+        # Read at every piece until the name is out, so that it goes out as soon as it is complete (the text
+        # before it is short).
         return super()._update(body, force or not self._open.named)
 
 

@@ -40,7 +40,7 @@ class FunctionRead:
 
     name: str | None = None  # once `<function=NAME>` is complete
     arguments: dict[str, object] = field(default_factory=dict)  # the parameters read so far, typed
-    whole: bool = False  # `</function>` ended it, and nothing but whitespace follows
+    whole: bool = False  # a declared function's, ended by `</function>` and nothing but whitespace after it
 
 
 def read_function(body: str, schemas: Mapping[str, dict | None]) -> FunctionRead:
@@ -110,9 +110,8 @@ def _types(schema: object) -> set[str]:
     does not say."""
     if not isinstance(schema, dict):
         return set()
-    kind = schema.get("type")
-    types = {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)} if isinstance(
-        kind, list) else set()
+    kinds = schema.get("type")
+    types = {kind for kind in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(kind, str)}
     for options in (schema.get("anyOf"), schema.get("oneOf")):
         for option in options if isinstance(options, list) else []:
             types |= _types(option)
