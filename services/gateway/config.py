@@ -50,8 +50,10 @@ class GatewayConfig(ServiceConfig):
                                   "from it) stays broken this long fails with an error naming the hop")
     tool_call_parser: ToolCallParserName | None = option(
         None, "how tool calls are read out of the model's text with tool_choice auto (SGLang's --tool-call-parser): "
-        "qwen25 (also qwen, hermes: <tool_call> JSON blocks) or llama3 (Llama 3's JSON calls); unset: requests "
-        "with tools need tool_choice required, a named function or none")
+        "qwen25 (also qwen, hermes: <tool_call> JSON blocks), llama3 (Llama 3's JSON calls) or qwen3_coder (also "
+        "qwen3_xml: Qwen3.5's, Qwen3-Next's and Qwen3-Coder's <tool_call> blocks of <function=...> XML); unset: "
+        "qwen3_coder where the model's chat template writes calls in that XML, else requests with tools need "
+        "tool_choice required, a named function or none")
     reasoning_parser: ReasoningParserName | None = option(
         None, "split the model's <think> reasoning into the chat message's reasoning_content (SGLang's "
         "--reasoning-parser): qwen3 (the model opens the block) or deepseek-r1 (the prompt opens it)")

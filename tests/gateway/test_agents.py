@@ -7,6 +7,8 @@ SGLang's `regex` field makes it write exactly that text, so that what is tested 
 """
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -26,12 +28,19 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
 
 
 
-@pytest.fixture(scope="module")
-def agent(stack):
-    with another_gateway(stack, "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3") as http:
+@contextmanager
+def agent_client(stack, *gateway_args: str) -> Iterator[openai.OpenAI]:
+    """The `openai` client of one more gateway on the stack, started with `gateway_args`."""
+    with another_gateway(stack, *gateway_args) as http:
         with openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0,
                            timeout=120) as client:
             yield client
+
+
+@pytest.fixture(scope="module")
+def agent(stack):
+    with agent_client(stack, "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3") as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks; the text around them is content.
 - `llama3`: Llama 3's JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}` (after an
   optional `<|python_tag|>`), several separated by `;`; any other output is content.
+- `qwen3_coder` (also vLLM's `qwen3_xml`): Qwen3.5's, Qwen3-Next's and Qwen3-Coder's `<tool_call>` blocks around
+  an XML function, `<function=NAME>` with a `<parameter=KEY>` block per argument, typed by the tool's schema
+  (xml_calls.py). A server without --tool-call-parser reads a model's output with it when its chat template
+  writes calls so (template_tool_call_parser).
 
 With `tool_choice` required or naming a function, the output is JSON that the grammar forced
 (tool_choice.py), whatever the model's format: ForcedCalls reads it, and cut short (max_tokens) it is still
@@ -21,8 +25,11 @@ the whole output first: JSON followed by words is content.
 """
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cache
 from typing import Protocol
 
 from services.gateway.agents.call_stream import (
@@ -34,6 +41,7 @@ from services.gateway.agents.call_stream import (
     partial_json,
 )
 from services.gateway.agents.text_scan import split_at_marker
+from services.gateway.agents.xml_calls import PARAMETER_OPEN, read_function
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -43,6 +51,8 @@ class ToolCallParserName(StrEnum):
     QWEN = "qwen"
     HERMES = "hermes"
     LLAMA3 = "llama3"
+    QWEN3_CODER = "qwen3_coder"
+    QWEN3_XML = "qwen3_xml"  # vLLM's name for it
 
 
 @dataclass
@@ -79,7 +89,8 @@ def _json(text: str) -> object:
 
 
 class TaggedCalls:
-    """qwen25 / hermes: `<tool_call>{json}</tool_call>` blocks among content."""
+    """qwen25 / hermes: `<tool_call>{json}</tool_call>` blocks among content. A block's body is read by `_whole`
+    and `_partial` (JSON here; a subclass reads another format in the same blocks)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     ARGUMENT_KEYS = ("arguments", "parameters")
@@ -106,7 +117,7 @@ class TaggedCalls:
                 if self._stream:
                     parsed.calls += self._update(body)
                 break
-            call = _call_of(_json(body.strip()), self.ARGUMENT_KEYS, self._functions)
+            call = self._whole(body)
             if call is not None:
                 parsed.calls += self._open.finish(call)
             elif self._open.named:  # broken after its name went out: what of its arguments reads as JSON
@@ -118,16 +129,25 @@ class TaggedCalls:
         self._held = pending
         return parsed
 
+    def _whole(self, body: str) -> ToolCall | None:
+        """The call a block's whole body is; None if it is not one."""
+        return _call_of(_json(body.strip()), self.ARGUMENT_KEYS, self._functions)
+
+    def _partial(self, body: str) -> tuple[object, object]:
+        """(its name where complete, its arguments so far) of a block's body so far."""
+        assert self._open is not None
+        value = partial_json(body.lstrip())
+        if not isinstance(value, dict):
+            return None, None
+        named = None if self._open.named else partial_json(body.lstrip(), complete_strings=True)
+        name = named.get("name") if isinstance(named, dict) else None
+        return name, next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
+
     def _update(self, body: str, force: bool = False) -> list[CallFragment]:
         assert self._open is not None
         if not self._parses.due(len(body)) and not force:
             return []
-        value = partial_json(body.lstrip())
-        if not isinstance(value, dict):
-            return []
-        named = None if self._open.named else partial_json(body.lstrip(), complete_strings=True)
-        name = named.get("name") if isinstance(named, dict) else None
-        arguments = next((value[key] for key in self.ARGUMENT_KEYS if key in value), None)
+        name, arguments = self._partial(body)
         return self._open.update(name if name in self._functions else None, arguments)
 
     def _close(self, body: str) -> list[CallFragment]:
@@ -138,7 +158,7 @@ class TaggedCalls:
         held, self._held = self._held, ""
         if self._open is None:
             return Parsed(held)
-        if (call := _call_of(_json(held.strip()), self.ARGUMENT_KEYS, self._functions)) is not None:
+        if (call := self._whole(held)) is not None:
             calls = self._open.finish(call)  # whole but never closed (the model stopped at its end): a call
         elif self._open.named:  # cut short after its name went out: it stays a call
             calls = self._close(held)
@@ -146,6 +166,31 @@ class TaggedCalls:
             calls = []
         self._open = None
         return Parsed(calls=calls) if calls else Parsed(self.OPEN + held)  # a call cut short is content
+
+
+class XmlCalls(TaggedCalls):
+    """qwen3_coder / qwen3_xml: `<tool_call>` blocks around Qwen3-Coder's XML function (xml_calls.py), its
+    parameters typed by the tool's schema. Streamed, the name goes out as soon as `<function=NAME>` is complete."""
+
+    def __init__(self, schemas: Mapping[str, dict | None], stream: bool = False) -> None:
+        super().__init__(frozenset(schemas), stream)
+        self._schemas = schemas
+
+    def _whole(self, body: str) -> ToolCall | None:
+        read = read_function(body, self._schemas)
+        if not read.whole or read.name is None:
+            return None
+        return ToolCall(read.name, json.dumps(read.arguments, ensure_ascii=False))
+
+    def _partial(self, body: str) -> tuple[object, object]:
+        read = read_function(body, self._schemas)
+        return read.name, read.arguments
+
+    def _update(self, body: str, force: bool = False) -> list[CallFragment]:
+        assert self._open is not None
+        # Read at every piece until the name is out, so that it goes out as soon as it is complete (the text
+        # before it is short).
+        return super()._update(body, force or not self._open.named)
 
 
 class JsonCalls:
@@ -278,6 +323,26 @@ class ForcedCalls:
         return parsed
 
 
-def tool_call_parser(name: ToolCallParserName, functions: frozenset[str], stream: bool = False) -> ToolCallParser:
-    """The parser for the output of a request that declared `functions`."""
-    return JsonCalls(functions, stream) if name is ToolCallParserName.LLAMA3 else TaggedCalls(functions, stream)
+def tool_call_parser(name: ToolCallParserName, schemas: Mapping[str, dict | None],
+                     stream: bool = False) -> ToolCallParser:
+    """The parser for the output of a request that declared the functions `schemas` names (each one's parameters
+    schema)."""
+    if name is ToolCallParserName.LLAMA3:
+        return JsonCalls(frozenset(schemas), stream)
+    if name in (ToolCallParserName.QWEN3_CODER, ToolCallParserName.QWEN3_XML):
+        return XmlCalls(schemas, stream)
+    return TaggedCalls(frozenset(schemas), stream)
+
+
+# How a chat template writes a call as `<tool_call>` around `<function=NAME>` (then `<parameter=KEY>` values);
+# its newline is an escape in a Jinja string, or a real one.
+XML_CALL_TEMPLATE = re.compile(r"<tool_call>(?:\\n|\s)*<function=")
+
+
+@cache
+def template_tool_call_parser(template: str | None) -> ToolCallParserName | None:
+    """The parser for the format a model's chat template writes calls in, where it is one that only one parser
+    reads (Qwen3.5's, Qwen3-Next's and Qwen3-Coder's XML); None for any other."""
+    if template and XML_CALL_TEMPLATE.search(template) and PARAMETER_OPEN in template:
+        return ToolCallParserName.QWEN3_CODER
+    return None

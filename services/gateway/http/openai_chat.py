@@ -7,7 +7,13 @@ from fastapi import APIRouter, Request, Response
 from flatwire_wire.logprobs import RequestLogprobs
 
 from services.gateway.agents.reasoning import ThinkBlock, prompt_closes_block
-from services.gateway.agents.tool_calls import ForcedCalls, ToolCallParser, tool_call_parser
+from services.gateway.agents.tool_calls import (
+    ForcedCalls,
+    ToolCallParser,
+    ToolCallParserName,
+    template_tool_call_parser,
+    tool_call_parser,
+)
 from services.gateway.agents.turn import AssistantTurn
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.guards import parse_body_off_loop
@@ -47,7 +53,7 @@ async def chat_completions(request: Request) -> Response:
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(ChatCompletionRequest, await request.body(), gateway.limits)
     check_model(gateway, req.model)
-    if req.tool_choice_name == "auto" and gateway.config.tool_call_parser is None:
+    if req.tool_choice_name == "auto" and _tool_call_parser(gateway) is None:
         raise InvalidRequest("tool_choice" if req.tool_choice else "tools",
                              "tool_choice auto (the default with tools) needs a server started with "
                              "--tool-call-parser; give tool_choice required, a function's name, or none")
@@ -79,19 +85,33 @@ def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogpro
     return chat_logprobs(track, gateway.table, candidates=not req.return_flat_raw_output_top_logprobs)
 
 
+def _tool_call_parser(gateway: Gateway) -> ToolCallParserName | None:
+    """The server's --tool-call-parser, else the one the model's chat template's call format names."""
+    template = gateway.engine.tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the one transformers renders tools with
+        template = template.get("tool_use", template.get("default"))
+    return gateway.config.tool_call_parser or template_tool_call_parser(template)
+
+
 def _turn(gateway: Gateway, req: ChatCompletionRequest, prompt_ids: list[int]) -> AssistantTurn:
     """A choice's parsers: the server's reasoning parser unless the request keeps reasoning in the content,
     and with tools the server's tool-call parser (auto) or the forced calls' JSON (required, a function); calls
     stream piece by piece when the request streams."""
     config = gateway.config
+    forced = req.tool_choice_name in ("required", "function")
     think = None
     if config.reasoning_parser and req.separate_reasoning:
-        think = ThinkBlock(config.reasoning_parser, prompt_closes_block(gateway.engine.tokenizer, prompt_ids))
+        # A forced call's output is the grammar's JSON from its first token: none of it is in a block that the
+        # prompt opened (deepseek-r1's, Qwen3.5's), as if the prompt had closed it.
+        after_block = forced or prompt_closes_block(gateway.engine.tokenizer, prompt_ids)
+        think = ThinkBlock(config.reasoning_parser, after_block)
     tools: ToolCallParser | None = None
-    if req.tool_choice_name in ("required", "function"):
+    parser = _tool_call_parser(gateway)
+    if forced:
         tools = ForcedCalls(req.function_names, req.forced_function, stream=req.stream)
-    elif req.tool_choice_name == "auto" and config.tool_call_parser is not None:
-        tools = tool_call_parser(config.tool_call_parser, req.function_names, stream=req.stream)
+    elif req.tool_choice_name == "auto" and parser is not None:
+        schemas = {tool.function.name: tool.function.parameters for tool in req.tools or []}
+        tools = tool_call_parser(parser, schemas, stream=req.stream)
     return AssistantTurn(think, tools, stream_reasoning=req.stream_reasoning,
                          max_calls=None if req.parallel_tool_calls else 1)
 
