@@ -117,3 +117,18 @@ def test_the_template_renders_the_tools_and_opens_the_reasoning(qwen35, model):
     prompt = qwen35.completions.create(model=model, prompt=ids, max_tokens=0, echo=True).choices[0].text
     assert '"name": "get_weather"' in prompt and "<function=example_function_name>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_a_history_with_an_earlier_call_renders_as_the_template_writes_calls(qwen35, model):
+    """The assistant's earlier call comes back as OpenAI's JSON text; the template iterates its arguments as an
+    object, and renders them as the model writes a call."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = qwen35.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=1,
+                                           extra_body={"return_token_ids": True})
+    prompt = qwen35.completions.create(model=model, prompt=reply.model_extra["prompt_token_ids"], max_tokens=0,
+                                       echo=True).choices[0].text
+    assert WEATHER_CALL.removesuffix("\n") in prompt, prompt

@@ -1,6 +1,7 @@
 """The conversation of an OpenAI chat request: its messages (with an assistant's tool calls and a tool's answers,
 in the history), the tools it declares, and a named tool_choice; what the chat template receives."""
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
@@ -85,8 +86,21 @@ class ChatMessage(BaseModel):
             if (value := getattr(self, name)) is not None:
                 message[name] = value
         if self.tool_calls:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
         return message
+
+
+def _template_call(call: MessageToolCall) -> dict:
+    """A history's tool call as chat templates take it (transformers' convention, vLLM's too): its arguments as the
+    object that OpenAI's JSON text holds (Qwen3.5's template iterates them), the text itself when it holds none."""
+    dumped = call.model_dump()
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        return dumped
+    if isinstance(arguments, dict):
+        dumped["function"]["arguments"] = arguments
+    return dumped
 
 
 # What a chat template's own variables are: chat_template_kwargs may not replace them.
