@@ -6,7 +6,9 @@ and its values in values[i] (tensor i of the pool, [num_pages, page_size, kv_hea
 every other group holds its own, in other pages: a page belongs to one group at a time (the KV manager,
 manager.py, hands out the pages; token p of a request lives in page table[p // page_size] at offset
 p % page_size of its group's table). An MLA layer keeps one [num_pages, page_size, 1, latent + rope] tensor.
-Zero-filled, so that the padding a step's attention reads (page 0) never carries NaN into it (0 * NaN is NaN).
+The tensors are of the spec's dtype: an 8-bit one (--kv-cache-dtype) holds each layer's KV over its `KVScales`,
+written through `write` (kv/quantize.py). Zero-filled, so that the padding a step's attention reads (page 0)
+never carries NaN into it (0 * NaN is NaN).
 
 How many pages: --max-total-tokens when given; else on CUDA what --mem-fraction-static of the device leaves
 after the weights, and on CPU DEFAULT_CPU_TOKENS.
@@ -16,6 +18,7 @@ import logging
 
 import torch
 
+from services.scheduler.kv.quantize import KVScales, as_bytes, quantize
 from services.scheduler.kv.specs import KVLayout, full_attention_bytes, group_size, token_bytes
 
 log = logging.getLogger(__name__)
@@ -28,10 +31,10 @@ class KVPool:
     such layer a conv state [slots, conv_dim, width] and a recurrent state [slots, heads, key_dim, value_dim];
     `routed_top_k`: also keep, per slot and layer, the top-k experts a MoE router chose for the token
     (model/routed_experts.py): int32 [num_pages, page_size, layers, top_k], -1 where none did, at the slots of the
-    full-attention group's pages."""
+    full-attention group's pages. `scales`: each decoder layer's (an 8-bit pool's), else 1.0."""
 
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, device: torch.device, state_slots: int = 0,
-                 routed_top_k: int = 0):
+                 routed_top_k: int = 0, scales: list[KVScales] | None = None):
         self.layout = layout
         self.groups = layout.groups
         self.group_of: dict[int, int] = {}  # each paged decoder layer's group
@@ -39,6 +42,7 @@ class KVPool:
         for index, group in enumerate(self.groups):
             for tensor, layer in enumerate(group.layers):
                 self.group_of[layer], self.tensor_of[layer] = index, tensor
+        self.scales = scales or [KVScales()] * layout.num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
@@ -59,6 +63,15 @@ class KVPool:
     def states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A linear-attention layer's (conv state, recurrent state), indexed by state slot."""
         return self._states[layer]
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, *entries: torch.Tensor) -> None:
+        """A step's new entries of `layer` into slot offsets[t] of pages[t], as the pool stores them (quantized over
+        the layer's scales): keys and values [T, Hkv, D], or an MLA layer's latent and rope key [T, 1, width]."""
+        assert len(entries) == len(self._tensors), "one entry per tensor of the layer's kind"
+        scales = self.scales[layer]
+        for tensors, new, scale in zip(self._tensors, entries, (scales.key, scales.value)):
+            cache = tensors[self.tensor_of[layer]]
+            as_bytes(cache)[pages, offsets] = as_bytes(quantize(new, cache.dtype, scale))
 
     def resume(self) -> None:
         """(Re)allocate the tensors, zero-filled."""

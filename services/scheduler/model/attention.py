@@ -6,7 +6,8 @@ each row at its own positions. Registered in transformers' AttentionInterface as
 receives each layer's new queries, keys and values plus this step's `PagedBatch` (a forward kwarg that
 transformers hands down to attention), writes the new keys and values into their layer group's pages, and has the
 group's attention plan attend each row's queries to its context so far (cached prefix included), causal, within
-the layer's sliding window if it has one, with its attention sinks if it has them (gpt-oss):
+the layer's sliding window if it has one, with its attention sinks if it has them (gpt-oss). An 8-bit pool
+(--kv-cache-dtype) is written quantized over the layer's scales and read widened (kv/quantize.py):
 
 - torch (model/torch_attention.py): grouped SDPA over gathered pages; CPU, and the reference;
 - triton (model/triton_attention.py): a paged kernel that reads the pages in place.
@@ -20,6 +21,7 @@ import torch
 from transformers import AttentionInterface
 
 from services.scheduler.kv.pool import KVPool
+from services.scheduler.kv.quantize import UNSCALED, KVScales
 from services.scheduler.model.torch_attention import TorchPlan
 
 if TYPE_CHECKING:
@@ -46,9 +48,10 @@ def check_backend(backend: str, device: torch.device) -> str:
 
 class AttentionPlan(Protocol):
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int = 0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, kv_scales: KVScales = UNSCALED) -> torch.Tensor:
         """query [T, H, D] against one layer's caches [pages, page_size, Hkv, D] -> [T, H, D]; `window`: the
-        positions a query sees, its own included (0: every one before it); `sinks` [H]: gpt-oss's sink logits."""
+        positions a query sees, its own included (0: every one before it); `sinks` [H]: gpt-oss's sink logits;
+        `kv_scales`: what the caches' keys and values are read times (an 8-bit pool's)."""
 
 
 @dataclass
@@ -116,11 +119,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise RuntimeError(f"layer {layer} attends with a window of {window}, its KV memory keeps "
                            f"{pool.groups[group].window} (model/architecture.py read the config otherwise)")
     step = batch.groups[group]
-    keys, values = pool.keys(layer), pool.values(layer)
-    keys[step.write_pages, batch.write_offsets] = key[0].transpose(0, 1)  # [T, Hkv, D]
-    values[step.write_pages, batch.write_offsets] = value[0].transpose(0, 1)
+    pool.write(layer, step.write_pages, batch.write_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    attended = step.plan.attend(query[0].transpose(0, 1), keys, values, scale, window=window, sinks=s_aux)
+    attended = step.plan.attend(query[0].transpose(0, 1), pool.keys(layer), pool.values(layer), scale, window=window,
+                                sinks=s_aux, kv_scales=pool.scales[layer])
     return attended.unsqueeze(0), None
 
 

@@ -25,7 +25,8 @@ whose score 0 the additive mask turns into exactly the sink's logit, with a zero
 
 The path for CPU, and the reference every kernel is tested against: it reads each group's pages with one
 index_select per layer (a page-granular gather of what the rows attend to), where a paged kernel
-(model/triton_attention.py) reads them in place.
+(model/triton_attention.py) reads them in place. An 8-bit pool's pages are gathered as bytes, then widened to the
+query's dtype times the layer's scales (kv/quantize.py).
 """
 
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from services.scheduler.kv.quantize import UNSCALED, KVScales, as_bytes, widen
 
 MAX_PADDING = 1.5  # a group's padded attention (rows x queries x pages) over what its rows need, at most
 
@@ -105,14 +108,15 @@ class TorchPlan:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int = 0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, kv_scales: KVScales = UNSCALED) -> torch.Tensor:
         """query [T, H, D] against one layer's caches, keys [pages, page_size, Hkv, D] and values [pages,
         page_size, Hkv, Dv] -> [T, H, Dv]. `window`: the keys a query sees, its own included (transformers'
         `sliding_window`; 0: all before it); `sinks` [H]: the layer's sink logits (gpt-oss), not scaled by
-        `scale`."""
+        `scale`; `kv_scales`: the caches' (an 8-bit pool's)."""
         out = query.new_empty((*query.shape[:2], values.shape[-1]))
         for group in self.groups(window):
-            context_keys, context_values = _context(group.pages, keys), _context(group.pages, values)
+            context_keys = _context(group.pages, keys, query.dtype, kv_scales.key)
+            context_values = _context(group.pages, values, query.dtype, kv_scales.value)
             mask = group.mask
             if sinks is not None:
                 context_keys, context_values, mask = _with_sink(context_keys, context_values, mask, sinks)
@@ -139,11 +143,13 @@ def _similar(rows: np.ndarray, queries: np.ndarray, pages: np.ndarray) -> list[n
     return [np.array(run, dtype=np.int64) for run in runs]
 
 
-def _context(pages: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """[rows, P] pages of a [pages, page_size, Hkv, D] layer cache -> [rows, Hkv, P * page_size, D]."""
+def _context(pages: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """[rows, P] pages of a [pages, page_size, Hkv, D] layer cache -> [rows, Hkv, P * page_size, D] in `dtype`, what
+    the cache holds times `scale`."""
     rows, count = pages.shape
-    gathered = cache.index_select(0, pages.reshape(-1))  # [rows * P, page_size, Hkv, D]
-    return gathered.view(rows, count * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    gathered = as_bytes(cache).index_select(0, pages.reshape(-1)).view(cache.dtype)  # [rows * P, page_size, Hkv, D]
+    context = widen(gathered, dtype, scale)
+    return context.view(rows, count * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
 def _with_sink(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -19,6 +19,10 @@ page 0), and each query masks the keys before its own window; split decoding row
 Attention sinks (gpt-oss) join each query's softmax as a key of the sink's logit and no value: they start the
 online softmax of an unsplit block, and split rows count them once, in the merge.
 
+An 8-bit pool (--kv-cache-dtype, kv/quantize.py) is read as it is: each key and value tile is widened to the
+query's dtype as it is loaded (exactly: every 8-bit value is representable there), the layer's key scale joins the
+scores' scale and its value scale the output's normalization, the products the torch path forms element by element.
+
 Tested against the torch path (model/torch_attention.py) under Triton's interpreter (TRITON_INTERPRET=1), which
 runs these kernels on CPU tensors.
 """
@@ -31,21 +35,23 @@ import torch
 import triton
 import triton.language as tl
 
+from services.scheduler.kv.quantize import UNSCALED, KVScales
+
 DECODE_BLOCK_N = 64
 EXTEND_BLOCK_M = 64  # queries x heads of one prefill block
 EXTEND_BLOCK_N = 64
 MAX_SPLITS = 16
 LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2: scores and sinks are scaled by log2(e)
-# Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw integers: under it, tiles are widened to
-# float32 first. Compiled kernels multiply bfloat16 on the tensor cores.
+# Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw integers: under it, queries are widened to
+# float32 first (and the key and value tiles with them). Compiled kernels multiply bfloat16 on the tensor cores.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _attend_block(q_ptr, k_ptr, v_ptr, sinks_ptr, out_ptr, split_out_ptr, split_lse_ptr,
                   page_table_ptr, block_row_ptr, block_first_ptr, block_count_ptr, block_pos_ptr,
-                  scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
-                  stride_vp, stride_vs, stride_vh, stride_table, num_heads,
+                  scale_log2, value_scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
+                  stride_kh, stride_vp, stride_vs, stride_vh, stride_table, num_heads,
                   PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr,
                   WINDOWED: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -90,9 +96,7 @@ def _attend_block(q_ptr, k_ptr, v_ptr, sinks_ptr, out_ptr, split_out_ptr, split_
         slot = n % PAGE_SIZE
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * scale_log2
         seen = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         if WINDOWED:
@@ -103,21 +107,20 @@ def _attend_block(q_ptr, k_ptr, v_ptr, sinks_ptr, out_ptr, split_out_ptr, split_
         weights = tl.exp2(scores - safe_max[:, None])
         rescale = tl.exp2(running_max - safe_max)
         v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if WIDEN:
-            v = v.to(tl.float32)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         running_sum = running_sum * rescale + tl.sum(weights, 1)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
         running_max = new_max
 
     out_mask = m_valid[:, None] & d_valid[None, :]
     safe_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
+    attended = acc * (value_scale / safe_sum)[:, None]
     if SPLITS == 1:
         tl.store(out_ptr + (first + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 (acc / safe_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+                 attended.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # decoding rows only (count == 1): partials indexed [block, head, split]
         at = (block * num_heads + head) * SPLITS + split
-        tl.store(split_out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc / safe_sum[:, None], mask=out_mask)
+        tl.store(split_out_ptr + at[:, None] * HEAD_DIM + d[None, :], attended, mask=out_mask)
         lse = tl.where(running_sum == 0.0, float("-inf"), running_max + tl.log2(safe_sum))
         tl.store(split_lse_ptr + at, lse, mask=m_valid)
 
@@ -217,15 +220,17 @@ class TritonPlan:
         return cls(put(page_tables), launches, group)
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int = 0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, kv_scales: KVScales = UNSCALED) -> torch.Tensor:
         """query [T, H, D] against one layer's caches [pages, page_size, Hkv, D] -> [T, H, D]. `window`: the
         keys a query sees, its own included (transformers' `sliding_window`; 0: all before it); `sinks` [H]: the
-        layer's sink logits (gpt-oss), not scaled by `scale`."""
-        return attend(query, keys, values, scale, self.page_tables, self.launches, self.group, window, sinks)
+        layer's sink logits (gpt-oss), not scaled by `scale`; `kv_scales`: the caches' (an 8-bit pool's)."""
+        return attend(query, keys, values, scale, self.page_tables, self.launches, self.group, window, sinks,
+                      kv_scales)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, page_tables: torch.Tensor,
-           launches: list[Launch], group: int, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           launches: list[Launch], group: int, window: int = 0, sinks: torch.Tensor | None = None,
+           kv_scales: KVScales = UNSCALED) -> torch.Tensor:
     tokens, heads, head_dim = query.shape
     kv_heads = keys.shape[2]
     out = query.new_empty((tokens, heads, head_dim))
@@ -239,9 +244,9 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         _attend_block[(launch.blocks, kv_heads, launch.splits)](
             query, keys, values, sinks_log2, out, split_out, split_lse,
             page_tables, launch.rows, launch.first, launch.count, launch.position,
-            scale * LOG2E, window, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-            page_tables.stride(0), heads,
+            scale * LOG2E * kv_scales.key, kv_scales.value, window, query.stride(0), query.stride(1), out.stride(0),
+            out.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+            values.stride(2), page_tables.stride(0), heads,
             PAGE_SIZE=keys.shape[1], GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLITS=launch.splits,
             WIDEN=INTERPRETED and query.dtype == torch.bfloat16, WINDOWED=window > 0, HAS_SINKS=sinks is not None)
