@@ -15,6 +15,9 @@ class SchedulerConfig(ServiceConfig):
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (on CUDA the checkpoint's half-precision dtype, bfloat16 for a float32 "
                         "checkpoint or one that names none; float32 on CPU), float32, bfloat16, float16")
+    kv_cache_dtype: str = option("auto", "what the KV memory stores (SGLang's flag): auto, the model's --dtype; "
+                                 "fp8_e4m3 or fp8_e5m2, 8-bit floats (half of bfloat16's bytes a token) over the "
+                                 "checkpoint's per-layer k_scale and v_scale, else 1.0 (kv/quantize.py)")
     max_running_requests: int = option(64, "most requests running at once (each also holds a row of per-request "
                                        "sampling state); the KV memory admits fewer when it is short")
     context_length: int = option(0, "longest sequence (prompt + output); 0: the model's maximum. Costs nothing until "
@@ -86,6 +89,8 @@ class SchedulerConfig(ServiceConfig):
         super().__post_init__()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: unknown dtype {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"--kv-cache-dtype: expected auto, fp8_e4m3 or fp8_e5m2, not {self.kv_cache_dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
         require_positive(self, ("max_running_requests", "max_prefill_tokens", "max_top_logprobs", "logits_chunk_rows",

@@ -224,7 +224,8 @@ async def serve(config: SchedulerConfig) -> None:
             ModelRunner, model_dir, config.device, config.dtype, config.context_length, config.max_running_requests,
             config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows,
             config.enable_return_routed_experts, config.attention_backend,
-            config.cuda_graph_max_bs if config.enable_cuda_graph else 0, config.load_format, config.state_checkpoints)
+            config.cuda_graph_max_bs if config.enable_cuda_graph else 0, config.load_format, config.state_checkpoints,
+            config.kv_cache_dtype)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's

@@ -93,12 +93,15 @@ def check_supported(name: str, config) -> None:
                                    f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
 
 
-def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[LayerSpec]:
-    """What each decoder layer keeps, stored in `dtype`."""
+def layer_specs(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[LayerSpec]:
+    """What each decoder layer keeps: its pages (keys and values, a latent) stored in `kv_dtype` (--kv-cache-dtype;
+    None: `dtype`), a linear-attention layer's state in `dtype` (as SGLang's --kv-cache-dtype leaves that state's
+    dtype alone: an 8-bit recurrent state would round again at every step)."""
     check_supported(name, text_config)
     layers = int(text_config.num_hidden_layers)
+    pages = kv_dtype or dtype
     if latent := getattr(text_config, "kv_lora_rank", None):  # DeepSeek V3, Kimi K2: model/mla.py
-        return [MLASpec(int(latent), int(text_config.qk_rope_head_dim), dtype)] * layers
+        return [MLASpec(int(latent), int(text_config.qk_rope_head_dim), pages)] * layers
     window = getattr(text_config, "sliding_window", None) or 0
     layer_types = list(getattr(text_config, "layer_types", None) or
                        ["sliding_attention" if window else "full_attention"] * layers)
@@ -111,7 +114,7 @@ def layer_specs(name: str, text_config, dtype: torch.dtype) -> list[LayerSpec]:
     head_dim = int(getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads)
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
     attention: dict[str, LayerSpec] = {
-        kind: AttentionSpec(kv_heads, head_dim, dtype, window if kind == "sliding_attention" else 0)
+        kind: AttentionSpec(kv_heads, head_dim, pages, window if kind == "sliding_attention" else 0)
         for kind in ("full_attention", "sliding_attention")}
     if "linear_attention" in layer_types:
         if getattr(text_config, "linear_num_key_heads", None) is None:
@@ -130,9 +133,9 @@ def gated_delta_spec(text_config, dtype: torch.dtype) -> RecurrentSpec:
                          value_dim=value_dim, dtype=dtype)
 
 
-def layout_of(name: str, text_config, dtype: torch.dtype) -> KVLayout:
-    """The model's decoder layers laid out by the memory they keep."""
-    return kv_layout(layer_specs(name, text_config, dtype))
+def layout_of(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> KVLayout:
+    """The model's decoder layers laid out by the memory they keep (layer_specs' dtypes)."""
+    return kv_layout(layer_specs(name, text_config, dtype, kv_dtype))
 
 
 def route_layers(name: str, model: torch.nn.Module, layout: KVLayout, attention_backend: str) -> None:

@@ -19,6 +19,7 @@ from transformers.utils import logging as transformers_logging
 
 from services.scheduler.kv.manager import FRESH
 from services.scheduler.kv.pool import KVPool, pool_pages
+from services.scheduler.kv.quantize import is_float8, storage_dtype
 from services.scheduler.kv.specs import token_bytes
 from services.scheduler.model.architecture import (
     UnsupportedModel,
@@ -30,6 +31,7 @@ from services.scheduler.model.architecture import (
 )
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
+from services.scheduler.model.kv_scales import read_kv_scales
 from services.scheduler.model.linear_attention import StateRows, state_rows
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.sampler import Sampler
@@ -79,12 +81,14 @@ class ModelRunner:
     def __init__(self, model_dir: Path, device: str, dtype: str, context_length: int, max_running: int,
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
                  logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
-                 cuda_graph_max_bs: int = 0, load_format: str = "auto", state_checkpoints: int = 0):
+                 cuda_graph_max_bs: int = 0, load_format: str = "auto", state_checkpoints: int = 0,
+                 kv_cache_dtype: str = "auto"):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
         `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
         replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
         checkpoint's config alone), else the checkpoint's; `state_checkpoints`: a linear-attention model's state
-        checkpoints for the prefix cache (0: `max_running`)."""
+        checkpoints for the prefix cache (0: `max_running`); `kv_cache_dtype`: what the KV pages store
+        (kv/quantize.py: auto, fp8_e4m3, fp8_e5m2)."""
         self.logits_chunk_rows = logits_chunk_rows
         self.name = str(model_dir)
         self.device = pick_device(device)
@@ -92,7 +96,8 @@ class ModelRunner:
         config = load_config(model_dir)
         text_config = config.get_text_config()
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
-        layout = layout_of(self.name, text_config, self.dtype)  # before the weights: a refusal is quick
+        kv_dtype = storage_dtype(kv_cache_dtype, self.dtype)
+        layout = layout_of(self.name, text_config, self.dtype, kv_dtype)  # before the weights: a refusal is quick
         groups = layout.groups
         if load_format == "dummy":  # random weights built on the device, the config alone (benchmarks)
             with self.device:
@@ -123,17 +128,19 @@ class ModelRunner:
         self.kv_token_bytes = per_token = token_bytes(groups)
         self.page_size = page_size
         self.num_pages = pool_pages(max_total_tokens, page_size, layout, self.device, mem_fraction_static, slots)
+        scales = read_kv_scales(model_dir, layout.num_layers) if is_float8(kv_dtype) and load_format != "dummy" \
+            else None
         self.kv = KVPool(layout, self.num_pages, page_size, self.device, state_slots=slots,
-                         routed_top_k=router_top_k(self.model) if routed_experts else 0)
+                         routed_top_k=router_top_k(self.model) if routed_experts else 0, scales=scales)
         self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
         self.sampler = Sampler(max_running, self.vocab_size, self.device)
         self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
         self._check_a_step()
         states = f"; {slots} linear-attention state slots of {self.state_bytes} bytes" if layout.states else ""
-        log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d pages of %d tokens (%.2f GiB, %d bytes a "
-                 "page slot%s; %s)", model_dir, self.device, str(self.dtype).removeprefix("torch."), self.vocab_size,
-                 self.max_context, self.num_pages - 1, page_size, self.kv.bytes / 2**30, per_token, states,
-                 self.kv_layers)
+        log.info("loaded %s on %s (%s), vocab %d, context %d; KV memory %d pages of %d tokens (%.2f GiB, pages in "
+                 "%s, %d bytes a page slot%s; %s)", model_dir, self.device, str(self.dtype).removeprefix("torch."),
+                 self.vocab_size, self.max_context, self.num_pages - 1, page_size, self.kv.bytes / 2**30,
+                 str(kv_dtype).removeprefix("torch."), per_token, states, self.kv_layers)
 
     def _decode_graphs(self, max_batch: int, hidden_size: int) -> "DecodeGraphs | None":
         if not max_batch:
