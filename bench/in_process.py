@@ -12,7 +12,7 @@ from services.scheduler.engine.policy import Scheduler, SlotPool
 from services.scheduler.kv.manager import KVManager, KVState
 from services.scheduler.output.step_output import Outgoing
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.step import StepResult, StepRunner
+from services.scheduler.step import Batch, StepResult, StepRunner
 from services.scheduler.submit import SubmitLimits, parse_request
 
 
@@ -59,8 +59,16 @@ class InProcessSteps:
         """One step: the policy's rows, run; each sampled token appended; requests with all their tokens end."""
         batch = self.policy.schedule()
         result = self.runner.step(batch)
-        self.policy.update_from_output(batch, result, Outgoing())
+        self.take(batch, result)
         return result
+
+    def take(self, batch: Batch, result: StepResult) -> None:
+        """The policy takes a step's results; the output entries they make due are let go as the engine's message
+        would take them (nothing publishes them here: held, a logprob request's rows outgrow their lane)."""
+        out = Outgoing()
+        self.policy.update_from_output(batch, result, out)
+        for request in out.due:
+            request.pending.shipped()
 
     def run(self) -> list[float]:
         """Step until every request ended; each step's seconds."""
