@@ -41,8 +41,11 @@ def read_kv_scales(model_dir: Path, layers: int) -> list[KVScales]:
                                            "takes one per tensor (per-tensor k_scale and v_scale, as SGLang)")
                 if float(scale) > 0:
                     found.setdefault(int(match[1]), {})[match[2]] = float(scale)
-    log.info("--kv-cache-dtype: the checkpoint's k_scale and v_scale for %d of %d layers%s", len(found), layers,
-             "" if len(found) == layers else ", 1.0 for the others")
+    if found:
+        log.info("--kv-cache-dtype: the checkpoint's k_scale and v_scale for %d of %d layers%s", len(found), layers,
+                 "" if len(found) == layers else ", 1.0 for the others")
+    else:
+        log.info("--kv-cache-dtype: no k_scale or v_scale in the checkpoint: every layer's are 1.0")
     return [_layer_scales(found.get(layer, {})) for layer in range(layers)]
 
 
