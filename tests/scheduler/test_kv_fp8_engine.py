@@ -1,7 +1,8 @@
 """The engine on an 8-bit KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) against a 32-bit one, on the default
-model: 64 greedy tokens the same and logprobs within LOGPROB_TOLERANCE; the pool's bytes a token half of bfloat16's
-and a quarter of float32's; a checkpoint's k_scale and v_scale taken, and the Triton kernel and the CUDA-graph decode
-(both without CUDA: interpreted, and eager) equal to the torch path on them."""
+model: 64 greedy tokens the same but at near-ties, and logprobs within LOGPROB_TOLERANCE; the pool's bytes a token
+half of bfloat16's and a quarter of float32's; a checkpoint's k_scale and v_scale taken, and the Triton kernel and
+the CUDA-graph decode (both without CUDA: interpreted, and eager) equal to the torch path on them; DeepSeek V3's
+latent attention on an 8-bit latent."""
 
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 from services.scheduler.kv.quantize import KVScales
 from services.scheduler.model.runner import ModelRunner
 from tests.scheduler.engine_run import ATOL, Run, prompt
+from tests.scheduler.test_model_families import FAMILIES
 
 LOGPROB_TOLERANCE = 0.05
 NEW_TOKENS = 64
@@ -43,25 +45,32 @@ def compare(reference: dict, got: dict) -> tuple[int, float]:
     return first, float(max(chosen.max(initial=0), ranked.max(initial=0)))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_an_8_bit_cache_keeps_the_greedy_output_and_its_logprobs(model_dir, float_outputs, kv_cache_dtype):
-    """The default model has random weights: its next-token distribution is nearly flat, and some steps' top two
-    tokens lie a few thousandths of a nat apart. A different token is allowed only there: where the float cache's
-    top two are within the logprob tolerance and the 8-bit cache chose the second."""
-    outputs = generate(model_dir, PROMPTS, NEW_TOKENS, kv_cache_dtype=kv_cache_dtype)
+def check_near(references: dict[str, dict], outputs: dict[str, dict]) -> tuple[int, float]:
+    """An 8-bit cache's outputs against a float cache's: logprobs within LOGPROB_TOLERANCE up to where the greedy
+    tokens part, and parting only at a near-tie (the float cache's top two within the tolerance, the 8-bit cache
+    choosing the second). (Outputs unchanged, the largest logprob difference.)"""
     largest, unchanged = 0.0, 0
-    for rid, reference in float_outputs.items():
+    for rid, reference in references.items():
         first, difference = compare(reference, outputs[rid])
         largest = max(largest, difference)
-        if first == NEW_TOKENS:
+        if first == len(reference["tokens"]):
             unchanged += 1
             continue
         top_two = reference["topk_values"][first]
         assert top_two[0] - top_two[1] < LOGPROB_TOLERANCE, (rid, first, top_two[:2])
         assert outputs[rid]["tokens"][first] == reference["topk_ids"][first][1], (rid, first)
+    assert largest <= LOGPROB_TOLERANCE
+    return unchanged, largest
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_8_bit_cache_keeps_the_greedy_output_and_its_logprobs(model_dir, float_outputs, kv_cache_dtype):
+    """The default model has random weights: its next-token distribution is nearly flat, and some steps' top two
+    tokens lie a few thousandths of a nat apart, where an 8-bit cache may pick the second."""
+    unchanged, largest = check_near(float_outputs, generate(model_dir, PROMPTS, NEW_TOKENS,
+                                                            kv_cache_dtype=kv_cache_dtype))
     print(f"{kv_cache_dtype}: {unchanged} of {len(PROMPTS)} outputs unchanged over {NEW_TOKENS} tokens; largest "
           f"logprob difference {largest:.4f}")
-    assert largest <= LOGPROB_TOLERANCE
 
 
 def test_an_8_bit_cache_takes_half_of_bfloat16s_bytes_and_a_quarter_of_float32s(model_dir):
@@ -111,3 +120,25 @@ def test_checkpoint_scales_reach_the_torch_path_the_kernel_and_the_decode_graphs
         assert kernel["tokens"] == on_torch[rid]["tokens"]
         np.testing.assert_allclose(kernel["token_logprobs"], on_torch[rid]["token_logprobs"], atol=ATOL, rtol=0)
         np.testing.assert_allclose(kernel["topk_values"], on_torch[rid]["topk_values"], atol=ATOL, rtol=0)
+
+
+def test_latent_attention_keeps_its_latent_in_8_bits(tmp_path):
+    """DeepSeek V3's shape (model/mla.py): the pool holds [latent, rope key], a byte a value, over the checkpoint's
+    k_scale; its outputs near the float cache's as the default model's are."""
+    path = tmp_path / "deepseek_v3"
+    torch.manual_seed(0)
+    FAMILIES["deepseek_v3"]().save_pretrained(path)
+    save_file({f"model.layers.{layer}.self_attn.k_scale": torch.tensor(2.0 ** -5) for layer in range(3)},
+              path / "kv_scales.safetensors")
+    cases = {f"r{i}": np.random.default_rng(i).integers(3, 512, length).tolist() for i, length in enumerate([5, 30])}
+    reference = generate(path, cases, 24)
+    run = Run(path, kv_cache_dtype="fp8_e4m3")
+    assert run.runner.kv.keys(0).dtype == torch.float8_e4m3fn
+    assert run.runner.kv_token_bytes == 3 * (32 + 8)  # layers x (latent + rope), a byte each
+    assert run.runner.kv.scales == [KVScales(2.0 ** -5, 2.0 ** -5)] * 3
+    for rid, ids in cases.items():
+        run.submit(rid, ids, 24)
+    run.run()
+    unchanged, largest = check_near(reference, {rid: run.result(rid) for rid in cases})
+    print(f"deepseek_v3 fp8_e4m3: {unchanged} of {len(cases)} outputs unchanged; largest logprob difference "
+          f"{largest:.4f}")

@@ -7,7 +7,8 @@ each, per tensor as SGLang takes them: a checkpoint's k_scale and v_scale, model
 to the format's finite range and cast; a read widens to the compute dtype and multiplies by the scale. Every write
 goes through `quantize` (KVPool.write) and every read of the torch path through `widen`; the Triton kernel widens
 its tiles as it loads them and applies the scales to the scores and to its output (model/triton_attention.py),
-the same products. A spec of any kind (kv/specs.py: attention or MLA) stored in 8 bits is read and written alike.
+the same products. A spec of either kind (kv/specs.py) is stored alike: an MLA layer's one tensor, its latent and
+rope key, over the layer's key scale (model/mla.py).
 """
 
 from dataclasses import dataclass

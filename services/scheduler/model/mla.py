@@ -14,7 +14,8 @@ and W_v turns each head's attended latent into its value. The same arithmetic as
 order: equal to it within float rounding.
 
 `use_latent_cache(model)` swaps in this forward for every such layer; the step's PagedBatch reaches it as a forward
-kwarg, as it reaches model/attention.py.
+kwarg, as it reaches model/attention.py. An 8-bit pool (--kv-cache-dtype) keeps [c, k_r] over the layer's k_scale,
+written and read as every other layer's (kv/quantize.py).
 """
 
 import types
@@ -26,6 +27,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     apply_rotary_pos_emb_interleave,
 )
 
+from services.scheduler.kv.quantize import KVScales
 from services.scheduler.model.attention import PagedBatch
 
 
@@ -63,11 +65,14 @@ def latent_attention(self, hidden_states: torch.Tensor, position_embeddings: tup
 
     pool = paged_batch.pool
     step = paged_batch.groups[pool.group_of[self.layer_idx]]
+    entry = torch.cat([kv_nope, k_rot], dim=-1)[:, None]  # [T, 1, latent + rope]
+    pool.write(self.layer_idx, step.write_pages, paged_batch.write_offsets, entry)
     cache = pool.keys(self.layer_idx)  # [pages, page_size, 1, latent + rope]
-    cache[step.write_pages, paged_batch.write_offsets, 0] = torch.cat([kv_nope, k_rot], dim=-1).to(cache.dtype)
+    scale = pool.scales[self.layer_idx].key  # of the one tensor the keys and the values are both read from
 
     absorb = self.kv_b_proj.weight.view(-1, nope + self.v_head_dim, latent)  # [H, nope + v, latent]
     query = torch.cat([torch.einsum("thn,hnc->thc", q_pass, absorb[:, :nope]), q_rot], dim=-1)  # [T, H, latent+rope]
-    attended = step.plan.attend(query, cache, cache[..., :latent], self.scaling)  # [T, H, latent]
+    attended = step.plan.attend(query, cache, cache[..., :latent], self.scaling,
+                                kv_scales=KVScales(scale, scale))  # [T, H, latent]
     values = torch.einsum("thc,hvc->thv", attended, absorb[:, nope:])  # [T, H, v]
     return self.o_proj(values.reshape(1, tokens, -1)), None
