@@ -2,7 +2,7 @@
 model: 64 greedy tokens the same but at near-ties, and logprobs within LOGPROB_TOLERANCE; the pool's bytes a token
 half of bfloat16's and a quarter of float32's; a checkpoint's k_scale and v_scale taken, and the Triton kernel and
 the CUDA-graph decode (both without CUDA: interpreted, and eager) equal to the torch path on them; DeepSeek V3's
-latent attention on an 8-bit latent."""
+latent and a hybrid model's attention layers in 8 bits, its linear-attention state not."""
 
 import os
 from pathlib import Path
@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 from services.scheduler.kv.quantize import KVScales
 from services.scheduler.model.runner import ModelRunner
-from tests.scheduler.engine_run import ATOL, Run, prompt
-from tests.scheduler.test_model_families import FAMILIES
+from tests.scheduler.engine_run import ATOL, Run, prompt, prompts, tiny_checkpoint
+from tests.scheduler.test_linear_attention import FAMILIES as HYBRID_FAMILIES
+from tests.scheduler.test_model_families import FAMILIES, VOCAB
 
 LOGPROB_TOLERANCE = 0.05
 NEW_TOKENS = 64
@@ -122,23 +123,26 @@ def test_checkpoint_scales_reach_the_torch_path_the_kernel_and_the_decode_graphs
         np.testing.assert_allclose(kernel["topk_values"], on_torch[rid]["topk_values"], atol=ATOL, rtol=0)
 
 
-def test_latent_attention_keeps_its_latent_in_8_bits(tmp_path):
-    """DeepSeek V3's shape (model/mla.py): the pool holds [latent, rope key], a byte a value, over the checkpoint's
-    k_scale; its outputs near the float cache's as the default model's are."""
-    path = tmp_path / "deepseek_v3"
-    torch.manual_seed(0)
-    FAMILIES["deepseek_v3"]().save_pretrained(path)
-    save_file({f"model.layers.{layer}.self_attn.k_scale": torch.tensor(2.0 ** -5) for layer in range(3)},
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_latents_and_hybrid_models_keep_their_pages_in_8_bits(tmp_path, family):
+    """DeepSeek V3's latent and rope key (model/mla.py, over the checkpoint's k_scale) and Qwen3.5's full-attention
+    layers in 8 bits; Qwen3.5's linear-attention state in the compute dtype (SGLang's --kv-cache-dtype leaves it
+    alone too); their outputs near the float cache's as the default model's are."""
+    path, _ = tiny_checkpoint(tmp_path / family, {**FAMILIES, **HYBRID_FAMILIES}[family])
+    save_file({f"model.layers.{layer}.self_attn.k_scale": torch.tensor(2.0 ** -5) for layer in range(4)},
               path / "kv_scales.safetensors")
-    cases = {f"r{i}": np.random.default_rng(i).integers(3, 512, length).tolist() for i, length in enumerate([5, 30])}
+    cases = prompts(0, [5, 30], VOCAB)
     reference = generate(path, cases, 24)
     run = Run(path, kv_cache_dtype="fp8_e4m3")
-    assert run.runner.kv.keys(0).dtype == torch.float8_e4m3fn
-    assert run.runner.kv_token_bytes == 3 * (32 + 8)  # layers x (latent + rope), a byte each
-    assert run.runner.kv.scales == [KVScales(2.0 ** -5, 2.0 ** -5)] * 3
+    kv = run.runner.kv
+    paged = sorted(kv.group_of)
+    assert paged and all(kv.keys(layer).dtype == torch.float8_e4m3fn for layer in paged)
+    assert all(kv.scales[layer] == KVScales(2.0 ** -5, 2.0 ** -5) for layer in paged)
+    if kv.layout.states is not None:
+        assert kv.layout.states.spec.dtype == run.runner.dtype == torch.float32
     for rid, ids in cases.items():
         run.submit(rid, ids, 24)
     run.run()
     unchanged, largest = check_near(reference, {rid: run.result(rid) for rid in cases})
-    print(f"deepseek_v3 fp8_e4m3: {unchanged} of {len(cases)} outputs unchanged; largest logprob difference "
+    print(f"{family} fp8_e4m3: {unchanged} of {len(cases)} outputs unchanged; largest logprob difference "
           f"{largest:.4f}")
