@@ -1,11 +1,15 @@
-"""The sampler's transforms and draws on a small known distribution (in process, fast)."""
+"""The sampler's transforms and draws on a small known distribution, and its per-slot state (in process, fast)."""
 
 import numpy as np
 import pytest
 import torch
+from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
+from services.scheduler.request import Request
 from services.scheduler.sampling.draw import SamplingBatch, sample
 from services.scheduler.sampling.logprobs import ProcessedRows, logprob_rows
+from services.scheduler.sampling.sampler import Sampler
+from services.scheduler.submit import SubmitLimits, parse_request
 
 PROBS = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
 DRAWS = 40_000
@@ -104,3 +108,30 @@ def test_processed_logprobs_match_a_numpy_reference():
     raw = torch.log_softmax(logits[-1], dim=-1)
     assert rows.token_logprobs[-1] == pytest.approx(float(raw[draw.tokens[-1]]))
     np.testing.assert_allclose(rows.topk_values[-1].numpy(), raw.topk(k).values.numpy(), atol=1e-6)
+
+
+def penalised(rid: str, prompt: list[int]) -> Request:
+    """A greedy request with a frequency penalty of 1 (each of its output tokens' logits less its count), over a
+    vocabulary of 5."""
+    return parse_request(TokenizedRequest(rid=rid, input_ids=prompt, sampling=SamplingParams(
+        max_new_tokens=8, temperature=0, frequency_penalty=1.0)), SubmitLimits(5, 64, 5, (), output_interval=50))
+
+
+def test_a_slot_counts_the_tokens_of_the_request_that_holds_it():
+    """The sampler's per-slot penalty state names the request it counts and how many of its tokens: a request that
+    samples on in its slot keeps it; one that comes back to a slot after sampling elsewhere, or that takes one another
+    request used, has it counted anew from its own tokens (stale counts would choose otherwise below)."""
+    sampler = Sampler(num_slots=2, vocab_size=5, device=torch.device("cpu"))
+    logits = torch.tensor([[0.0, 1.0, 2.2, 3.0, 2.9]])
+    first, second = penalised("first", [3]), penalised("second", [1])
+
+    def step(request: Request, slot: int) -> int:
+        request.slot = slot
+        token = int(sampler.choose(logits.clone(), [request]).tokens[0])
+        request.append_output(token)
+        return token
+
+    assert [step(first, 0), step(first, 0)] == [3, 4]  # 3 counted once: 2.9 is the best left
+    assert step(first, 1) == 2  # a new slot counts its 3 and 4: 2.2 is the best left
+    assert step(first, 0) == 3  # slot 0 had counted its first two tokens only: counted again, 2 included
+    assert step(second, 0) == 3  # another request's counts: anew from its own output, which is none
