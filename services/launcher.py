@@ -114,10 +114,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_option(group: argparse._ArgumentGroup, name: str, help_text: str, default: str | None, kind: Any) -> None:
-    """A flag as parse_config makes it: the raw value, None when not given; a boolean flag alone means true."""
+def _add_option(group: argparse._ArgumentGroup, name: str, help_text: str, default: str | None, kind: Any,
+                aliases: tuple[str, ...] = ()) -> None:
+    """A flag as parse_config makes it (with its aliases): the raw value, None when not given; a boolean flag alone
+    means true."""
     is_bool = kind in (bool, bool | None)
-    group.add_argument(_flag(name), dest=name, default=None, metavar=name.upper(),
+    group.add_argument(*map(_flag, (name, *aliases)), dest=name, default=None, metavar=name.upper(),
                        help=flag_help(name, help_text, default), nargs="?" if is_bool else None,
                        const="true" if is_bool else None)
 
@@ -145,7 +147,8 @@ def parse_up(argv: list[str] | None, prog: str | None) -> tuple[UpConfig, dict[s
                      else "; ".join(f"{service}: {text}" for service, text in helps.items()))
         defaults = {shown_default(field) for field in fields.values()}
         default = defaults.pop() if len(defaults) == 1 else None  # the services' helps say theirs
-        _add_option(groups[services], name, help_text, default, next(iter(fields.values())).type)
+        field = next(iter(fields.values()))
+        _add_option(groups[services], name, help_text, default, field.type, field.metadata.get("aliases", ()))
     given = {name: value for name, value in vars(parser.parse_args(argv)).items() if value is not None}
     config = parse_config(UpConfig, [f"{_flag(name)}={value}" for name, value in given.items()
                                      if name not in options], prog)

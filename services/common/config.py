@@ -51,11 +51,10 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     for field in dataclasses.fields(cls):
-        flag = "--" + field.name.replace("_", "-")
         help_text = field.metadata.get("help", "")
         # A boolean flag alone means true (`--incremental-streaming-output`); a value still sets it either way.
         is_bool = _base_type(hints[field.name]) is bool
-        parser.add_argument(flag, dest=field.name, default=None, metavar=field.name.upper(),
+        parser.add_argument(*flags_of(field), dest=field.name, default=None, metavar=field.name.upper(),
                             help=flag_help(field.name, help_text, shown_default(field)), nargs="?" if is_bool else None,
                             const="true" if is_bool else None)
     args = parser.parse_args(argv)
@@ -73,6 +72,11 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
         return cls(**values)
     except ValueError as exc:  # a check across options (__post_init__): said as argparse says its own
         parser.error(str(exc))
+
+
+def flags_of(field: dataclasses.Field) -> list[str]:
+    """A field's flag, then its aliases (another server's name for the same option: vLLM's --max-loras)."""
+    return ["--" + name.replace("_", "-") for name in (field.name, *field.metadata.get("aliases", ()))]
 
 
 def shown_default(field: dataclasses.Field) -> str | None:
@@ -105,11 +109,13 @@ def require_ports(config: Any, names: tuple[str, ...]) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: a port, 0 to 65535")
 
 
-def option(default: Any, help: str) -> Any:
-    """A config field with its help text; mutable defaults are copied per instance."""
+def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
+    """A config field with its help text, and other flags for it (`aliases`: field-style names, without a variable
+    of their own); mutable defaults are copied per instance."""
+    metadata = {"help": help, "aliases": aliases}
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,11 @@ from flatwire_wire.logprobs import LogprobsMode
 
 from services.common.config import ServiceConfig, option, require_positive
 
+# The Linear modules a LoRA adapter may adapt (--lora-target-modules all: model/lora.py), and SGLang's names for
+# those it fuses, which a Hugging Face model keeps apart.
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 
 @dataclass
 class SchedulerConfig(ServiceConfig):
@@ -81,6 +86,21 @@ class SchedulerConfig(ServiceConfig):
                                          "it to catch up (back-pressure)")
     stall_timeout_s: float = option(10.0, "a detokenizer that stays past --max-subscriber-backlog this long has its "
                                     "stream ended: it resubscribes and is replayed what it missed")
+    enable_lora: bool = option(False, "serve LoRA adapters of the model (SGLang's flag): requests on different "
+                               "adapters and on the base model share a step (model/lora.py); on with --lora-paths")
+    lora_paths: list[str] = option([], "PEFT adapter directories loaded at start, comma-separated, each NAME=PATH or "
+                                   "PATH (named by its path), SGLang's forms (vLLM's --lora-modules)",
+                                   aliases=("lora_modules",))
+    max_loras_per_batch: int = option(8, "LoRA adapters one step runs at most (SGLang's; vLLM's --max-loras): device "
+                                      "buffers of --max-lora-rank for each, per target module",
+                                      aliases=("max_loras",))
+    max_lora_rank: int = option(16, "largest LoRA rank an adapter may have (vLLM's default)")
+    lora_target_modules: list[str] = option(["all"], "the Linear modules adapters may adapt: q_proj, k_proj, "
+                                            "v_proj, o_proj, gate_proj, up_proj, down_proj (SGLang's qkv_proj, "
+                                            "gate_up_proj: their parts), or all of them")
+    max_loaded_loras: int = option(0, "LoRA adapters held in host memory at once (SGLang's; vLLM's --max-cpu-loras): "
+                                   "loading one more unloads the least recently used one no request runs on and "
+                                   "not pinned; 0: 4 x --max-loras-per-batch", aliases=("max_cpu_loras",))
     max_waiting_requests: int = option(0, "requests accepted but not yet running (the waiting list); past it Submit "
                                        "answers RESOURCE_EXHAUSTED (HTTP 429 at the gateway); 0: max(4096, 8 x "
                                        "--max-running-requests), room for a gateway's largest batch")
@@ -94,7 +114,9 @@ class SchedulerConfig(ServiceConfig):
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
         require_positive(self, ("max_running_requests", "max_prefill_tokens", "max_top_logprobs", "logits_chunk_rows",
-                                "output_interval", "stream_coalesce_tokens", "page_size", "cuda_graph_max_bs"))
+                                "output_interval", "stream_coalesce_tokens", "page_size", "cuda_graph_max_bs",
+                                "max_loras_per_batch", "max_lora_rank"))
+        self._check_lora()
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 (off)")
         if self.max_total_tokens < 0:
@@ -123,6 +145,46 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError(f"--engine: expected model or synthetic, not {self.engine!r}")
         if not self.step_ms >= 0:  # also refuses nan
             raise ValueError("--step-ms: must not be negative")
+
+    def _check_lora(self) -> None:
+        if self.lora_paths:
+            self.enable_lora = True  # as SGLang: adapters at start mean LoRA on
+        names = [entry.partition("=")[0] if "=" in entry else entry for entry in self.lora_paths]
+        if any(entry.lstrip().startswith("{") for entry in self.lora_paths):
+            raise ValueError("--lora-paths: JSON entries are not supported; give NAME=PATH or PATH")
+        if len(set(names)) < len(names):
+            raise ValueError("--lora-paths: two adapters of one name")
+        if unknown := sorted(set(self.lora_target_modules) - {"all", *LORA_PROJECTIONS, *FUSED_PROJECTIONS}):
+            raise ValueError(f"--lora-target-modules: unknown {', '.join(unknown)}; one of all, "
+                             f"{', '.join(LORA_PROJECTIONS)}, {', '.join(FUSED_PROJECTIONS)}")
+        if self.max_loaded_loras < 0 or 0 < self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("--max-loaded-loras: 0 (automatic) or at least --max-loras-per-batch")
+        if self.enable_lora and self.enable_cuda_graph:
+            raise ValueError("--enable-lora: not with --enable-cuda-graph (the LoRA matmuls run outside the graphs)")
+        if self.enable_lora and self.engine == "synthetic":
+            raise ValueError("--enable-lora: not with --engine synthetic, which has no model to adapt")
+
+    @property
+    def lora_modules(self) -> list[tuple[str, str]]:
+        """--lora-paths as (name, path) pairs."""
+        return [(entry.partition("=")[0], entry.partition("=")[2]) if "=" in entry else (entry, entry)
+                for entry in self.lora_paths]
+
+    @property
+    def lora_layers(self) -> tuple[frozenset[str], int, int] | None:
+        """ModelRunner's `lora`: the target modules (`all` is every projection; SGLang's fused names are their
+        parts), adapters per step and the largest rank; None without --enable-lora."""
+        if not self.enable_lora:
+            return None
+        kinds: set[str] = set()
+        for name in self.lora_target_modules:
+            kinds.update(LORA_PROJECTIONS if name == "all" else FUSED_PROJECTIONS.get(name, (name,)))
+        return frozenset(kinds), self.max_loras_per_batch, self.max_lora_rank
+
+    @property
+    def loaded_loras(self) -> int:
+        """--max-loaded-loras, or its automatic value."""
+        return self.max_loaded_loras or 4 * self.max_loras_per_batch
 
     @property
     def prefill_budget(self) -> int:

@@ -2,6 +2,7 @@
 (output/pending.py)."""
 
 import enum
+from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from flatwire_wire.sampling import SamplingOptions
 from flatwire_wire.steps import DetokenizeParams
 
 from services.scheduler.kv.manager import KVState
+from services.scheduler.kv.prefix_cache import SHARED
+from services.scheduler.model.lora_adapter import LoraAdapter
 from services.scheduler.output.pending import PendingOutput
 from services.scheduler.sampling.logit_adjust import LogitAdjustment
 
@@ -56,6 +59,8 @@ class Request:
     adjustment: LogitAdjustment | None  # `sampling`'s penalties, logit_bias, min_new_tokens as arrays; None: none
     grammar: xgr.GrammarMatcher | None  # structured output (sampling/grammar.py); None: unconstrained
     pending: PendingOutput  # output not shipped yet
+    adapter: LoraAdapter | None = None  # the LoRA adapter it runs on (None: the base model), held until it ends
+    cache_namespace: Hashable = SHARED  # where its KV is cached and looked up (engine/lora_registry.py)
     status: RequestStatus = RequestStatus.WAITING
     compiling: Future[xgr.GrammarMatcher] | None = None  # its grammar's matcher while COMPILING
     compile_deadline: float = 0.0  # time.monotonic() past which a COMPILING request fails

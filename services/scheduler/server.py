@@ -1,5 +1,5 @@
-"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats, and rollout control
-(rollout_calls.py).
+"""The scheduler's gRPC server: Submit, Abort, StreamSteps, GetModelInfo, GetStats, rollout control
+(rollout_calls.py) and LoRA adapters (lora_calls.py).
 
 Its handlers take and return the wire layer's twins (flatwire_wire.scheduler.SCHEDULER converts them). They run
 on the asyncio loop; the model runs in the engine thread. Each step
@@ -45,7 +45,9 @@ from services.common.signals import exit_now, stop_requested
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
 from services.scheduler.kv.manager import longest_sequence
+from services.scheduler.lora_calls import LoraCalls
 from services.scheduler.model.architecture import UnsupportedModel
+from services.scheduler.model.lora_adapter import AdapterRefused
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.synthetic import SyntheticRunner
@@ -63,9 +65,9 @@ BACKPRESSURE_POLL_S = 0.001
 CUT = object()  # queued to a subscriber that fell too far behind: its stream ends with UNAVAILABLE
 
 
-class SchedulerService(RolloutCalls):
+class SchedulerService(RolloutCalls, LoraCalls):
     """The Scheduler service (flatwire_wire.scheduler.SchedulerServicer): requests and their steps here, rollout
-    control in RolloutCalls."""
+    control in RolloutCalls, LoRA adapters in LoraCalls."""
 
     def __init__(self, config: SchedulerConfig, model_name: str, runner: StepRunner,
                  weights: ServedWeights | None = None, grammars: Grammars | None = None):
@@ -86,7 +88,8 @@ class SchedulerService(RolloutCalls):
             max_total_tokens=kv_tokens, page_size=runner.page_size, prefix_cache=not config.disable_radix_cache,
             logprobs_mode=self.limits.logprobs_mode, kv_layers=runner.kv_layers,
             state_bytes_per_request=runner.state_bytes,
-            state_checkpoints=runner.state_slots[1] if runner.state_slots else 0)
+            state_checkpoints=runner.state_slots[1] if runner.state_slots else 0,
+            max_loras_per_batch=config.max_loras_per_batch if config.enable_lora else 0)
         self.config = config
         self.grammars = grammars
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
@@ -150,9 +153,10 @@ class SchedulerService(RolloutCalls):
     def _accept(self, request: TokenizedRequest) -> SubmitResult:
         """Queue `request`, or say why not: the status a Submit of it answers."""
         try:  # (a grammar is parsed here and compiled after the answer: Grammars.matcher_later)
-            parsed = parse_request(request, self.limits, self.grammars)
+            parsed = parse_request(request, self.limits, self.grammars, self.engine.adapters)
         except InvalidTokenizedRequest as exc:
-            return SubmitResult(grpc.StatusCode.INVALID_ARGUMENT.value[0], str(exc), exc.field)
+            code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.INVALID_ARGUMENT
+            return SubmitResult(code.value[0], str(exc), exc.field)
         try:
             accepted = self.engine.submit(parsed)
         except QueueFull as exc:  # the gateway answers 429 (or tries another replica)
@@ -206,7 +210,9 @@ class SchedulerService(RolloutCalls):
             self._unsubscribe(queue)
 
     async def get_model_info(self, request: Empty, context) -> ModelInfo:
-        return dataclasses.replace(self.model_info, weight_version=self.engine.weight_version)
+        adapters = self.engine.adapters
+        return dataclasses.replace(self.model_info, weight_version=self.engine.weight_version,
+                                   lora_adapters=adapters.loaded() if adapters is not None else [])
 
     async def get_stats(self, request: Empty, context) -> SchedulerStats:
         return self.engine.stats
@@ -225,7 +231,7 @@ async def serve(config: SchedulerConfig) -> None:
             config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows,
             config.enable_return_routed_experts, config.attention_backend,
             config.cuda_graph_max_bs if config.enable_cuda_graph else 0, config.load_format, config.state_checkpoints,
-            config.kv_cache_dtype)
+            config.kv_cache_dtype, config.lora_layers)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.info("interrupted")
     except SystemExit as exc:  # the engine failed
         code = exc.code
-    except (ModelNotFound, UnsupportedModel) as exc:  # a setup error, said in one line
+    except (ModelNotFound, UnsupportedModel, AdapterRefused) as exc:  # a setup error, said in one line
         code = f"{prog or 'scheduler'}: {exc}"
     except Exception:  # a bug: said, then ended at once (a weight-group join may wait minutes for its trainer)
         log.exception("the scheduler failed")

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
 
+from services.scheduler.model.lora import LoraLayers
 from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.request import Request
 
@@ -93,6 +94,7 @@ class StepRunner(Protocol):
     state_bytes: int  # one state slot over every linear-attention layer (0: none)
     kv_layers: str  # what the model's layers keep, for logs and /get_server_info
     expert_routing: ExpertRouting | None  # what a MoE model's routers chose, with --enable-return-routed-experts
+    lora: LoraLayers | None  # the model's LoRA targets, with --enable-lora
 
     def step(self, batch: Batch) -> StepResult:
         """One step: the KV of every row's tokens, and a token for each row that samples."""

@@ -16,6 +16,8 @@ from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.sampling import InvalidSampling, SamplingOptions
 from flatwire_wire.scheduler import TokenizedRequest
 
+from services.scheduler.engine.lora_registry import LoraRegistry, cache_namespace
+from services.scheduler.model.lora_adapter import LoraAdapter
 from services.scheduler.output.pending import PendingOutput
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.sampling.grammar import Grammars, InvalidGrammar
@@ -27,11 +29,13 @@ MAX_STREAM_INTERVAL = 1024
 
 class InvalidTokenizedRequest(ValueError):
     """A TokenizedRequest the scheduler refuses: `field` names the offending field, and the message starts
-    with it."""
+    with it; `not_found`: it names what the scheduler does not have (a LoRA adapter), NOT_FOUND rather than
+    INVALID_ARGUMENT."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, not_found: bool = False):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.not_found = not_found
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,11 @@ def _check_ids(ids, name: str, vocab_size: int) -> None:
     _check(bool((array >= 0).all() and (array < vocab_size).all()), name, f"token ids must be in [0, {vocab_size})")
 
 
-def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammars | None = None) -> Request:
+def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammars | None = None,
+                  adapters: LoraRegistry | None = None) -> Request:
     """Validate a TokenizedRequest; raises InvalidTokenizedRequest naming the offending field. A constrained
     request's grammar is parsed by `grammars` and compiled in their thread (the request is COMPILING until then);
-    without them it is refused."""
+    without them it is refused. Its LoRA adapter is looked up in `adapters` (None: LoRA is off)."""
     logprob = msg.logprob
     _check(bool(msg.rid), "rid", "must not be empty")
     input_ids = np.array(msg.input_ids, dtype=np.int64)
@@ -97,6 +102,7 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
            "this scheduler records no routed experts: a MoE model, started with --enable-return-routed-experts")
     _check(msg.routed_experts_start_len <= len(msg.input_ids), "routed_experts_start_len",
            f"must be at most the prompt's length, {len(msg.input_ids)}")
+    adapter = _adapter(msg.lora_name, adapters)
     compiling = _grammar(sampling, stop_ids, grammars)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
     interval = 1 if any(msg.detokenize.stop) else (msg.stream_interval or limits.output_interval)
@@ -123,11 +129,28 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         routed_experts_start_len=msg.routed_experts_start_len,
         adjustment=LogitAdjustment.of(sampling, stop_ids),
         grammar=None,
+        adapter=adapter,
+        cache_namespace=cache_namespace(adapter, msg.cache_namespace),
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
         pending=PendingOutput(interval, (top_k, len(ids)) if wants else None, first_interval,
                               lane=min(limits.stream_coalesce_tokens, max_new_tokens)),
     )
+
+
+def _adapter(name: str, adapters: LoraRegistry | None) -> LoraAdapter | None:
+    """The loaded adapter of that name (None for "": the base model); an unknown one is refused by name."""
+    if not name:
+        return None
+    if adapters is None:
+        raise InvalidTokenizedRequest("lora_name", f"The model `{name}` does not exist: this scheduler serves no LoRA "
+                                      "adapters (--enable-lora)", not_found=True)
+    if (adapter := adapters.lookup(name)) is None:
+        names = [info.name for info in adapters.loaded()]
+        loaded = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+        raise InvalidTokenizedRequest("lora_name", f"The model `{name}` does not exist: no LoRA adapter of that name "
+                                      f"is loaded (loaded: {loaded})", not_found=True)
+    return adapter
 
 
 def _grammar(sampling: SamplingOptions, stop_ids: frozenset[int],

@@ -1,5 +1,6 @@
 """Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates,
-weight_version relabelling, flushing the prefix cache, releasing and resuming the model's memory. They join the
+weight_version relabelling, flushing the prefix cache, releasing and resuming the model's memory, loading and
+unloading LoRA adapters (engine/lora_registry.py applies those two). They join the
 engine's inbox with new requests and aborts, so that the engine thread alone decides when each applies: always
 between two steps (engine.py says how)."""
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from flatwire_wire.control import ControlReply, PauseMode
 
+from services.scheduler.model.lora_adapter import LoraAdapter
 from services.scheduler.model.weights import StagedWeights
 
 ABORTING_PAUSES = (PauseMode.UNSPECIFIED, PauseMode.ABORT)
@@ -63,6 +65,17 @@ class ResumeMemory(Control):
 class SetWeightVersion(Control):
     version: str
     abort_all_requests: bool
+
+
+@dataclass(kw_only=True)
+class LoadAdapter(Control):
+    adapter: LoraAdapter  # read and checked off the engine thread
+    replace: bool  # an adapter of its name is replaced (else the load is refused)
+
+
+@dataclass(kw_only=True)
+class UnloadAdapter(Control):
+    name: str
 
 
 def stopped_reply() -> ControlReply:

@@ -24,11 +24,13 @@ from flatwire_wire.scheduler import AbortRequest, SchedulerStats
 from flatwire_wire.steps import FinishReason, StepMessage
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine.control import Control, stopped_reply
+from services.scheduler.engine.control import Control, LoadAdapter, UnloadAdapter, stopped_reply
+from services.scheduler.engine.lora_registry import LoraRegistry, of_adapter
 from services.scheduler.engine.policy import Scheduler, SlotPool
 from services.scheduler.engine.rollout import RolloutControl
 from services.scheduler.kv.manager import KVManager
 from services.scheduler.kv.states import StateSlots
+from services.scheduler.model.lora_adapter import AdapterRefused, LoraAdapter, read_adapter_dir
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.output.step_output import Outgoing, step_message
 from services.scheduler.request import Request
@@ -65,7 +67,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, SlotPool(config.max_running_requests), config.prefill_budget,
                                    chunked=config.chunked_prefill_size > 0, max_context=runner.max_context,
                                    compile_timeout_s=config.grammar_compile_timeout_s,
-                                   routed_experts=self._routed_experts)
+                                   routed_experts=self._routed_experts,
+                                   max_adapters=config.max_loras_per_batch if config.enable_lora else 0)
+        self.adapters = self._adapters() if config.enable_lora else None
         self.rollout = RolloutControl(self.scheduler, runner, occupation, ship=self._ship)
         self._step = 0
         self._update_stats()
@@ -78,6 +82,24 @@ class Engine:
         self._stopping = False
         self.failure: BaseException | None = None  # what ended the engine thread, if not a stop
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def _adapters(self) -> LoraRegistry:
+        """The LoRA adapters, those of --lora-paths loaded (a refused one stops the start: AdapterRefused)."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("--enable-lora: this engine has no model to adapt")
+        adapters = LoraRegistry(self.config.loaded_loras, forget=self._forget_adapter)
+        for name, path in self.config.lora_modules:
+            reply = adapters.load(read_adapter_dir(name, path, lora.features, lora.max_rank, lora.dtype))
+            if not reply.success:
+                raise AdapterRefused(f"--lora-paths: {reply.message}")
+        return adapters
+
+    def _forget_adapter(self, adapter: LoraAdapter) -> None:
+        """A retired adapter no request holds: its device slot, and the KV cached under it, go."""
+        assert self.runner.lora is not None
+        self.runner.lora.forget(adapter)
+        self.kv.forget(lambda namespace: of_adapter(namespace, adapter))
 
     @property
     def weight_version(self) -> str:
@@ -177,7 +199,10 @@ class Engine:
                 out.end(request, self.scheduler.finish(request, reason, matched_stop=abort.matched_stop,
                                                        message=message))
         for control in controls:
-            self.rollout.apply(control, out)
+            if isinstance(control, LoadAdapter | UnloadAdapter) and self.adapters is not None:
+                self.adapters.apply(control)  # between two steps: no running request waits for it
+            else:
+                self.rollout.apply(control, out)
         self.rollout.apply_held_updates(out)
         if self._in_flight is not None:
             self._land(out)
@@ -185,6 +210,8 @@ class Engine:
         batch = self.scheduler.schedule(admit=self.rollout.admitting) if self.rollout.stepping else Batch([])
         if batch and self._launch(batch, out) and not self.config.enable_overlap_schedule:
             self._land(out)
+        if self.adapters is not None:
+            self.adapters.collect()
         self._publish(out)
 
     def _launch(self, batch: Batch, out: Outgoing) -> bool:

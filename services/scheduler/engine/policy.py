@@ -11,7 +11,9 @@ Each step's batch (step.py) is built in three passes, all bounded by the KV memo
 3. waiting requests are admitted first come, first served while a request slot is free, the budget lasts and the
    pages their first chunk needs are there beside a reserve for the running requests to grow: each starts from
    the longest prefix of its sequence in the prefix cache, so only the rest is computed. A request whose next
-   full page another request is computing right now waits a step, to find it cached.
+   full page another request is computing right now waits a step, to find it cached. A request on a LoRA adapter
+   that the running requests do not use waits while they use --max-loras-per-batch adapters (those behind it on
+   the base model or on those adapters go first).
 After the step, `update_from_output` records what it computed and appends each sampled token; requests that are
 done finish. Requests join and leave between steps; every change of status goes through `_move`, which keeps the
 lists, the KV memory, the request slots and the status in agreement.
@@ -66,11 +68,12 @@ def no_routed_experts(request: Request) -> np.ndarray | None:
 class Scheduler:
     def __init__(self, kv: KVManager, slots: SlotPool, prefill_budget: int, chunked: bool,
                  max_context: int = 1 << 62, compile_timeout_s: float = math.inf,
-                 routed_experts: Callable[[Request], np.ndarray | None] = no_routed_experts):
+                 routed_experts: Callable[[Request], np.ndarray | None] = no_routed_experts, max_adapters: int = 0):
         """`chunked`: a prompt longer than what is left of the budget is split across steps; `max_context`: a
         sequence this long ends (LENGTH); `compile_timeout_s`: a request COMPILING longer fails (its compile, if it
         has not started, is dropped); `routed_experts`: what the model recorded for a request's tokens, read when
-        it finishes (before its KV memory goes)."""
+        it finishes (before its KV memory goes); `max_adapters`: the LoRA adapters the running requests may use at
+        once (--max-loras-per-batch; 0: no LoRA)."""
         self.kv = kv
         self.slots = slots
         self.prefill_budget = prefill_budget
@@ -78,6 +81,7 @@ class Scheduler:
         self.max_context = max_context
         self.compile_timeout_s = compile_timeout_s
         self.routed_experts = routed_experts
+        self.max_adapters = max_adapters
         self.pending_rows = PendingStores()  # the logprob rows of output not shipped yet
         self.waiting: deque[Request] = deque()  # WAITING and RETRACTED, in the order they are admitted
         self.compiling: list[Request] = []  # COMPILING: in line once their grammar is ready
@@ -94,7 +98,11 @@ class Scheduler:
         return [*self.running, *self.waiting, *self.compiling]
 
     def add(self, request: Request) -> None:
-        """A new request, last in line (once its grammar is compiled, if it is COMPILING)."""
+        """A new request, last in line (once its grammar is compiled, if it is COMPILING); it holds its LoRA
+        adapter until it ends."""
+        if request.adapter is not None:
+            request.adapter.users += 1
+            request.adapter.last_use = time.monotonic()
         if request.status is RequestStatus.COMPILING:
             request.compile_deadline = time.monotonic() + self.compile_timeout_s
             self.compiling.append(request)
@@ -151,10 +159,19 @@ class Scheduler:
         # Pages the running requests may need for their next DECODE_RESERVE_TOKENS: kept free by admission
         # (summed once, then per admitted request: admitting hundreds at once stays linear).
         reserve = sum(map(self._reserve, self.running)) if admit and self.waiting else 0
-        while admit and self.waiting and self.slots.free and budget > 0:
-            row = self._admit(self.waiting[0], budget, alone=not chunks, prefills=chunks, reserve=reserve)
+        adapters = {r.adapter.id for r in self.running if r.adapter is not None} if self.max_adapters else set()
+        passed = 0  # requests in line that wait for an adapter's room: those behind them may go first
+        while admit and len(self.waiting) > passed and self.slots.free and budget > 0:
+            request = self.waiting[passed]
+            adapter = request.adapter
+            if adapter is not None and adapter.id not in adapters and len(adapters) >= self.max_adapters:
+                passed += 1  # no room for another adapter in a step: it waits for one of theirs to end
+                continue
+            row = self._admit(request, budget, alone=not chunks, prefills=chunks, reserve=reserve)
             if row is None:
                 break
+            if adapter is not None:
+                adapters.add(adapter.id)
             reserve += self._reserve(row.request)
             chunks.append(row)
             budget -= row.end - row.start
@@ -193,7 +210,7 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int, alone: bool, prefills: list[BatchRow],
                reserve: int) -> BatchRow | None:
-        """Start the first request in line from its longest cached prefix, if its first chunk fits and leaves
+        """Start a request in line from its longest cached prefix, if its first chunk fits and leaves
         the running requests' `reserve` of pages free; None when it has to wait."""
         self.kv.match(request)
         if self.kv.next_page_in(request, prefills):
@@ -300,6 +317,8 @@ class Scheduler:
         """The one place a request changes status."""
         if status not in ALLOWED[request.status]:
             raise ValueError(f"request {request.rid}: {request.status.value} cannot become {status.value}")
+        if status is RequestStatus.FINISHED and request.adapter is not None:
+            request.adapter.users -= 1
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.slots.release(request.slot)

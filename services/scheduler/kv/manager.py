@@ -13,6 +13,7 @@ its request slot (states.py); a row that reaches a page boundary also takes a ch
 prefix cache keeps with that page's node, and a request that matches a cached prefix starts from the checkpoint.
 """
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -109,7 +110,7 @@ class KVManager:
         limit = len(sequence) - 1
         if request.owes_prompt_logprobs:
             limit = min(limit, request.prompt_logprob_start - 1)
-        tables, state = self.prefix_cache.match(sequence, limit)
+        tables, state = self.prefix_cache.match(sequence, limit, request.cache_namespace)
         request.kv = KVState(tables, len(tables[0]) * self.page_size, epoch=self.prefix_cache.epoch,
                              restore=FRESH if state == NO_STATE else state)
         return request.kv.computed
@@ -175,12 +176,12 @@ class KVManager:
                 table[:first] = [DROPPED] * min(first, len(table))
 
     def commit(self, request: "Request") -> None:
-        """Put the full pages of the request's computed tokens in the prefix cache, unless its KV predates the
-        cache's epoch (older weights)."""
+        """Put the full pages of the request's computed tokens in the prefix cache (in its namespace), unless its KV
+        predates the cache's epoch (older weights)."""
         kv = request.kv
         full = kv.computed // self.page_size
         if full > kv.committed_pages and kv.epoch == self.prefix_cache.epoch:
-            if self.prefix_cache.insert(request.sequence(), kv.tables, full, kv.captured):
+            if self.prefix_cache.insert(request.sequence(), kv.tables, full, kv.captured, request.cache_namespace):
                 kv.captured = None  # the cache keeps it
             kv.committed_pages = full
 
@@ -209,9 +210,14 @@ class KVManager:
         """Forget every cached page (the weights changed)."""
         self.prefix_cache.flush()
 
+    def forget(self, which: Callable[[Hashable], bool]) -> None:
+        """Forget the cached pages of the namespaces `which` says (a retired LoRA adapter's)."""
+        self.prefix_cache.forget(which)
+
     def next_page_in(self, request: "Request", prefills: "list[BatchRow]") -> bool:
         """Whether one of `prefills` (a step's prefill rows) computes the next full page of the request's
-        sequence: then it may wait a step and find that page cached (n samples of one prompt prefill it once)."""
+        sequence, in its namespace: then it may wait a step and find that page cached (n samples of one prompt
+        prefill it once)."""
         upto = request.kv.computed + self.page_size
         sequence = request.sequence()
         if not self.prefix_cache.enabled or upto > len(sequence) - 1:
@@ -219,6 +225,7 @@ class KVManager:
         for row in prefills:
             other = row.request
             if not other.decoding and row.end >= upto and other.length > upto and \
+                    other.cache_namespace == request.cache_namespace and \
                     np.array_equal(other.sequence()[:upto], sequence[:upto]):
                 return True
         return False

@@ -17,9 +17,14 @@ first when their slots run short.
 
 Only full pages are shared: a partly filled last page stays its request's own. A weight update or a new weight
 version flushes the tree (`flush`, a new `epoch`): KV computed by the old weights never serves a new request.
+
+Requests share KV only within a namespace (a tree per namespace, `roots`): what a request ran on and whose KV it may
+read, its LoRA adapter and its client's cache salt (engine/lora_registry.py:cache_namespace). A namespace nobody
+can ask for any more (a retired adapter's) is dropped whole (`forget`).
 """
 
 import heapq
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +33,7 @@ from services.scheduler.kv.pages import PagePool
 from services.scheduler.kv.states import NO_STATE, StateSlots
 
 DROPPED = 0  # a window group's page given back (page 0 is never handed out)
+SHARED: Hashable = None  # the namespace of requests that name none (the tests', and a model without adapters)
 
 
 @dataclass(eq=False)
@@ -54,7 +60,7 @@ class PrefixCache:
         self.windows = windows
         self.states = states
         self.enabled = enabled
-        self.root = PageNode(b"", [], None)
+        self.roots: dict[Hashable, PageNode] = {}  # a tree per namespace
         self.epoch = 0  # bumped by flush: requests whose KV is older insert nothing
         self.nodes = 0
         self.cached_pages = 0  # over every group
@@ -65,16 +71,16 @@ class PrefixCache:
         step = self.page_size * 4
         return [data[i * step:(i + 1) * step] for i in range(pages)]
 
-    def match(self, tokens: np.ndarray, limit: int) -> tuple[list[list[int]], int]:
-        """Each group's page table of the longest cached prefix of tokens[:limit] that every group can resume
-        from (DROPPED before a window group's window), and the checkpoint of the linear-attention state there
-        (NO_STATE: none, or no such layers); each page and the checkpoint held once more for the caller (who
+    def match(self, tokens: np.ndarray, limit: int, namespace: Hashable = SHARED) -> tuple[list[list[int]], int]:
+        """Each group's page table of the longest prefix of tokens[:limit] cached in `namespace` that every group
+        can resume from (DROPPED before a window group's window), and the checkpoint of the linear-attention state
+        there (NO_STATE: none, or no such layers); each page and the checkpoint held once more for the caller (who
         releases them with the rest of its tables)."""
         tables: list[list[int]] = [[] for _ in self.windows]
         if not self.enabled:
             return tables, NO_STATE
         path: list[PageNode] = []
-        node: PageNode | None = self.root
+        node: PageNode | None = self.roots.get(namespace)
         for key in self._keys(tokens, limit // self.page_size):
             if node is None or (node := node.children.get(key)) is None:
                 break
@@ -105,16 +111,19 @@ class PrefixCache:
         return True
 
     def insert(self, tokens: np.ndarray, tables: list[list[int]], full_pages: int,
-               state: tuple[int, int] | None = None) -> bool:
-        """Cache the first `full_pages` pages of a request's tables, whose tokens (tokens[:full_pages * page_size])
-        have their KV computed. A page whose tokens another request cached first is a duplicate: the request's
-        table takes the cached page instead, and lets go of its own; a window page the node had given back is taken
-        from the request. `state`: (pages, slot) a checkpoint of the linear-attention state after that many pages,
-        kept by their node (with the caller's hold) unless it has one: whether it was."""
+               state: tuple[int, int] | None = None, namespace: Hashable = SHARED) -> bool:
+        """Cache, in `namespace`, the first `full_pages` pages of a request's tables, whose tokens
+        (tokens[:full_pages * page_size]) have their KV computed. A page whose tokens another request cached first
+        is a duplicate: the request's table takes the cached page instead, and lets go of its own; a window page the
+        node had given back is taken from the request. `state`: (pages, slot) a checkpoint of the linear-attention
+        state after that many pages, kept by their node (with the caller's hold) unless it has one: whether it
+        was."""
         if not self.enabled:
             return False
         self._clock += 1
-        node = self.root
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = PageNode(b"", [], None)
         kept = False
         for i, key in enumerate(self._keys(tokens, full_pages)):
             child = node.children.get(key)
@@ -178,16 +187,23 @@ class PrefixCache:
             assert parent is not None
             del parent.children[node.key]
             freed += self._drop(node)
-            if parent is not self.root and not parent.children and self._only_cached(parent):
+            if parent.parent is not None and not parent.children and self._only_cached(parent):
                 heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+        self.roots = {namespace: root for namespace, root in self.roots.items() if root.children}
         return freed
 
     def flush(self) -> None:
         """Forget every cached page (requests that hold some keep them until they end) and start a new epoch."""
         for node in self._nodes():
             self._drop(node)
-        self.root = PageNode(b"", [], None)
+        self.roots = {}
         self.epoch += 1
+
+    def forget(self, which: Callable[[Hashable], bool]) -> None:
+        """Forget the namespaces `which` says, whole (their requests keep the pages they hold until they end)."""
+        for namespace in [namespace for namespace in self.roots if which(namespace)]:
+            for node in self._nodes(self.roots.pop(namespace)):
+                self._drop(node)
 
     def _drop(self, node: PageNode) -> int:
         """Let go of a node removed from the tree; how many of its pages that frees."""
@@ -210,8 +226,10 @@ class PrefixCache:
     def _only_cached(self, node: PageNode) -> bool:
         return all(page == DROPPED or self.pages.refs[page] == 1 for page in node.pages)
 
-    def _nodes(self) -> list[PageNode]:
-        found, stack = [], list(self.root.children.values())
+    def _nodes(self, root: PageNode | None = None) -> list[PageNode]:
+        """Every node below `root` (None: below every namespace's root)."""
+        roots = self.roots.values() if root is None else [root]
+        found, stack = [], [node for root in roots for node in root.children.values()]
         while stack:
             node = stack.pop()
             found.append(node)

@@ -33,6 +33,7 @@ from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
 from services.scheduler.model.kv_scales import read_kv_scales
 from services.scheduler.model.linear_attention import StateRows, state_rows
+from services.scheduler.model.lora import LoraLayers
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
 from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.step import Batch, StepResult
@@ -82,13 +83,14 @@ class ModelRunner:
                  page_size: int = 16, max_total_tokens: int = 0, mem_fraction_static: float = 0.85,
                  logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
                  cuda_graph_max_bs: int = 0, load_format: str = "auto", state_checkpoints: int = 0,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", lora: tuple[frozenset[str], int, int] | None = None):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
         `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
         replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
         checkpoint's config alone), else the checkpoint's; `state_checkpoints`: a linear-attention model's state
         checkpoints for the prefix cache (0: `max_running`); `kv_cache_dtype`: what the KV pages store
-        (kv/quantize.py: auto, fp8_e4m3, fp8_e5m2)."""
+        (kv/quantize.py: auto, fp8_e4m3, fp8_e5m2); `lora`: (target module names, adapters per step, largest rank)
+        of LoRA adapters to serve (model/lora.py), None: none."""
         self.logits_chunk_rows = logits_chunk_rows
         self.name = str(model_dir)
         self.device = pick_device(device)
@@ -133,6 +135,7 @@ class ModelRunner:
         self.kv = KVPool(layout, self.num_pages, page_size, self.device, state_slots=slots,
                          routed_top_k=router_top_k(self.model) if routed_experts else 0, scales=scales)
         self.expert_routing = ExpertRouting(self.model, self.kv) if routed_experts else None
+        self.lora = LoraLayers(self.model, *lora) if lora is not None else None
         self.sampler = Sampler(max_running, self.vocab_size, self.device)
         self.graphs = self._decode_graphs(min(cuda_graph_max_bs, max_running), int(text_config.hidden_size))
         self._check_a_step()
@@ -148,6 +151,8 @@ class ModelRunner:
         if self.attention_backend != "triton":
             raise ValueError("--enable-cuda-graph: decode graphs attend with the Triton kernel; add "
                              "--attention-backend triton")
+        if self.lora is not None:
+            raise ValueError("--enable-cuda-graph: not with --enable-lora (its matmuls run outside the graphs)")
         if self.expert_routing is not None:
             raise ValueError("--enable-cuda-graph: not with --enable-return-routed-experts (its recording runs on "
                              "the host, per step)")
@@ -194,7 +199,13 @@ class ModelRunner:
             kvs = [row.request.kv for row in batch.rows]
             states = state_rows([row.request.slot for row in batch.rows], starts, ends - starts,
                                 [kv.restore for kv in kvs], [kv.capture for kv in kvs], self.page_size)
-        return self._forward_rows(tables, starts, ends, input_ids, positions, states)
+        if self.lora is None:
+            return self._forward_rows(tables, starts, ends, input_ids, positions, states)
+        self.lora.prepare([row.request.adapter for row in batch.rows], ends - starts)
+        try:
+            return self._forward_rows(tables, starts, ends, input_ids, positions, states)
+        finally:
+            self.lora.finish()
 
     def _forward_rows(self, tables: list[list[list[int]]], starts: np.ndarray, ends: np.ndarray,
                       input_ids: np.ndarray, positions: np.ndarray, states: StateRows | None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from flatwire_wire.logprobs import LogprobRows
 from services.common.tokenizer import load_tokenizer
 from services.scheduler.kv.pool import DEFAULT_CPU_TOKENS
 from services.scheduler.model.architecture import load_config
+from services.scheduler.model.lora import LoraLayers
 from services.scheduler.model.routed_experts import ExpertRouting
 from services.scheduler.model.runner import model_max_context
 from services.scheduler.step import Batch, BatchRow, DoneStep, StepResult
@@ -68,6 +69,7 @@ class SyntheticRunner:
         self.kv_layers = "synthetic: no model layers"
         self.num_pages = (max_total_tokens or DEFAULT_CPU_TOKENS) // page_size + 1
         self.expert_routing: ExpertRouting | None = None  # no model, no routers
+        self.lora: LoraLayers | None = None  # no model to adapt
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.step_s = step_ms / 1e3
         self._next_step_at = 0.0  # time.perf_counter() at which the next step may return

@@ -26,6 +26,7 @@ from flatwire_wire.control import (
     WeightsChunk,
 )
 from flatwire_wire.logprobs import LogprobsMode
+from flatwire_wire.lora import LoadLoraAdapterRequest, LoraAdapterInfo, LoraAdapterReply, UnloadLoraAdapterRequest
 from flatwire_wire.pb import arrays_pb2, scheduler_pb2
 from flatwire_wire.rpc import ServiceSpec, messages_of
 from flatwire_wire.sampling import CONSTRAINTS
@@ -88,6 +89,8 @@ class TokenizedRequest:
     stream_interval: int = 0  # output tokens per entry; 0: the scheduler's --output-interval
     return_routed_experts: bool = False  # MoE: the experts of each token, with the Finish
     routed_experts_start_len: int = 0  # from this sequence position on
+    lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
+    cache_namespace: str = ""  # its prefix-cache namespace (cache_salt); "": the shared one
 
 
 @twin(scheduler_pb2.SubmitBatchRequest)
@@ -142,6 +145,8 @@ class ModelInfo:
     kv_layers: str = ""  # what the model's layers keep
     state_bytes_per_request: int = 0  # linear-attention state one request holds (0: no such layers)
     state_checkpoints: int = 0  # of that state, which the prefix cache may keep
+    max_loras_per_batch: int = 0  # --enable-lora: adapters one step runs (0: LoRA off)
+    lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)  # loaded now
 
 
 @twin(scheduler_pb2.SchedulerStats)
@@ -173,7 +178,9 @@ SCHEDULER = ServiceSpec(
            "AbortAll": (AbortAllRequest, ControlReply),
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
            "FlushCache": (Empty, ControlReply),
-           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()}})
+           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()},
+           "LoadLoraAdapter": (LoadLoraAdapterRequest, LoraAdapterReply),
+           "UnloadLoraAdapter": (UnloadLoraAdapterRequest, LoraAdapterReply)})
 
 
 class SchedulerServicer(Protocol):
@@ -200,6 +207,8 @@ class SchedulerServicer(Protocol):
     async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context: Any
                                        ) -> ControlReply: ...
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context: Any) -> ControlReply: ...
+    async def load_lora_adapter(self, request: LoadLoraAdapterRequest, context: Any) -> LoraAdapterReply: ...
+    async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest, context: Any) -> LoraAdapterReply: ...
 
 
 class SchedulerClient:
@@ -285,3 +294,9 @@ class SchedulerClient:
 
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest) -> ControlReply:
         return await self._calls["ResumeMemoryOccupation"](request)
+
+    async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> LoraAdapterReply:
+        return await self._calls["LoadLoraAdapter"](request)
+
+    async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest) -> LoraAdapterReply:
+        return await self._calls["UnloadLoraAdapter"](request)

@@ -91,7 +91,7 @@ class DetokenizeParams(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
-    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len")
+    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len", "lora_name", "cache_namespace")
     RID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,8 @@ class TokenizedRequest(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     rid: str
     owner: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -110,7 +112,9 @@ class TokenizedRequest(_message.Message):
     stream_interval: int
     return_routed_experts: bool
     routed_experts_start_len: int
-    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    cache_namespace: str
+    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
@@ -239,7 +243,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints", "max_loras_per_batch", "lora_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +261,8 @@ class ModelInfo(_message.Message):
     KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -274,7 +280,9 @@ class ModelInfo(_message.Message):
     kv_layers: str
     state_bytes_per_request: int
     state_checkpoints: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ...) -> None: ...
+    max_loras_per_batch: int
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ..., max_loras_per_batch: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -429,3 +437,49 @@ class ControlReply(_message.Message):
     weight_version: str
     aborted_requests: int
     def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., num_paused_requests: _Optional[int] = ..., weight_version: _Optional[str] = ..., aborted_requests: _Optional[int] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "pinned", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    pinned: bool
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "safetensors", "config_json", "pinned", "replace")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    safetensors: bytes
+    config_json: str
+    pinned: bool
+    replace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., safetensors: _Optional[bytes] = ..., config_json: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterReply(_message.Message):
+    __slots__ = ("success", "message", "not_found", "loaded")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    not_found: bool
+    loaded: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., not_found: _Optional[bool] = ..., loaded: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...

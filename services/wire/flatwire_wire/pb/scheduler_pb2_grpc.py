@@ -128,6 +128,16 @@ class SchedulerStub:
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.SerializeToString,
                 response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -257,6 +267,21 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (--enable-lora), loaded and unloaded between two steps: a request names one by
+        TokenizedRequest.lora_name. Requests that hold an adapter when it is unloaded or replaced run
+        on to their end on its weights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -349,6 +374,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ResumeMemoryOccupation,
                     request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.FromString,
                     response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoraAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -841,6 +876,60 @@ class Scheduler:
             '/flatwire.internal.v1.Scheduler/ResumeMemoryOccupation',
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.SerializeToString,
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/LoadLoraAdapter',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/UnloadLoraAdapter',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoraAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,
