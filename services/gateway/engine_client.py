@@ -188,7 +188,8 @@ class EngineClient:
         request = TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0,
-            return_routed_experts=inp.return_routed_experts, routed_experts_start_len=inp.routed_experts_start_len)
+            return_routed_experts=inp.return_routed_experts, routed_experts_start_len=inp.routed_experts_start_len,
+            lora_name=inp.lora_name, cache_namespace=inp.cache_namespace)
         coalesce_s = self.config.stream_coalesce_ms / 1000
         try:
             state.scheduler = await self._submit(request, inp)

@@ -62,20 +62,22 @@ class Run:
                                                                      self.config.prefill_budget))
 
     def send(self, rid: str, input_ids: list[int], logprob: LogprobParams | None = None, stream_interval: int = 0,
-             **sampling) -> None:
-        """Submit a request; `sampling`: SamplingParams' fields."""
+             lora_name: str = "", cache_namespace: str = "", **sampling) -> None:
+        """Submit a request (on the LoRA adapter `lora_name`, in the prefix-cache namespace `cache_namespace`);
+        `sampling`: SamplingParams' fields."""
         self.engine.submit(parse_request(TokenizedRequest(
             rid=rid, owner="test", input_ids=input_ids, stream_interval=stream_interval,
-            sampling=SamplingParams(**sampling), logprob=logprob or LogprobParams(logprob_start_len=-1)),
-            self.limits, self.grammars))
+            sampling=SamplingParams(**sampling), logprob=logprob or LogprobParams(logprob_start_len=-1),
+            lora_name=lora_name, cache_namespace=cache_namespace), self.limits, self.grammars, self.engine.adapters))
 
     def submit(self, rid: str, prompt: list[int], new_tokens: int, logprob_start_len: int = -1,
-               stream_interval: int = 0) -> None:
+               stream_interval: int = 0, lora_name: str = "", cache_namespace: str = "") -> None:
         """A greedy request of exactly `new_tokens` tokens with top-K logprobs (prompt logprobs from
         `logprob_start_len`)."""
         self.send(rid, prompt, LogprobParams(return_logprob=True, top_logprobs_num=K,
                                              logprob_start_len=logprob_start_len),
-                  stream_interval, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+                  stream_interval, lora_name, cache_namespace, max_new_tokens=new_tokens, temperature=0,
+                  ignore_eos=True)
 
     def step(self, times: int = 1) -> None:
         for _ in range(times):

@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient, RequestError
-from services.gateway.http import generate, native, openai_chat, openai_completions, rollout
+from services.gateway.http import generate, lora, native, openai_chat, openai_completions, rollout
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import (
@@ -50,6 +50,7 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
     app.include_router(openai_completions.router)
     app.include_router(native.router)
     app.include_router(rollout.router)
+    app.include_router(lora.router)
     add_request_schemas(app)  # the routes read raw bodies: declare them in /openapi.json
 
     @app.exception_handler(InvalidRequest)
@@ -90,8 +91,10 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return Response(orjson.dumps({"object": "list", "data": [native.model_card(gateway_of(request))]}),
-            media_type="application/json")
+        gateway = gateway_of(request)
+        return Response(orjson.dumps({"object": "list", "data": [native.model_card(gateway),
+                                                                 *await native.adapter_cards(gateway)]}),
+                        media_type="application/json")
 
     # Body size and read timeout, for every route (inside the API key check: nothing unauthenticated is read).
     app.add_middleware(RequestLimits, max_body_bytes=config.max_request_mb * 1024 * 1024,

@@ -23,6 +23,7 @@ from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
+from services.gateway.lora import adapters
 from services.gateway.prompts import encode_checked
 from services.gateway.protocol.intake import GenerateInput
 from services.gateway.protocol.parse import InvalidRequest, check_batch_size, check_token_ids, is_id_lists
@@ -58,19 +59,31 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 # -- models ----------------------------------------------------------------------------------------------
 
 
-def model_card(gateway: Gateway) -> dict:
-    """The served model as OpenAI's model object (GET /v1/models lists it, GET /v1/models/{model} returns it)."""
+def model_card(gateway: Gateway, adapter: str | None = None) -> dict:
+    """The served model, or a LoRA adapter of it, as OpenAI's model object with vLLM's `root` and `parent` (the
+    adapter's base model): GET /v1/models lists them, GET /v1/models/{model} returns one. `root` is the model's own
+    name: where a checkpoint or an adapter lies on the schedulers' machine is not disclosed."""
     name = gateway.engine.model_name
-    return {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire", "root": name,
-            "max_model_len": gateway.limits.max_context}
+    return {"id": adapter or name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
+            "root": adapter or name, "parent": name if adapter else None, "max_model_len": gateway.limits.max_context}
+
+
+async def adapter_cards(gateway: Gateway) -> list[dict]:
+    """The LoRA adapters the schedulers serve, as model objects (none without --enable-lora)."""
+    info = gateway.engine.model_info
+    if info is None or not info.max_loras_per_batch:
+        return []
+    return [model_card(gateway, adapter.name) for adapter in await adapters(gateway.engine.schedulers)]
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
     gateway = gateway_of(request)
-    if model != gateway.engine.model_name:
-        return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-    return _json(model_card(gateway))
+    if model == gateway.engine.model_name:
+        return _json(model_card(gateway))
+    if card := next((card for card in await adapter_cards(gateway) if card["id"] == model), None):
+        return _json(card)
+    return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
 @router.get("/get_model_info")

@@ -52,7 +52,7 @@ async def chat_completions(request: Request) -> Response:
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(ChatCompletionRequest, await request.body(), gateway.limits)
-    check_model(gateway, req.model)
+    check_model(gateway, req)
     if req.tool_choice_name == "auto" and _tool_call_parser(gateway) is None:
         raise InvalidRequest("tool_choice" if req.tool_choice else "tools",
                              "tool_choice auto (the default with tools) needs a server started with "
@@ -70,7 +70,7 @@ async def chat_completions(request: Request) -> Response:
     results = await unless_disconnected(request, Generations.collect(starting))
     body = dumps({
         "id": response_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-        "model": gateway.engine.model_name,
+        "model": req.response_model(gateway.engine.model_name),
         "choices": [_choice(gateway, req, i, result, ids) for i, result in enumerate(results)],
         "usage": usage(len(ids), results, req.n),
         **({"prompt_token_ids": ids} if req.return_token_ids else {}),

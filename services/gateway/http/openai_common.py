@@ -6,15 +6,14 @@ import uuid
 from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.protocol.openai import OpenAIRequest
-from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.reply import Reply
 
 
-def check_model(gateway: Gateway, model: str) -> None:
-    if model != gateway.engine.model_name:
-        raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves "
-                                      f"`{gateway.engine.model_name}`", status=404, code="model_not_found")
+def check_model(gateway: Gateway, req: OpenAIRequest) -> None:
+    """The served model or, when the schedulers serve LoRA adapters, one of them (OpenAIRequest.choose_model)."""
+    info = gateway.engine.model_info
+    req.choose_model(gateway.engine.model_name, bool(info and info.max_loras_per_batch))
 
 
 def response_id(prefix: str) -> str:
@@ -25,7 +24,7 @@ def chunk_head(gateway: Gateway, req: OpenAIRequest, kind: str, id_prefix: str) 
     """The fields every chunk of a stream carries; with include_usage, `usage` too, null until the last chunk
     (as OpenAI sends it)."""
     head = {"id": response_id(id_prefix), "object": kind, "created": int(time.time()),
-            "model": gateway.engine.model_name}
+            "model": req.response_model(gateway.engine.model_name)}
     return head | {"usage": None} if req.include_usage else head
 
 

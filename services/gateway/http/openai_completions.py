@@ -42,7 +42,7 @@ async def completions(request: Request) -> Response:
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(CompletionRequest, await request.body(), gateway.limits)
-    check_model(gateway, req.model)
+    check_model(gateway, req)
     prompts = req.prompts()
     tokenizer = gateway.engine.tokenizer
     if isinstance(prompts[0], str):
@@ -65,7 +65,7 @@ async def completions(request: Request) -> Response:
     results = await unless_disconnected(request, Generations.collect(starting))
     body = dumps({
         "id": response_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-        "model": gateway.engine.model_name,
+        "model": req.response_model(gateway.engine.model_name),
         "choices": [_choice(gateway, req, i, result, echoes[i], choice_prompts) for i, result in enumerate(results)],
         "usage": usage(prompt_tokens, results, req.n),
     })

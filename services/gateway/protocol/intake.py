@@ -32,6 +32,8 @@ class GenerateInput:
     routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
     return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
     routed_experts_start_len: int = 0
+    lora_name: str = ""  # the LoRA adapter it runs on ("": the base model)
+    cache_namespace: str = ""  # its prefix-cache namespace (cache_salt, extra_key; "": the shared one)
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -51,6 +53,8 @@ class PromptRequest:
     rid: str | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora_name: str = ""
+    cache_namespace: str = ""
 
     def client_name(self, scheduler_field: str) -> str:
         """What the client's API calls a field of the scheduler's request ("sampling.max_new_tokens")."""
@@ -82,7 +86,8 @@ def generate_input(prompt: PromptRequest, prompt_ids: list[int], limits: ModelLi
     return GenerateInput(input_ids=prompt_ids, sampling=prompt.sampling.sampling(max_new, sample),
                          logprob=prompt.logprob, detokenize=prompt.detokenize, stream=prompt.stream, rid=prompt.rid,
                          return_routed_experts=prompt.return_routed_experts,
-                         routed_experts_start_len=prompt.routed_experts_start_len, fields=prompt.fields)
+                         routed_experts_start_len=prompt.routed_experts_start_len, lora_name=prompt.lora_name,
+                         cache_namespace=prompt.cache_namespace, fields=prompt.fields)
 
 
 def prompt_too_long(field: str, tokens: int, max_context: int) -> InvalidRequest:

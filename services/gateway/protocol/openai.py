@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from flatwire_wire.sampling import DEFAULT_SAMPLING, Range
 from flatwire_wire.scheduler import LogprobParams
-from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from services.gateway.agents.tool_choice import named_call_schema, required_calls_schema
 from services.gateway.protocol.chat import TEMPLATE_VARIABLES, ChatMessage, NamedToolChoice, Tool
@@ -115,6 +115,45 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     # SGLang's MoE routing replay: each choice's meta_info.routed_experts (a scheduler with
     # --enable-return-routed-experts)
     return_routed_experts: bool = False
+    # The LoRA adapter it runs on and the field that named it (`choose_model`)
+    _adapter: str = PrivateAttr("")
+    _adapter_field: str = PrivateAttr("lora_path")
+
+    @field_validator("lora_path")
+    @classmethod
+    def _one_adapter(cls, value):
+        if isinstance(value, list):
+            raise ValueError("one adapter's name for the whole request (a list of one per prompt is /generate's)")
+        return value
+
+    def choose_model(self, served: str, lora: bool) -> None:
+        """The model the request runs on: the served one, or a LoRA adapter of it (`lora`: the schedulers serve
+        adapters), which `model` names (vLLM's way: the adapter's own name; SGLang's: `<served>:<adapter>`) or
+        lora_path does beside the served model's name (SGLang's). Whether such an adapter is loaded, the scheduler
+        says (404 naming it)."""
+        model = self.model
+        if model == served:
+            adapter = ""
+        elif model.startswith(served + ":"):
+            adapter = model[len(served) + 1:]
+        elif lora:
+            adapter = model
+        else:
+            raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves `{served}`",
+                                 status=404, code="model_not_found")
+        path = self.lora_path or ""
+        if adapter and path and path != adapter:
+            raise InvalidRequest("lora_path", f"lora_path: {path!r}, but model names the adapter {adapter!r}")
+        self._adapter, self._adapter_field = adapter or path, "model" if adapter else "lora_path"
+
+    @property
+    def adapter(self) -> str:
+        """The LoRA adapter chosen (`choose_model`); "": the base model."""
+        return self._adapter
+
+    def response_model(self, served: str) -> str:
+        """The `model` a response reports: the adapter the request ran on (as vLLM answers), else the served one."""
+        return self.model if self._adapter_field == "model" and self._adapter else served
 
     @model_validator(mode="after")
     def _stream_options(self) -> "OpenAIRequest":
@@ -155,7 +194,7 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
 
     def scheduler_fields(self) -> dict[str, str]:
         """The scheduler's field names -> this request's (see pipeline.GenerateInput.fields)."""
-        fields = {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field,
+        fields = {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field, "lora_name": self._adapter_field,
                   **{f"logprob.{f.name}": "logprobs" for f in dataclasses.fields(LogprobParams)}}
         if self.response_format is not None and self.response_format.schema_text() is not None:
             fields["sampling.json_schema"] = "response_format"
@@ -368,4 +407,5 @@ def prompt_request(req: ChatCompletionRequest | CompletionRequest) -> PromptRequ
     return PromptRequest(sampling=req, max_new_tokens=req.requested_max_tokens, default_max_new_tokens=None,
                          detokenize=req.detokenize(req.min_new_tokens), logprob=req.logprob(),
                          fields=req.scheduler_fields(), stream=req.stream,
-                         return_routed_experts=req.return_routed_experts)
+                         return_routed_experts=req.return_routed_experts, lora_name=req.adapter,
+                         cache_namespace=req.cache_namespace())

@@ -1,6 +1,7 @@
 """SGLang's `POST /generate` request (GenerateReqInput), the fields flatwire implements; each prompt of it a
 PromptRequest for the intake (protocol/intake.py)."""
 
+import json
 from typing import Annotated, Any
 
 from flatwire_wire.sampling import DEFAULT_SAMPLING, INT32_MAX
@@ -25,12 +26,15 @@ PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", 
 
 
 class SGLangServerFields(RequestModel):
-    """Fields of SGLang's /generate and OpenAI routes alike that ask for what flatwire does not have (images,
-    LoRA adapters, sessions, hidden states, disaggregated prefill and data-parallel placement, custom logit
-    processors, priority scheduling, cache namespaces, metric labels): accepted at their neutral values only,
-    which clients send (bench_serving's lora_path is null)."""
+    """Fields of SGLang's /generate and OpenAI routes alike: the LoRA adapter a request runs on (lora_path: its name,
+    as loaded; /generate takes one per prompt of a batch) and its prefix-cache namespace (vLLM's cache_salt,
+    SGLang's extra_key: requests share cached KV only with the same ones); and those that ask for what flatwire does
+    not have (images, sessions, hidden states, disaggregated prefill and data-parallel placement, custom logit
+    processors, priority scheduling, metric labels), accepted at their neutral values only, which clients send."""
 
-    lora_path: Annotated[Any, unsupported(None)] = None
+    lora_path: str | list[str | None] | None = None
+    cache_salt: str | None = None
+    extra_key: str | None = None
     return_hidden_states: Annotated[bool | None, unsupported(None, False)] = None
     session_params: Annotated[Any, unsupported(None)] = None
     custom_logit_processor: Annotated[Any, unsupported(None)] = None
@@ -42,14 +46,18 @@ class SGLangServerFields(RequestModel):
     disagg_prefill_dp_rank: Annotated[Any, unsupported(None)] = None
     session_id: Annotated[Any, unsupported(None)] = None
     priority: Annotated[Any, unsupported(None)] = None
-    extra_key: Annotated[Any, unsupported(None, "")] = None
-    cache_salt: Annotated[Any, unsupported(None, "")] = None
     custom_labels: Annotated[Any, unsupported(None, {})] = None
     images_config: Annotated[Any, unsupported(None)] = None
     max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     min_dynamic_patch: Annotated[Any, unsupported(None)] = None
     use_audio_in_video: Annotated[bool | None, unsupported(None, False)] = None
     return_prompt_token_ids: Annotated[bool | None, unsupported(None, False)] = None
+
+    def cache_namespace(self) -> str:
+        """The prefix-cache namespace cache_salt and extra_key ask for ("": the shared one)."""
+        if not (self.cache_salt or self.extra_key):
+            return ""
+        return json.dumps([self.cache_salt or "", self.extra_key or ""])
 
 
 class SGLangGenerateFields(SGLangServerFields):
@@ -152,6 +160,9 @@ class GenerateRequest(SGLangGenerateFields):
                              f"{self.batch_size} prompts x n={n}", info)
         self._check_rids()
         self._check_per_prompt()
+        if isinstance(self.lora_path, list) and (not self.is_batch or len(self.lora_path) != self.batch_size):
+            raise InvalidRequest("lora_path", f"lora_path: one adapter's name, or a list of one per prompt "
+                                              f"({self.batch_size}{'' if self.is_batch else ': not a batch'})")
         if self.return_flat_raw_top_logprobs_b64 and not (
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
             raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
@@ -239,7 +250,9 @@ class GenerateRequest(SGLangGenerateFields):
         """The scheduler's field names -> this request's, for prompt i (GenerateInput.fields): a logprob field given
         per prompt is named with its index."""
         per_prompt = {f"logprob.{name}": f"{name}[{i}]" for name in PER_PROMPT_FIELDS if self._is_per_prompt(name)}
-        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": "", **per_prompt}
+        lora = f"lora_path[{i}]" if isinstance(self.lora_path, list) else "lora_path"
+        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": "", "lora_name": lora,
+                **per_prompt}
 
     def prompt(self, i: int) -> PromptRequest:
         """Prompt i, for the intake."""
@@ -249,7 +262,12 @@ class GenerateRequest(SGLangGenerateFields):
                              detokenize=options.detokenize(options.min_new_tokens), logprob=self.logprob(i),
                              fields=self.scheduler_fields(i), stream=self.stream, rid=self.rid_for(i),
                              return_routed_experts=self.return_routed_experts,
-                             routed_experts_start_len=self.routed_experts_start_len)
+                             routed_experts_start_len=self.routed_experts_start_len,
+                             lora_name=self.lora_for(i), cache_namespace=self.cache_namespace())
+
+    def lora_for(self, i: int) -> str:
+        """Prompt i's LoRA adapter ("": the base model)."""
+        return (self.lora_path[i] if isinstance(self.lora_path, list) else self.lora_path) or ""
 
     @property
     def any_logprob(self) -> bool:
