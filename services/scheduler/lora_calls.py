@@ -31,19 +31,19 @@ class LoraCalls:
         if self.engine.adapters is None:
             return LoraAdapterReply(success=False, message=LORA_OFF)
         if not request.lora_name:
-            return self._refused("lora_name: must not be empty")
+            return self._lora_refused("lora_name: must not be empty")
         try:
             adapter = await asyncio.to_thread(self._read, request)
         except AdapterRefused as exc:
             log.warning("LoRA adapter %s refused: %s", request.lora_name, exc)
-            return self._refused(str(exc), not_found=exc.not_found)
+            return self._lora_refused(str(exc), not_found=exc.not_found)
         adapter.pinned = request.pinned
-        return await self._control(LoadAdapter(adapter=adapter, replace=request.replace))
+        return await self._lora_control(LoadAdapter(adapter=adapter, replace=request.replace))
 
     async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest, context) -> LoraAdapterReply:
         if self.engine.adapters is None:
             return LoraAdapterReply(success=False, message=LORA_OFF)
-        return await self._control(UnloadAdapter(name=request.lora_name))
+        return await self._lora_control(UnloadAdapter(name=request.lora_name))
 
     def _read(self, request: LoadLoraAdapterRequest) -> LoraAdapter:
         """The adapter the request brings or names (blocking: a worker thread)."""
@@ -62,13 +62,13 @@ class LoraCalls:
         return read_adapter_bytes(request.lora_name, config, request.safetensors, lora.features, lora.max_rank,
                                   lora.dtype)
 
-    async def _control(self, command: LoadAdapter | UnloadAdapter) -> LoraAdapterReply:
+    async def _lora_control(self, command: LoadAdapter | UnloadAdapter) -> LoraAdapterReply:
         reply = await asyncio.wrap_future(self.engine.control(command))
         if isinstance(reply, ControlReply):  # the engine stopped before it applied the command
-            return self._refused(reply.message)
+            return self._lora_refused(reply.message)
         return reply
 
-    def _refused(self, message: str, not_found: bool = False) -> LoraAdapterReply:
+    def _lora_refused(self, message: str, not_found: bool = False) -> LoraAdapterReply:
         adapters = self.engine.adapters
         return LoraAdapterReply(success=False, message=message, not_found=not_found,
                                 loaded=adapters.loaded() if adapters is not None else [])

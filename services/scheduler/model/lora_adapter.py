@@ -29,7 +29,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 UNSUPPORTED = {"use_dora": (None, False), "bias": (None, "none"), "modules_to_save": (None, []),
                "layers_to_transform": (None, []), "layers_pattern": (None, [], ""), "fan_in_fan_out": (None, False),
                "layer_replication": (None, []), "target_parameters": (None, []), "lora_bias": (None, False),
-               "use_qalora": (None, False), "alora_invocation_tokens": (None, [])}
+               "use_qalora": (None, False), "alora_invocation_tokens": (None, []),
+               "trainable_token_indices": (None, [], {})}
 TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 _ids = itertools.count(1)
 
