@@ -32,10 +32,9 @@ OPENAI_FIELDS = [
     (CHAT_ENDPOINT, "service_tier", "priority", [None, "auto", "default"]),
     (CHAT_ENDPOINT, "continue_final_message", True, [None, False]),
     # SGLang's, on both routes and /generate (SGLANG_FIELDS)
-    *((endpoint, "lora_path", "adapter", [None]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
     *((endpoint, "return_hidden_states", True, [None, False]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
 ]
-SGLANG_FIELDS = [("n", 5, [None, 1]), ("lora_path", "adapter", [None]), ("return_hidden_states", True, [None, False]),
+SGLANG_FIELDS = [("n", 5, [None, 1]), ("return_hidden_states", True, [None, False]),
                  ("image_data", "https://example.com/a.png", [None]), ("input_embeds", [[0.0]], [None]),
                  ("log_metrics", False, [None, True]), ("session_params", {"id": "s"}, [None])]
 
@@ -68,10 +67,27 @@ def test_generate_field_refused_unless_neutral(http, field, value, neutral):
 def test_the_rest_of_sglangs_generate_fields_are_refused_unless_neutral(http):
     """Every field of SGLang's GenerateReqInput flatwire lacks is declared: refused with "not supported" when it
     asks for something, taken at its neutral value; routing_key routes (one replica here) and no_logs is so."""
-    declared = set(SGLangGenerateFields.model_fields)
-    assert {"priority", "session_id", "return_entropy", "cache_salt", "routed_dp_rank", "lora_path"} <= declared
+    declared = set(SGLangGenerateFields.model_fields) - HONOURED
+    assert {"priority", "session_id", "return_entropy", "routed_dp_rank"} <= declared
     _refused_unless_neutral(http, "/generate", GENERATE, SGLangGenerateFields, declared,
-                            {"routing_key": "tenant-1", "no_logs": True})
+                            {"routing_key": "tenant-1", "no_logs": True, "cache_salt": "s", "extra_key": "k"})
+
+
+# SGLang's fields of every route that are honoured: the LoRA adapter (tests/gateway/test_lora.py) and the
+# prefix-cache namespace.
+HONOURED = {"lora_path", "cache_salt", "extra_key"}
+
+
+def test_a_lora_adapter_on_a_server_without_lora_is_refused_by_name(http, served_model):
+    """404 naming the field that named it: no adapter of any name is served without --enable-lora."""
+    refused = http.post("/generate", json={**GENERATE, "lora_path": "adapter"})
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "lora_path"
+    assert "`adapter` does not exist" in refused.json()["error"]["message"]
+    for endpoint, body in ((CHAT_ENDPOINT, CHAT), (COMPLETIONS_ENDPOINT, COMPLETION)):
+        refused = http.post(endpoint, json={**body, "model": served_model, "lora_path": "adapter"})
+        assert refused.status_code == 404 and refused.json()["error"]["param"] == "lora_path"
+        unknown = http.post(endpoint, json={**body, "model": "adapter"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 # SGLang's OpenAI routes' own fields flatwire lacks (beside those of every route, SGLangServerFields)
@@ -82,8 +98,9 @@ SGLANG_OPENAI_FIELDS = {"stop_regex", "custom_params", "rid", "ngram_corpus_id",
     (CHAT_ENDPOINT, CHAT, ChatCompletionRequest, {"input_ids", "task"}),
     (COMPLETIONS_ENDPOINT, COMPLETION, CompletionRequest, {"suffix"})], ids=["chat", "completions"])
 def test_sglangs_openai_fields_are_refused_unless_neutral(http, served_model, endpoint, body, model, own):
-    declared = set(SGLangServerFields.model_fields) | SGLANG_OPENAI_FIELDS | own
-    _refused_unless_neutral(http, endpoint, {**body, "model": served_model}, model, declared, {})
+    declared = set(SGLangServerFields.model_fields) - HONOURED | SGLANG_OPENAI_FIELDS | own
+    _refused_unless_neutral(http, endpoint, {**body, "model": served_model}, model, declared,
+                            {"cache_salt": "s", "extra_key": "k"})
 
 
 def _refused_unless_neutral(http, endpoint: str, body: dict, model, fields: set[str], honoured: dict) -> None:

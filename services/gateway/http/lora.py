@@ -1,6 +1,6 @@
 """LoRA adapters loaded and unloaded at run time: SGLang's routes (/load_lora_adapter, /unload_lora_adapter,
 /load_lora_adapter_from_tensors; sglang/srt/entrypoints/http_server.py, their request classes in
-managers/io_struct.py) and vLLM's (/v1/load_lora_adapter, /v1/unload_lora_adapter;
+sglang/srt/managers/io_struct.py) and vLLM's (/v1/load_lora_adapter, /v1/unload_lora_adapter;
 vllm/entrypoints/openai/serving_models.py), in their shapes. Admin routes (http/auth.py). Each call goes to every
 scheduler replica (services/gateway/lora.py); what it does there is services/scheduler/engine/lora_registry.py's.
 

@@ -61,11 +61,13 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 def model_card(gateway: Gateway, adapter: str | None = None) -> dict:
     """The served model, or a LoRA adapter of it, as OpenAI's model object with vLLM's `root` and `parent` (the
-    adapter's base model): GET /v1/models lists them, GET /v1/models/{model} returns one. `root` is the model's own
-    name: where a checkpoint or an adapter lies on the schedulers' machine is not disclosed."""
+    adapter's base model; the base model has none): GET /v1/models lists them, GET /v1/models/{model} returns one.
+    `root` is the model's own name: where a checkpoint or an adapter lies on the schedulers' machine is not
+    disclosed."""
     name = gateway.engine.model_name
-    return {"id": adapter or name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
-            "root": adapter or name, "parent": name if adapter else None, "max_model_len": gateway.limits.max_context}
+    card = {"id": adapter or name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
+            "root": adapter or name, "max_model_len": gateway.limits.max_context}
+    return card | {"parent": name} if adapter else card
 
 
 async def adapter_cards(gateway: Gateway) -> list[dict]:

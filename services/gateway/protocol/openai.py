@@ -141,7 +141,7 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
         else:
             raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves `{served}`",
                                  status=404, code="model_not_found")
-        path = self.lora_path or ""
+        path = self.lora_path if isinstance(self.lora_path, str) else ""  # a list is refused (_one_adapter)
         if adapter and path and path != adapter:
             raise InvalidRequest("lora_path", f"lora_path: {path!r}, but model names the adapter {adapter!r}")
         self._adapter, self._adapter_field = adapter or path, "model" if adapter else "lora_path"

@@ -55,7 +55,7 @@ class LoraAdapter:
     pinned: bool = False  # never unloaded to make room
     id: int = field(default_factory=lambda: next(_ids))
     users: int = 0  # requests the engine holds that run on it
-    last_use: int = 0  # the registry's clock when a request last named it
+    last_use: float = 0.0  # time.monotonic() when a request last named it (or it was loaded)
     retired: bool = False  # unloaded or replaced: no new request gets it
 
     @property
@@ -96,7 +96,7 @@ def read_adapter_bytes(name: str, config: dict, safetensors: bytes, targets: Map
     return adapter_of(name, "", config, tensors, targets, max_rank, dtype)
 
 
-def _pattern_value(patterns: Mapping[str, int | float], module: str, default):
+def _pattern_value(patterns: Mapping[str, float] | None, module: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's name."""
     for key, value in (patterns or {}).items():
         if re.match(rf"(.*\.)?{key}$", module):
