@@ -327,6 +327,14 @@ def test_given_options_go_to_the_services_that_have_them():
     assert parse_up([], "flatwire up") == (UpConfig(), {service: [] for service in SERVICES}, {})
 
 
+def test_up_takes_vllm_s_names_of_the_lora_options_and_passes_sglang_s():
+    _, flags, _ = parse_up(["--enable-lora", "--max-loras", "3", "--lora-modules", "a=/x", "--max-cpu-loras", "6",
+                            "--max-lora-rank", "32"], "flatwire up")
+    assert set(flags["scheduler"]) == {"--enable-lora=true", "--max-loras-per-batch=3", "--lora-paths=a=/x",
+                                       "--max-loaded-loras=6", "--max-lora-rank=32"}
+    assert flags["gateway"] == flags["detokenizer"] == []
+
+
 def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, tmp_path):
     """A flag given to `flatwire up` reaches its service; a FLATWIRE_* variable still reaches it unchanged; a
     secret is on no command line."""
