@@ -88,18 +88,20 @@ class LogprobParams(_message.Message):
     def __init__(self, return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ...) -> None: ...
 
 class DetokenizeParams(_message.Message):
-    __slots__ = ("skip_special_tokens", "spaces_between_special_tokens", "stop", "no_stop_trim", "min_new_tokens")
+    __slots__ = ("skip_special_tokens", "spaces_between_special_tokens", "stop", "no_stop_trim", "min_new_tokens", "include_stop_str")
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     NO_STOP_TRIM_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_FIELD_NUMBER: _ClassVar[int]
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
     no_stop_trim: bool
     min_new_tokens: int
-    def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
+    include_stop_str: bool
+    def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., include_stop_str: _Optional[bool] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
     __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len")
