@@ -34,9 +34,9 @@ VLLM_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), (
 
 
 class SkyRL:
-    """SkyRL's RemoteInferenceClient control plane (skyrl/backends/skyrl_train/inference_servers/
-    remote_inference_client.py at a95645): _call_server's aiohttp request (json body, query params) and what pause,
-    resume, sleep, wake_up and reset_prefix_cache pass it."""
+    """SkyRL's RemoteInferenceClient control plane, at a95645 of
+    skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py: _call_server's aiohttp request (json
+    body, query params) and what pause, resume, sleep, wake_up and reset_prefix_cache pass it."""
 
     def __init__(self, server_url: str):
         self.server_url = server_url
@@ -236,9 +236,10 @@ def test_pause_abort_ends_requests_and_wait_lets_them_finish(stack, http, refere
 
 
 def test_skyrl_colocated_sleep_level_2_then_weights_then_kv_cache(stack, http, model_dir, references):
-    """SkyRL's colocated weight sync (worker_dispatch.py): sleep() (level 2), wake_up(["weights"]), the trainer's
-    weights, wake_up(["kv_cache"]). Level 2 keeps nothing: after the weights' wake_up they are zeros, and requests
-    are refused, until an update brings them (flatwire's disk update stands in for the trainer's broadcast)."""
+    """SkyRL's colocated weight sync (skyrl/backends/skyrl_train/workers/worker_dispatch.py): sleep() (level 2),
+    wake_up(["weights"]), the trainer's weights, wake_up(["kv_cache"]). Level 2 keeps nothing: after the weights'
+    wake_up they are zeros, and requests are refused, until an update brings them (flatwire's disk update stands in
+    for the trainer's broadcast)."""
     skyrl = SkyRL(stack.http_url)
     assert skyrl.sleep()["status"] == 200
     assert state(http) == (True, True)
