@@ -81,6 +81,9 @@ def test_chat_prompt_logprobs_are_top_level_over_the_templated_prompt(openai_cli
     ({"prompt_logprobs": "two"}, "prompt_logprobs: Input should be a valid integer"),
     ({"prompt_logprobs": 3, "logprobs": 1, "return_meta_info": True, "return_flat_raw_output_top_logprobs": True},
      "prompt_logprobs: at most the output's top-k with return_flat_raw_output_top_logprobs"),
+    # 16 generations x 1999 prompt positions x 256: past --max-logprob-elements, which names the field that sized it
+    ({"prompt": [[9707] * 2000] * 4, "n": 4, "prompt_logprobs": 256, "logprobs": 1},
+     "prompt_logprobs: the response would carry"),
 ])
 def test_prompt_logprobs_it_cannot_serve_are_refused_by_name(http, served_model, body, says):
     reply = http.post("/v1/completions", json={"model": served_model, "prompt": "Hello", "max_tokens": 1, **body})

@@ -60,10 +60,8 @@ async def chat_completions(request: Request) -> Response:
                              "--tool-call-parser; give tool_choice required, a function's name, or none")
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
                             req.template_tools(), req.template_kwargs())
-    prompt_side = {} if req.prompt_logprobs is None else {"prompt": "the prompt, with prompt_logprobs"}
-    inputs = generate_inputs([(prompt_request(req), ids)], gateway.limits, LogprobFields(
-        top_k="top_logprobs" if req.prompt_logprobs is None else "top_logprobs or prompt_logprobs",
-        max_new_tokens=req.max_tokens_field, n="n", **prompt_side), req.n)
+    inputs = generate_inputs([(prompt_request(req), ids)], gateway.limits, req.logprob_fields(
+        LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n")), req.n)
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
                                  routing_key(request.headers) or req.prompt_cache_key)
     if req.stream:

@@ -33,8 +33,6 @@ from services.gateway.routing import routing_key
 
 ENDPOINT = "/v1/completions"
 LOGPROB_FIELDS = LogprobFields(top_k="logprobs", max_new_tokens="max_tokens", prompt="the prompt, with echo", n="n")
-PROMPT_LOGPROB_FIELDS = LogprobFields(top_k="logprobs or prompt_logprobs", max_new_tokens="max_tokens",
-                                      prompt="the prompt, with prompt_logprobs", n="n")
 
 router = APIRouter()
 
@@ -56,7 +54,7 @@ async def completions(request: Request) -> Response:
                                else [""] * len(prompts))
     prompt = prompt_request(req)  # choice p * n + j: prompt p's j-th sample
     inputs = generate_inputs([(prompt, prompt_ids) for prompt_ids in ids], gateway.limits,
-                             LOGPROB_FIELDS if req.prompt_logprobs is None else PROMPT_LOGPROB_FIELDS, req.n)
+                             req.logprob_fields(LOGPROB_FIELDS), req.n)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,

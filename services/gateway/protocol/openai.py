@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, ValidationIn
 
 from services.gateway.agents.tool_choice import named_call_schema, required_calls_schema
 from services.gateway.protocol.chat import TEMPLATE_VARIABLES, ChatMessage, NamedToolChoice, Tool
+from services.gateway.protocol.cost import LogprobFields
 from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
     InvalidRequest,
@@ -169,6 +170,14 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     def output_top_k(self) -> int:
         """The top-k of the output's logprobs the request asks for."""
         return 0
+
+    def logprob_fields(self, fields: LogprobFields) -> LogprobFields:
+        """`fields` (the API's names for what sizes a response), with prompt_logprobs where it asks for the prompt's
+        rows and for the top-k the scheduler computes."""
+        if self._prompt_top_k is None:
+            return fields
+        top_k = "prompt_logprobs" if self._prompt_top_k >= self.output_top_k else fields.top_k
+        return dataclasses.replace(fields, top_k=top_k, prompt="the prompt, with prompt_logprobs")
 
     def logprob_params(self, output: bool, output_k: int, echo: bool = False) -> LogprobParams:
         """The scheduler's LogprobParams: output logprobs (`output`, top `output_k`), the prompt's with `echo` or
