@@ -1,9 +1,9 @@
 """The gateway's keys on HTTP (services/common/auth.py AccessKeys: SGLang's api_key and admin_api_key).
 
 --api-key: every route but /health needs `Authorization: Bearer KEY` (as the OpenAI client sends it).
---admin-api-key: the admin routes (ADMIN_PATHS: rollout control, LoRA adapters) need it, and no other key opens them;
-without it they need the API key like the rest. /abort_request serves both kinds: either key passes
-here, and the route itself asks for the admin key when the body says abort_all (require_admin).
+--admin-api-key: the admin routes (ADMIN_PATHS: rollout control, SGLang's and vLLM's, and LoRA adapters) need it,
+and no other key opens them; without it they need the API key like the rest. /abort_request serves both kinds:
+either key passes here, and the route itself asks for the admin key when the body says abort_all (require_admin).
 Anything else is answered 401 in the OpenAI error shape, with `WWW-Authenticate: Bearer`, before the
 body is read. A plain ASGI middleware, outermost, so that it also covers /metrics, /openapi.json and
 unknown paths, and costs no extra task per request.
@@ -19,8 +19,13 @@ ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tens
                          "/continue_generation", "/update_weight_version", "/flush_cache",
                          "/init_weights_update_group", "/update_weights_from_distributed",
                          "/destroy_weights_update_group", "/release_memory_occupation",
-                         "/resume_memory_occupation", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
-                         "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+                         "/resume_memory_occupation",
+                         # vLLM's (http/vllm_rl.py)
+                         "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
+                         "/reset_prefix_cache",
+                         # LoRA adapters, SGLang's and vLLM's (http/lora.py)
+                         "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+                         "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 MIXED_PATHS = frozenset({"/abort_request"})  # one request by rid (ordinary), or abort_all (admin)
 
 
