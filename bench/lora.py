@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from bench.common import Progress, Table, fmt_time, write_results
 from bench.in_process import InProcessSteps, random_prompt
 from bench.models import mid_model
+from services.common.memory import keep_big_blocks
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.model.lora_adapter import LoraAdapter, read_adapter_dir
 from services.scheduler.model.runner import ModelRunner
@@ -95,6 +96,7 @@ def prefill_step(runner: ModelRunner, on: list[LoraAdapter | None]) -> tuple[flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
+    keep_big_blocks()  # as the scheduler process does on the CPU
     path = mid_model()
     tokens = BATCH * (CONTEXT + 64)
     plain = ModelRunner(path, "cpu", "float32", 0, BATCH, max_total_tokens=tokens)

@@ -73,7 +73,7 @@ class Scheduler:
         sequence this long ends (LENGTH); `compile_timeout_s`: a request COMPILING longer fails (its compile, if it
         has not started, is dropped); `routed_experts`: what the model recorded for a request's tokens, read when
         it finishes (before its KV memory goes); `max_adapters`: the LoRA adapters the running requests may use at
-        once (--max-loras-per-batch; 0: no LoRA)."""
+        once (--max-loras-per-batch; 0: no bound)."""
         self.kv = kv
         self.slots = slots
         self.prefill_budget = prefill_budget
@@ -164,7 +164,8 @@ class Scheduler:
         while admit and len(self.waiting) > passed and self.slots.free and budget > 0:
             request = self.waiting[passed]
             adapter = request.adapter
-            if adapter is not None and adapter.id not in adapters and len(adapters) >= self.max_adapters:
+            if adapter is not None and self.max_adapters and adapter.id not in adapters and \
+                    len(adapters) >= self.max_adapters:
                 passed += 1  # no room for another adapter in a step: it waits for one of theirs to end
                 continue
             row = self._admit(request, budget, alone=not chunks, prefills=chunks, reserve=reserve)
