@@ -162,6 +162,39 @@ class SchedulerStats:
     retractions: int = 0
 
 
+
+# -- colocated trainers (internal calls only: the gateway's HTTP routes forward them) ------------------------------
+
+@twin(scheduler_pb2.UpdateWeightsFromTensorRequest)
+@dataclass
+class UpdateWeightsFromTensorRequest:
+    serialized_named_tensors: list[bytes] = field(default_factory=list)  # rank i reads entry i: torch's pickle
+    load_format: str = ""  # "", "direct" or "flattened_bucket"
+    abort_all_requests: bool = False
+    weight_version: str | None = None  # set on success; None: the version stays
+
+
+@twin(scheduler_pb2.BeginWeightUpdateRequest)
+@dataclass
+class BeginWeightUpdateRequest:
+    pass
+
+
+@twin(scheduler_pb2.EndWeightUpdateRequest)
+@dataclass
+class EndWeightUpdateRequest:
+    pass
+
+
+CHECK_WEIGHTS_ACTIONS = ("snapshot", "reset_tensors", "compare")  # SGLang's weights_checker actions
+
+
+@twin(scheduler_pb2.CheckWeightsRequest)
+@dataclass
+class CheckWeightsRequest:
+    action: str  # of CHECK_WEIGHTS_ACTIONS
+    skip_tensor_list: list[str] = field(default_factory=list)  # compare: names left out
+
 SCHEDULER = ServiceSpec(
     scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"], messages_of(scheduler_pb2, arrays_pb2),
     twins={"Submit": (TokenizedRequest, Empty), "SubmitBatch": (SubmitBatchRequest, SubmitBatchReply),
@@ -173,7 +206,11 @@ SCHEDULER = ServiceSpec(
            "AbortAll": (AbortAllRequest, ControlReply),
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
            "FlushCache": (Empty, ControlReply),
-           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()}})
+           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()},
+           "UpdateWeightsFromTensor": (UpdateWeightsFromTensorRequest, ControlReply),
+           "BeginWeightUpdate": (BeginWeightUpdateRequest, ControlReply),
+           "EndWeightUpdate": (EndWeightUpdateRequest, ControlReply),
+           "CheckWeights": (CheckWeightsRequest, ControlReply)})
 
 
 class SchedulerServicer(Protocol):
@@ -200,6 +237,11 @@ class SchedulerServicer(Protocol):
     async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context: Any
                                        ) -> ControlReply: ...
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context: Any) -> ControlReply: ...
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest, context: Any
+                                         ) -> ControlReply: ...
+    async def begin_weight_update(self, request: BeginWeightUpdateRequest, context: Any) -> ControlReply: ...
+    async def end_weight_update(self, request: EndWeightUpdateRequest, context: Any) -> ControlReply: ...
+    async def check_weights(self, request: CheckWeightsRequest, context: Any) -> ControlReply: ...
 
 
 class SchedulerClient:
@@ -285,3 +327,15 @@ class SchedulerClient:
 
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest) -> ControlReply:
         return await self._calls["ResumeMemoryOccupation"](request)
+
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> ControlReply:
+        return await self._calls["UpdateWeightsFromTensor"](request)
+
+    async def begin_weight_update(self) -> ControlReply:
+        return await self._calls["BeginWeightUpdate"](BeginWeightUpdateRequest())
+
+    async def end_weight_update(self) -> ControlReply:
+        return await self._calls["EndWeightUpdate"](EndWeightUpdateRequest())
+
+    async def check_weights(self, request: CheckWeightsRequest) -> ControlReply:
+        return await self._calls["CheckWeights"](request)

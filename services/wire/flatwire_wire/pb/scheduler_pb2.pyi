@@ -416,6 +416,34 @@ class UpdateWeightVersionRequest(_message.Message):
     abort_all_requests: bool
     def __init__(self, new_version: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ...) -> None: ...
 
+class UpdateWeightsFromTensorRequest(_message.Message):
+    __slots__ = ("serialized_named_tensors", "load_format", "abort_all_requests", "weight_version")
+    SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    serialized_named_tensors: _containers.RepeatedScalarFieldContainer[bytes]
+    load_format: str
+    abort_all_requests: bool
+    weight_version: str
+    def __init__(self, serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., load_format: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class BeginWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EndWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckWeightsRequest(_message.Message):
+    __slots__ = ("action", "skip_tensor_list")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TENSOR_LIST_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    skip_tensor_list: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, action: _Optional[str] = ..., skip_tensor_list: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ControlReply(_message.Message):
     __slots__ = ("success", "message", "num_paused_requests", "weight_version", "aborted_requests")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
