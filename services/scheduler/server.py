@@ -94,7 +94,7 @@ class SchedulerService(RolloutCalls):
         self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream, or CUT
         self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
         source = None if config.load_format == "dummy" else weights.model_dir if weights else None
-        occupation = (MemoryOccupation(runner.kv, weights, runner.device, source)
+        occupation = (MemoryOccupation(runner.kv, weights, runner.device, source, graphs=runner.graphs is not None)
                       if weights is not None and isinstance(runner, ModelRunner) else None)
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
                              behind=self._behind, occupation=occupation)
