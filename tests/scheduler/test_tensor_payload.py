@@ -20,6 +20,7 @@ from harness.sglang_payloads import (
     flattened_bucket,
     flattened_bucket_of_one_dtype,
     pickled,
+    serialize,
     shared_memory,
 )
 from services.scheduler.model.tensor_payload import MAX_ENTRY_BYTES, named_tensors
@@ -67,6 +68,9 @@ def test_a_local_serialized_tensor_gives_each_rank_its_own(tensors):
     assert torch.equal(named_tensors(entry, "", 1)["a"], tensors["a"] * 2)
     with pytest.raises(WeightsRefused, match="of 2 values has no pickled tensor for rank 2"):
         named_tensors(entry, "", 2)
+    with shared_memory():  # a value as SGLang's serializer's base64 text, which its deserializer takes too
+        as_text = pickled([("a", LocalSerializedTensor(values=[serialize(tensors["a"])]))])
+    assert torch.equal(named_tensors(as_text, "", 0)["a"], tensors["a"])
 
 
 def test_a_format_that_is_not_what_load_format_says_is_refused(tensors):

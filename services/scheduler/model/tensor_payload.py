@@ -27,6 +27,8 @@ those mirrors alone. Anything else is refused with the name it asked for, before
 CUDA IPC (the GPU path) has not run here: no GPU.
 """
 
+import base64
+import binascii
 import io
 import os
 import pickle
@@ -92,7 +94,7 @@ class _Mirror:
 
     def __setstate__(self, state) -> None:
         if not isinstance(state, dict) or set(state) != set(self.FIELDS):
-            given = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            given = str(sorted(map(str, state)))[:200] if isinstance(state, dict) else type(state).__name__
             raise Refused(f"{type(self).__name__}: its state is {given}, not the fields {sorted(self.FIELDS)}")
         for name, kind in self.FIELDS.items():
             if not isinstance(state[name], kind) or isinstance(state[name], bool) and kind is int:
@@ -110,6 +112,7 @@ class FlattenedTensorMetadata(_Mirror):
     dtype: torch.dtype
     start_idx: int
     end_idx: int
+    numel: int
 
 
 class LocalSerializedTensor(_Mirror):
@@ -122,7 +125,7 @@ class LocalSerializedTensor(_Mirror):
 def _ints(values, what: str) -> tuple[int, ...]:
     if not isinstance(values, (tuple, list, torch.Size)) or not all(
             type(v) is int and v >= 0 for v in values):
-        raise Refused(f"{what}: {values!r} is not a tuple of non-negative ints")
+        raise Refused(f"{what}: {str(values)[:80]} is not a tuple of non-negative ints")
     return tuple(values)
 
 
@@ -292,10 +295,16 @@ def unpickle(data: bytes):
 
 def _tensor_of(value, rank: int) -> torch.Tensor:
     if isinstance(value, LocalSerializedTensor):
-        if not 0 <= rank < len(value.values) or not isinstance(value.values[rank], bytes):
+        own = value.values[rank] if 0 <= rank < len(value.values) else None
+        if isinstance(own, str):  # SGLang's deserializer takes its base64 text too
+            try:
+                own = base64.b64decode(own, validate=True)
+            except binascii.Error:
+                own = None
+        if not isinstance(own, bytes):
             raise Refused(f"a LocalSerializedTensor of {len(value.values)} values has no pickled tensor for rank "
                           f"{rank}")
-        value = unpickle(value.values[rank])
+        value = unpickle(own)
     if not isinstance(value, torch.Tensor):
         raise Refused(f"a {type(value).__name__} where a tensor was expected")
     return value
