@@ -1,13 +1,12 @@
 """Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates,
 weight_version relabelling, flushing the prefix cache, releasing and resuming the model's memory, checking the
-weights. They join the
-engine's inbox with new requests and aborts, so that the engine thread alone decides when each applies: always
-between two steps (engine.py says how)."""
+weights. They join the engine's inbox with new requests and aborts, so that the engine thread alone decides when
+each applies: always between two steps (engine.py says how)."""
 
 import concurrent.futures
 from dataclasses import dataclass, field
 
-from flatwire_wire.control import ControlReply, PauseMode
+from flatwire_wire.control import ControlReply, PauseMode, WeightsRelease
 
 from services.scheduler.model.weights import StagedWeights
 
@@ -47,12 +46,16 @@ class UpdateWeights(Control):
 
 @dataclass(kw_only=True)
 class FlushCache(Control):
-    pass
+    """None: SGLang's flush_cache (refused while requests run or wait); a bool: vLLM's reset_prefix_cache (refused
+    while requests run, unless true: they are retracted first)."""
+
+    reset_running_requests: bool | None = None
 
 
 @dataclass(kw_only=True)
 class ReleaseMemory(Control):
     tags: list[str]  # checked (MemoryOccupation.tags_of)
+    weights: WeightsRelease = WeightsRelease.UNSPECIFIED
 
 
 @dataclass(kw_only=True)

@@ -240,7 +240,8 @@ class SchedulerServicer:
 
     def FlushCache(self, request, context):
         """Empty the prefix cache; refused (success false) while requests run or wait, as SGLang's flush_cache,
-        except requests retracted by a pause, which hold no KV (miles' SGLang: pause retract, then flush).
+        except requests retracted by a pause, which hold no KV (miles' SGLang: pause retract, then flush)
+        (FlushCacheRequest says what vLLM's reset_prefix_cache does instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
