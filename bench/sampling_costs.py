@@ -16,12 +16,15 @@ SGLang's mode (as slime asks), without and with return_top_p_token_ids (whose lo
 nucleus's), at temperature 0.8 with top-k 50 and top-p 0.9 (nuclei of at most 50, as a trained model's
 peaked distributions give) and with top-p 0.9 alone (the default model's random weights make its
 distribution nearly flat: 200k of its 248k tokens a nucleus, the worst case); the step includes the
-policy taking the nuclei into the requests' pending output.
+policy taking the nuclei into the requests' pending output. The sampler's share alone (Sampler.choose on
+the same requests, on fixed [32, vocab] logits of the default model's spread): what replay adds to it is
+the whole of replay's device work, less exposed to a busy machine than a whole step.
 
     python -m bench.sampling_costs           # writes bench/out/sampling_costs.{md,json}
 """
 
 import argparse
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,6 +40,7 @@ from services.scheduler.kv.manager import KVManager
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.sampling.logit_adjust import AdjustedRow, adjust_logits
+from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.submit import SubmitLimits, parse_request
 
 PROMPT_TOKENS = 64
@@ -50,6 +54,7 @@ CASES = {
 LOGPROB_BATCH = 32
 LOGPROB_CASES = {"sampled": dict(temperature=0.8, top_k=50), "greedy": dict(temperature=0.0)}
 LOGPROB_MODES = (LogprobsMode.RAW, LogprobsMode.PROCESSED, LogprobsMode.SGLANG)
+LOGIT_SPREAD = 0.23  # the default model's logits' standard deviation (random weights)
 REPLAY_CASES = {"top-k 50, top-p 0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
                 "top-p 0.9 (flat)": dict(temperature=0.8, top_p=0.9)}
 
@@ -107,12 +112,22 @@ def add_logprob_cases(bench: Interleaved, runner: ModelRunner, grammars: Grammar
         for mode in LOGPROB_MODES:
             engine = running_requests(runner, grammars, LOGPROB_BATCH, fields, slots, kv, top_20(mode))
             bench.add(("logprobs", name, mode), engine.step)
+    logits = torch.randn(LOGPROB_BATCH, runner.vocab_size, generator=torch.Generator().manual_seed(0)) * LOGIT_SPREAD
     for name, fields in REPLAY_CASES.items():
         for replay in (False, True):
             engine = running_requests(runner, grammars, LOGPROB_BATCH, fields, slots, kv, top_20(LogprobsMode.SGLANG),
                                       replay)
             bench.add(("replay", name, replay), _counting(engine, NUCLEUS_IDS.setdefault(name, []))
                       if replay else engine.step)
+            bench.add(("choose", name, replay), partial(_choose, runner.sampler, logits.to(runner.device),
+                                                        list(engine.policy.running)))
+
+
+@torch.inference_mode()
+def _choose(sampler: Sampler, logits: torch.Tensor, requests: list) -> None:
+    choice = sampler.choose(logits, requests)
+    if choice.nuclei is not None:
+        choice.nuclei[1].cpu()  # as the step's host copy takes them
 
 
 NUCLEUS_IDS: dict[str, list[int]] = {}  # per replay case: how many nucleus ids each step made
@@ -185,14 +200,17 @@ def main(argv: list[str] | None = None) -> None:
                              "sglang_step_ms": sglang.ms})
     replays = Table(f"Decode step at B={LOGPROB_BATCH} with top-20 sglang_logprobs, without and with top-p replay",
                     ["sampling (temperature 0.8)", "step ms", "with replay ms", "replay / without",
-                     "nucleus ids per step"])
+                     "nucleus ids per step", "sampler ms", "with replay ms"])
     replay_json = []
     for name in REPLAY_CASES:
         without, with_replay = (bench.timing(("replay", name, replay)) for replay in (False, True))
         ids = int(np.median(NUCLEUS_IDS[name]))
         ratio = with_replay.median / without.median
-        replays.add(name, f"{without.ms:.2f}", f"{with_replay.ms:.2f}", fmt_ratio(ratio), f"{ids:,}")
+        sampler, sampler_replay = (bench.timing(("choose", name, replay)) for replay in (False, True))
+        replays.add(name, f"{without.ms:.2f}", f"{with_replay.ms:.2f}", fmt_ratio(ratio), f"{ids:,}",
+                    f"{sampler.ms:.2f}", f"{sampler_replay.ms:.2f}")
         replay_json.append({"sampling": name, "step_ms": without.ms, "replay_step_ms": with_replay.ms,
+                            "sampler_ms": sampler.ms, "replay_sampler_ms": sampler_replay.ms,
                             "nucleus_ids_per_step": ids})
     checks.add(f"top-p replay costs <= 5% of the B={LOGPROB_BATCH} decode step (nuclei of at most 50)",
                f"{(replay_json[0]['replay_step_ms'] / replay_json[0]['step_ms'] - 1) * 100:+.1f}%",
