@@ -75,6 +75,16 @@ def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None =
         parser.error(str(exc))
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable `name` (another program's, such as SGLang's) is set to a true boolean;
+    ValueError naming it when it is set to something else."""
+    raw = os.environ.get(name, "")
+    try:
+        return bool(raw) and _parse(bool, raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def shown_default(field: dataclasses.Field) -> str | None:
     """A field's default as a flag would give it; None when there is none to show (None, "", [])."""
     default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default

@@ -74,8 +74,9 @@ def test_the_rest_of_sglangs_generate_fields_are_refused_unless_neutral(http):
                             {"routing_key": "tenant-1", "no_logs": True})
 
 
-# SGLang's OpenAI routes' own fields flatwire lacks (beside those of every route, SGLangServerFields)
-SGLANG_OPENAI_FIELDS = {"stop_regex", "custom_params", "rid", "ngram_corpus_id", "return_cached_tokens_details"}
+# SGLang's OpenAI routes' own fields flatwire lacks (beside those of every route, SGLangServerFields; custom_params:
+# top-p replay, tests/gateway/test_top_p_replay.py)
+SGLANG_OPENAI_FIELDS = {"stop_regex", "rid", "ngram_corpus_id", "return_cached_tokens_details"}
 
 
 @pytest.mark.parametrize(("endpoint", "body", "model", "own"), [

@@ -135,7 +135,9 @@ async def server_info(request: Request) -> Response:
         "max_batch_size": config.max_batch_size,
         "max_outstanding_requests": engine.admission_limit,
         "disable_radix_cache": not info.prefix_cache,
-        "logprobs_mode": info.logprobs_mode.api_name,
+        "logprobs_mode": info.logprobs_mode.api_name,  # the OpenAI routes' default (the scheduler's --logprobs-mode)
+        # /generate's and the public gRPC API's default: raw_logprobs (true) or SGLang's sglang_logprobs
+        "return_original_logprob": config.return_original_logprob,
         "routing_policy": config.routing_policy.value,
         "gateway_id": engine.owner,  # this gateway process's (one of several behind one port: --reuse-port)
         # Its token table and per-format pieces are built (a thread at startup that shares the CPU until then).

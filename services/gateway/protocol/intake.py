@@ -32,6 +32,7 @@ class GenerateInput:
     routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
     return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
     routed_experts_start_len: int = 0
+    return_top_p_token_ids: bool = False  # top-p replay: each output token's nucleus
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
     # got past the gateway's own checks: {"sampling": "sampling_params", ...}.
     fields: dict[str, str] = field(default_factory=dict)
@@ -51,6 +52,7 @@ class PromptRequest:
     rid: str | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    return_top_p_token_ids: bool = False
 
     def client_name(self, scheduler_field: str) -> str:
         """What the client's API calls a field of the scheduler's request ("sampling.max_new_tokens")."""
@@ -82,7 +84,8 @@ def generate_input(prompt: PromptRequest, prompt_ids: list[int], limits: ModelLi
     return GenerateInput(input_ids=prompt_ids, sampling=prompt.sampling.sampling(max_new, sample),
                          logprob=prompt.logprob, detokenize=prompt.detokenize, stream=prompt.stream, rid=prompt.rid,
                          return_routed_experts=prompt.return_routed_experts,
-                         routed_experts_start_len=prompt.routed_experts_start_len, fields=prompt.fields)
+                         routed_experts_start_len=prompt.routed_experts_start_len,
+                         return_top_p_token_ids=prompt.return_top_p_token_ids, fields=prompt.fields)
 
 
 def prompt_too_long(field: str, tokens: int, max_context: int) -> InvalidRequest:

@@ -16,6 +16,7 @@ from services.gateway.protocol.parse import (
     check_token_ids,
     check_top_k,
     is_id_lists,
+    limits_of,
     logprobs_mode,
 )
 from services.gateway.protocol.sampling import SGLangSamplingParams, unsupported
@@ -90,7 +91,8 @@ class GenerateRequest(SGLangGenerateFields):
     logprob_start_len: Annotated[int, Field(ge=-1)] | list[Annotated[int, Field(ge=-1)]] = -1
     top_logprobs_num: Annotated[int, Field(ge=0)] | list[Annotated[int, Field(ge=0)]] = 0
     token_ids_logprob: list[int] | list[list[int]] | None = None
-    logprobs_mode: LogprobsModeName | None = None  # of the output logprobs (flatwire's; vLLM's names)
+    # Of the output logprobs (vLLM's names, and SGLang's); absent: SGLang's, or raw with --return-original-logprob.
+    logprobs_mode: LogprobsModeName | None = None
     return_text_in_logprobs: bool = False
     return_flat_raw_top_logprobs: bool = False  # prompt side as flat arrays instead of nested rows
     return_flat_raw_output_top_logprobs: bool = False  # output side likewise
@@ -152,6 +154,8 @@ class GenerateRequest(SGLangGenerateFields):
                              f"{self.batch_size} prompts x n={n}", info)
         self._check_rids()
         self._check_per_prompt()
+        if self.logprobs_mode is None:  # this API's default, the server's
+            self.logprobs_mode = limits_of(info).sglang_logprobs.api_name  # type: ignore[assignment]
         if self.return_flat_raw_top_logprobs_b64 and not (
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
             raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
@@ -239,7 +243,8 @@ class GenerateRequest(SGLangGenerateFields):
         """The scheduler's field names -> this request's, for prompt i (GenerateInput.fields): a logprob field given
         per prompt is named with its index."""
         per_prompt = {f"logprob.{name}": f"{name}[{i}]" for name in PER_PROMPT_FIELDS if self._is_per_prompt(name)}
-        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": "", **per_prompt}
+        return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": "", **per_prompt,
+                "return_top_p_token_ids": f"{self.sampling_field(i)}.custom_params.return_top_p_token_ids"}
 
     def prompt(self, i: int) -> PromptRequest:
         """Prompt i, for the intake."""
@@ -249,7 +254,8 @@ class GenerateRequest(SGLangGenerateFields):
                              detokenize=options.detokenize(options.min_new_tokens), logprob=self.logprob(i),
                              fields=self.scheduler_fields(i), stream=self.stream, rid=self.rid_for(i),
                              return_routed_experts=self.return_routed_experts,
-                             routed_experts_start_len=self.routed_experts_start_len)
+                             routed_experts_start_len=self.routed_experts_start_len,
+                             return_top_p_token_ids=options.return_top_p_token_ids)
 
     @property
     def any_logprob(self) -> bool:

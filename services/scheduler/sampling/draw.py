@@ -46,23 +46,25 @@ class Draw:
 
     tokens: torch.Tensor  # [B] next token per row
     probs: torch.Tensor | None  # [len(params.rows), V] the sampled rows' filtered probabilities, not normalized
+    scaled: torch.Tensor | None  # [len(params.rows), V] their logits divided by the temperature, before the cut
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> Draw:
     """Next token per row of float32 logits [B, V]; rows not in params.rows are greedy."""
     tokens = logits.argmax(dim=-1)
     if not params.rows:
-        return Draw(tokens, None)
+        return Draw(tokens, None, None)
     rows = put(params.rows, torch.long, logits.device)
     temperature = put(params.temperature, torch.float32, logits.device)
-    probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
+    scaled = logits[rows] / temperature.unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)
     probs = _keep_top_k(probs, params.top_k)
     probs = _keep_top_p(probs, params.top_p)
     if any(min_p > 0 for min_p in params.min_p):
         floor = put(params.min_p, torch.float32, probs.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     tokens[rows] = (probs / _exponential_noise(params.generators, probs)).argmax(dim=-1)
-    return Draw(tokens, probs)
+    return Draw(tokens, probs, scaled)
 
 
 def _exponential_noise(generators: list[torch.Generator | None], like: torch.Tensor) -> torch.Tensor:
@@ -106,3 +108,26 @@ def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     mass_before = ordered.cumsum(dim=-1) - ordered
     kept = (mass_before < limit).sum(dim=-1, keepdim=True).clamp_min(1)
     return probs.masked_fill(probs < _threshold(rows, ordered.gather(1, kept - 1), probs), 0.0)
+
+
+def nuclei(draw: Draw, params: SamplingBatch, rows: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p replay: the nucleus each of the step's `rows` drew its token from, as (sizes [len(rows)] int32, ids
+    [sum(sizes)] int32, row after row, ascending): a sampled row's, the tokens its cut left a probability (what
+    top-k, top-p and min-p kept, less any whose probability underflowed to 0: it could not be drawn); a greedy
+    row's, its token alone. One pass over the rows' probabilities (on CUDA, nonzero waits for the device)."""
+    sampled_at = {row: i for i, row in enumerate(params.rows)}
+    device = draw.tokens.device
+    if all(row in sampled_at for row in rows):
+        assert draw.probs is not None  # params.rows were sampled
+        of_draw = [sampled_at[row] for row in rows]
+        probs = draw.probs if of_draw == list(range(len(params.rows))) else draw.probs[put(of_draw, torch.long, device)]
+        kept = probs > 0
+    else:
+        kept = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+        greedy = [j for j, row in enumerate(rows) if row not in sampled_at]
+        kept[put(greedy, torch.long, device), draw.tokens[put([rows[j] for j in greedy], torch.long, device)]] = True
+        if sampled := [j for j, row in enumerate(rows) if row in sampled_at]:
+            assert draw.probs is not None
+            kept[put(sampled, torch.long, device)] = \
+                draw.probs[put([sampled_at[rows[j]] for j in sampled], torch.long, device)] > 0
+    return kept.sum(dim=1, dtype=torch.int32), kept.nonzero()[:, 1].to(torch.int32)

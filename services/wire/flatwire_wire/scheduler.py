@@ -89,6 +89,7 @@ class TokenizedRequest:
     stream_interval: int = 0  # output tokens per entry; 0: the scheduler's --output-interval
     return_routed_experts: bool = False  # MoE: the experts of each token, with the Finish
     routed_experts_start_len: int = 0  # from this sequence position on
+    return_top_p_token_ids: bool = False  # top-p replay: each output token's nucleus, in StepOutput.top_p
 
 
 @twin(scheduler_pb2.SubmitBatchRequest)

@@ -104,7 +104,7 @@ class DetokenizeParams(_message.Message):
     def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., include_stop_str: _Optional[bool] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
-    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len")
+    __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len", "return_top_p_token_ids")
     RID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class TokenizedRequest(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOP_P_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     owner: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -123,7 +124,8 @@ class TokenizedRequest(_message.Message):
     stream_interval: int
     return_routed_experts: bool
     routed_experts_start_len: int
-    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ...) -> None: ...
+    return_top_p_token_ids: bool
+    def __init__(self, rid: _Optional[str] = ..., owner: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprob: _Optional[_Union[LogprobParams, _Mapping]] = ..., detokenize: _Optional[_Union[DetokenizeParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ..., return_top_p_token_ids: _Optional[bool] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
@@ -216,7 +218,7 @@ class Finish(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., message: _Optional[str] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version", "made_at_unix_us")
+    __slots__ = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts", "positions", "resumed", "counts", "weight_version", "made_at_unix_us", "top_p")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     RIDS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +233,7 @@ class StepOutput(_message.Message):
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MADE_AT_UNIX_US_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
     step: int
     started: _containers.RepeatedCompositeFieldContainer[RequestStart]
     rids: _containers.RepeatedScalarFieldContainer[str]
@@ -245,7 +248,8 @@ class StepOutput(_message.Message):
     counts: _containers.RepeatedScalarFieldContainer[int]
     weight_version: str
     made_at_unix_us: int
-    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ..., made_at_unix_us: _Optional[int] = ...) -> None: ...
+    top_p: _arrays_pb2.NucleusBlock
+    def __init__(self, step: _Optional[int] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt_rids: _Optional[_Iterable[str]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[Finish, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[_Union[RequestResume, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ..., made_at_unix_us: _Optional[int] = ..., top_p: _Optional[_Union[_arrays_pb2.NucleusBlock, _Mapping]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
