@@ -239,7 +239,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints", "return_routed_experts", "releases_memory", "load_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,9 @@ class ModelInfo(_message.Message):
     KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -274,7 +277,10 @@ class ModelInfo(_message.Message):
     kv_layers: str
     state_bytes_per_request: int
     state_checkpoints: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ...) -> None: ...
+    return_routed_experts: bool
+    releases_memory: bool
+    load_format: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., releases_memory: _Optional[bool] = ..., load_format: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
