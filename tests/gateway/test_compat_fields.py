@@ -65,7 +65,8 @@ def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field
         assert response.status_code == 200, (ok, response.text)
 
 
-@pytest.mark.parametrize(("field", "value", "neutral"), SGLANG_FIELDS, ids=[f"{f[0]}-{i}" for i, f in enumerate(SGLANG_FIELDS)])
+@pytest.mark.parametrize(("field", "value", "neutral"), SGLANG_FIELDS,
+                         ids=[f"{f[0]}-{i}" for i, f in enumerate(SGLANG_FIELDS)])
 def test_generate_field_refused_unless_neutral(http, field, value, neutral):
     assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
     for ok in neutral:
