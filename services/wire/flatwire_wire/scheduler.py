@@ -163,6 +163,7 @@ class SchedulerStats:
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
     retractions: int = 0
+    waiting_tokens: int = 0  # the waiting requests' sequences (prompt and output so far), to prefill
 
 
 SCHEDULER = ServiceSpec(

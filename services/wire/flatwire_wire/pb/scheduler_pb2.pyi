@@ -287,7 +287,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions")
+    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions", "waiting_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class SchedulerStats(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_tokens_used: int
@@ -314,7 +315,8 @@ class SchedulerStats(_message.Message):
     prefill_tokens: int
     cached_prompt_tokens: int
     retractions: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ...) -> None: ...
+    waiting_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsFromDiskRequest(_message.Message):
     __slots__ = ("model_path", "load_format", "abort_all_requests", "weight_version")
