@@ -74,8 +74,8 @@ def test_no_vllm_version_route(http):
 
 
 def test_loads_report_each_replica_as_sglang_does(http):
-    """SGLang's /v1/loads, as smg polls it (?include=core,disagg,queues,memory): a running request shows within
-    a health round (1 s here), and leaves."""
+    """SGLang's /v1/loads, as smg polls it (?include=core,disagg,queues,memory), and /get_load: a running request
+    shows within a health round (1 s here), and leaves."""
     path = "/v1/loads?include=core,disagg,queues,memory"
 
     def load() -> dict:
@@ -96,6 +96,10 @@ def test_loads_report_each_replica_as_sglang_does(http):
             assert time.monotonic() < deadline and not running.done(), "the running request never showed"
             time.sleep(0.1)
         assert busy["num_used_tokens"] > 0 and busy["token_usage"] > 0
+        assert busy["num_total_tokens"] >= busy["num_used_tokens"]
+        [legacy] = http.get("/get_load").json()  # SGLang's older shape, which sglang-router 0.3 sums
+        assert legacy["dp_rank"] == 0 and legacy["num_reqs"] >= 1 and legacy["num_tokens"] > 0
+        assert legacy["num_tokens"] >= legacy["num_pending_tokens"] >= 0 and "ts_tic" in legacy
         assert running.result().status_code == 200
     deadline = time.monotonic() + 60  # other tests' requests may share the stack
     while load()["num_running_reqs"]:

@@ -153,10 +153,11 @@ async def server_info(request: Request) -> Response:
 
 def sglang_server_args(info: ModelInfo, replicas: int) -> dict:
     """SGLang's ServerArgs that slime and miles compare with what they would have launched when they attach to a
-    running engine (--rollout-external: sglang_engine.py), each with flatwire's true value. Each scheduler replica
-    is one process on one device (one node, no tensor, pipeline or expert parallelism), as SGLang's data-parallel
-    ranks are; a setting flatwire has no such thing for is SGLang's default only where that default is true here
-    (no LoRA, no prefill/decode disaggregation, no indexer top-k)."""
+    running engine (--rollout-external: slime/backends/sglang_utils/sglang_engine.py, and miles' of that name), each
+    with flatwire's true value. Each scheduler replica is one process on one device (one node, no tensor, pipeline
+    or expert parallelism), as SGLang's data-parallel ranks are; a setting flatwire has no such thing for is
+    SGLang's default only where that default is true here (no LoRA, no prefill/decode disaggregation, no indexer
+    top-k)."""
     return {
         "nnodes": 1, "node_rank": 0,
         "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": replicas,
