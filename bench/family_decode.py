@@ -1,4 +1,4 @@
-"""A decode step per model family, the engine against transformers' own generate with its cache.
+"""A decode step per model family, the engine against transformers' own forward with its cache.
 
     python -m bench.family_decode      # about 10 minutes on 2 cores
 
@@ -6,11 +6,13 @@ Each family as a mid-size random model of its own architecture (8 layers, hidden
 heads of 64, a 32000-token vocabulary; windows of 256 where the family has them, so that a 1024-token context
 reaches past them; gpt-oss with sinks and 8 experts, DeepSeek V3 with its latent and 8 experts), float32 on the CPU.
 The engine: the median seconds of a decode step of B requests placed at the context (bench/in_process.py, the
-scheduler's policy, KV manager and model step). transformers: (generate of N + 1 tokens - generate of 1) / N for
-the same B prompts, greedy, with its own cache (DynamicCache; sliding layers keep their window).
+scheduler's policy, KV manager and model step). transformers: the median seconds of a greedy decode step of its
+model's forward over the same B prompts, prefilled, with its own cache (DynamicCache; sliding layers keep their
+window).
 """
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +35,11 @@ from transformers import (
 )
 
 from bench.common import Progress, Table, fmt_ratio, fmt_time, write_results
-from bench.decode_context import STEPS as ENGINE_STEPS
-from bench.decode_context import decode_step
+from bench.decode_context import STEPS, decode_step
 from bench.in_process import random_prompt
 from services.scheduler.model.runner import ModelRunner
 
-CONTEXT, BATCHES, STEPS, WINDOW = 1024, (1, 8), 8, 256
+CONTEXT, BATCHES, WINDOW = 1024, (1, 8), 256
 COMMON = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, eos_token_id=None)
 SLIDING_THEN_FULL = (["sliding_attention"] * 3 + ["full_attention"]) * 2
@@ -71,25 +72,26 @@ def engine_step(runner: ModelRunner, batch: int) -> float:
 
 @torch.inference_mode()
 def transformers_step(model, batch: int) -> float:
-    """Seconds per token of transformers' greedy generate past the prefill, with its own cache."""
+    """The median seconds of a greedy decode step of transformers' own forward with its own cache (DynamicCache),
+    the B prompts prefilled first."""
     prompts = torch.tensor([prompt(i) for i in range(batch)])
-
-    def generate(tokens: int) -> float:
+    out = model(input_ids=prompts, use_cache=True)
+    cache, seconds = out.past_key_values, []
+    for _ in range(STEPS + 1):  # the first step untimed, as the engine's
         start = time.perf_counter()
-        model.generate(prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        return time.perf_counter() - start
-
-    generate(1)  # warm
-    return (generate(STEPS + 1) - generate(1)) / STEPS
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     progress = Progress(len(FAMILIES), "family_decode")
-    table = Table(f"A decode step at {CONTEXT} tokens of context: the engine against transformers' generate",
+    table = Table(f"A decode step at {CONTEXT} tokens of context: the engine against transformers' forward",
                   ["family", *[f"B={b}: engine, transformers, ratio" for b in BATCHES]],
                   "Mid-size random models of each architecture, float32 on the CPU; median of "
-                  f"{ENGINE_STEPS} steps (the engine), (generate({STEPS + 1}) - generate(1)) / {STEPS} (transformers).")
+                  f"{STEPS} steps each, after one untimed.")
     data = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, make in FAMILIES.items():

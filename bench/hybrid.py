@@ -5,7 +5,7 @@ same memory as a full-attention model.
 
 A Qwen3.5-shaped mid-size random model (its real mix: three Gated DeltaNet layers to one full-attention layer, 8
 layers, hidden 512, a 32000-token vocabulary), float32 on the CPU:
-- a decode step of the engine against transformers' generate with its own cache, at a 1024-token context;
+- a decode step of the engine against transformers' own forward with its cache, at a 1024-token context;
 - n=8 samples of a 2048-token prompt, and a 10-turn session (each turn a new 128-token message and 32 tokens of
   answer), with the prefix cache and without: the tokens prefilled and the wall time;
 and, from the shapes of the published configs alone (no weights): concurrent sessions at a 32k context in 24 GiB
@@ -106,7 +106,7 @@ def sessions_at_32k(shape: dict, linear: bool) -> tuple[int, int, int]:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     progress = Progress(6, "hybrid")
-    decode = Table("A decode step at 1024 tokens of context: the engine against transformers' generate",
+    decode = Table("A decode step at 1024 tokens of context: the engine against transformers' forward",
                    ["B", "engine", "transformers", "ratio"], "The Qwen3.5-shaped mid-size model, float32 on the CPU.")
     cache = Table("The prefix cache with linear-attention state checkpoints",
                   ["workload", "prefill tokens: with the cache", "without", "wall: with", "without", "speed-up"],

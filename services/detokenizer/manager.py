@@ -42,7 +42,7 @@ class DecodingRequest:
     def of(cls, start: RequestStart, scheduler: str) -> "DecodingRequest":
         params = start.detokenize
         return cls(start.owner, scheduler, params.skip_special_tokens, params.spaces_between_special_tokens,
-                   StopStrings.of(params.stop, params.no_stop_trim), params.min_new_tokens)
+                   StopStrings.of(params.stop, params.no_stop_trim, params.include_stop_str), params.min_new_tokens)
 
 
 @dataclass
@@ -100,8 +100,8 @@ class DetokenizerManager:
                 continue
             state.next_position += count
             finish = scheduler_finish.get(rid)
-            # Like SGLang, the stop token is not part of the text unless no_stop_trim.
-            if finish and finish.reason == FinishReason.STOP_TOKEN and not state.stops.no_stop_trim:
+            # Like SGLang, the stop token is not part of the text unless no_stop_trim (or vLLM's include_stop_str).
+            if finish and finish.reason == FinishReason.STOP_TOKEN and not state.stops.keeps_stop_token:
                 tokens = tokens[:-1]
             state.status.decode_ids.extend(tokens)
             owned.owners[index] = state.owner

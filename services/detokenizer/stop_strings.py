@@ -12,11 +12,18 @@ class StopMatch:
 @dataclass(frozen=True)
 class StopStrings:
     strings: tuple[str, ...]  # non-empty strings only
-    no_stop_trim: bool = False
+    no_stop_trim: bool = False  # SGLang's: the text is not cut at a match
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: cut after the matched string, not before
 
     @classmethod
-    def of(cls, strings, no_stop_trim: bool = False) -> "StopStrings":
-        return cls(tuple(s for s in strings if s), no_stop_trim)
+    def of(cls, strings, no_stop_trim: bool = False, include_stop: bool = False) -> "StopStrings":
+        return cls(tuple(s for s in strings if s), no_stop_trim, include_stop)
+
+    @property
+    def keeps_stop_token(self) -> bool:
+        """A stop token's text is part of the output (SGLang leaves it out unless no_stop_trim; vLLM's
+        include_stop_str_in_output keeps it)."""
+        return self.no_stop_trim or self.include_stop
 
     @property
     def max_len(self) -> int:
@@ -37,16 +44,19 @@ class StopStrings:
         return best
 
     def text_end(self, text: str, match: StopMatch) -> int:
-        """Length of the text the request ends with: up to the match, or all of it with no_stop_trim."""
-        return len(text) if self.no_stop_trim else match.start
+        """Length of the text the request ends with: up to the match, through it with include_stop, or all of it
+        with no_stop_trim."""
+        if self.no_stop_trim:
+            return len(text)
+        return match.start + len(match.stop) if self.include_stop else match.start
 
     def partial_len(self, text: str, end: int) -> int:
         """Length of the longest suffix of text[:end] that begins some stop string.
 
         Streaming holds it back, so that text later trimmed is never sent; with
-        no_stop_trim nothing is trimmed, so nothing needs holding back.
+        no_stop_trim or include_stop no text before a match is trimmed, so nothing needs holding back.
         """
-        if self.no_stop_trim:
+        if self.no_stop_trim or self.include_stop:
             return 0
         longest = 0
         for stop in self.strings:

@@ -32,8 +32,9 @@ class GatewayConfig(ServiceConfig):
                                  "default: none (open); prefer the environment variable to the flag (visible in ps)")
     admin_api_key: str | None = option(None, "the only key that opens the admin operations (weight updates and "
                                        "weight-sync groups, pause and continue, abort_all, update_weight_version, "
-                                       "flush_cache, memory release and resume; HTTP and public gRPC), as SGLang's "
-                                       "--admin-api-key; unset: they need --api-key like the rest")
+                                       "flush_cache, memory release and resume; HTTP and public gRPC; vLLM's "
+                                       "pause, resume, sleep, wake_up, reset_prefix_cache and is_ routes), as "
+                                       "SGLang's --admin-api-key; unset: they need --api-key like the rest")
     routing_policy: RoutingPolicy = option(
         RoutingPolicy.CACHE_AWARE, "which scheduler replica takes a request: cache_aware, the one its session "
         "(X-SMG-Routing-Key or X-Session-ID header, or gRPC metadata) or the longest prefix of its prompt last went "

@@ -18,6 +18,7 @@ import grpc
 from flatwire_wire import public
 from flatwire_wire.control import (
     RL_CONTROL,
+    SGLANG_FLUSH,
     AbortAllRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -137,7 +138,7 @@ class GenerationService:
         return await self._everywhere(lambda client: client.update_weight_version(request))
 
     async def flush_cache(self, request: Empty, context) -> public.ControlResponse:
-        return await self._everywhere(lambda client: client.flush_cache())
+        return await self._everywhere(lambda client: client.flush_cache(SGLANG_FLUSH))
 
     async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context
                                         ) -> public.ControlResponse:

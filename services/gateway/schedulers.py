@@ -50,6 +50,11 @@ ABORT_GIVE_UP_S = 600.0
 PUSH_QUEUE_CHUNKS = 4  # PushWeights chunks waiting for a replica that reads slower than the client sends
 
 
+def unanswered_prefix(address: str) -> str:
+    """How the reply of a replica that did not answer a control call begins (a fault, not a refusal)."""
+    return f"scheduler {address} did not answer: "
+
+
 @dataclass
 class Replica:
     address: str
@@ -252,6 +257,20 @@ class SchedulerPool:
                                          for i, replica in enumerate(replicas)))
         return {replica.address: reply for replica, reply in zip(replicas, replies)}
 
+    async def stats_now(self) -> dict[str, SchedulerStats | None]:
+        """Every replica's stats, asked now (the health rounds' may be a round old), by address; None for one that did
+        not answer within --health-timeout-s."""
+        replicas = sorted(self.replicas.values(), key=lambda replica: replica.address)
+
+        async def ask(replica: Replica) -> SchedulerStats | None:
+            try:
+                return await replica.client.stats(timeout=self.config.health_timeout_s)
+            except grpc.aio.AioRpcError:
+                return None
+
+        answers = await asyncio.gather(*(ask(replica) for replica in replicas))
+        return {replica.address: stats for replica, stats in zip(replicas, answers)}
+
     async def push_weights(self, chunks: AsyncIterator[WeightsChunk]) -> dict[str, ControlReply]:
         """One PushWeights stream to every replica, each chunk forwarded to all as it arrives: a few chunks in
         memory, the pace of the slowest replica. A replica that answers early (it refused) stops taking chunks;
@@ -294,7 +313,7 @@ class SchedulerPool:
             why = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
                    else f"no answer in {self.config.control_timeout_s:g} s (--control-timeout-s)")
             return ControlReply(success=False, weight_version=replica.weight_version,
-                                message=f"scheduler {replica.address} did not answer: {why}")
+                                message=f"{unanswered_prefix(replica.address)}{why}")
         replica.weight_version = reply.weight_version
         return reply
 

@@ -17,7 +17,7 @@ from flatwire_wire.control import (
     ContinueGenerationRequest,
     ControlReply,
     DestroyWeightsUpdateGroupRequest,
-    Empty,
+    FlushCacheRequest,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     ReleaseMemoryOccupationRequest,
@@ -119,17 +119,17 @@ class RolloutCalls:
         return ControlReply(success=True, message=message, weight_version=self.engine.weight_version)
 
     async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context) -> ControlReply:
-        return await self._memory(ReleaseMemory, request.tags)
+        return await self._memory(lambda tags: ReleaseMemory(tags=tags, weights=request.weights), request.tags)
 
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context) -> ControlReply:
-        return await self._memory(ResumeMemory, request.tags)
+        return await self._memory(lambda tags: ResumeMemory(tags=tags), request.tags)
 
-    async def _memory(self, command: type[ReleaseMemory] | type[ResumeMemory], tags: list[str]) -> ControlReply:
+    async def _memory(self, command: Callable[[list[str]], Control], tags: list[str]) -> ControlReply:
         try:
             checked = MemoryOccupation.tags_of(tags)
         except WeightsRefused as exc:
             return self._refused(str(exc))
-        return await self._control(command(tags=checked))
+        return await self._control(command(checked))
 
     async def pause_generation(self, request: PauseGenerationRequest, context) -> ControlReply:
         return await self._control(Pause(mode=request.mode))
@@ -140,8 +140,8 @@ class RolloutCalls:
     async def abort_all(self, request: AbortAllRequest, context) -> ControlReply:
         return await self._control(AbortAll())
 
-    async def flush_cache(self, request: Empty, context) -> ControlReply:
-        return await self._control(FlushCache())
+    async def flush_cache(self, request: FlushCacheRequest, context) -> ControlReply:
+        return await self._control(FlushCache(reset_running_requests=request.reset_running_requests))
 
     async def update_weight_version(self, request: UpdateWeightVersionRequest, context) -> ControlReply:
         if not request.new_version:

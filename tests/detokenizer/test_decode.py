@@ -183,9 +183,10 @@ def test_stop_token_is_not_text_unless_no_stop_trim(tokenizer):
     ids = tokenizer.encode("the end") + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     deltas, finishes, aborts = run(DetokenizerManager(batch_decoder(tokenizer)), {
         "trim": (ids, params()), "keep": (ids, params(no_stop_trim=True)),
+        "vllm": (ids, params(include_stop_str=True)),  # vLLM's include_stop_str_in_output keeps it too
     }, finish_reason=FinishReason.STOP_TOKEN)
     assert "".join(deltas["trim"]) == "the end"
-    assert "".join(deltas["keep"]) == "the end<|im_end|>"
+    assert "".join(deltas["keep"]) == "".join(deltas["vllm"]) == "the end<|im_end|>"
     assert finishes["trim"].reason == FinishReason.STOP_TOKEN and not aborts
 
 
@@ -197,15 +198,19 @@ def test_stop_string_spanning_tokens_trims_and_stops_the_request(tokenizer):
     deltas, finishes, aborts = run(DetokenizerManager(batch_decoder(tokenizer)), {
         "trim": (ids, params(stop=["never", stop])),
         "keep": (ids, params(stop=[stop], no_stop_trim=True)),
+        "vllm": (ids, params(stop=[stop], include_stop_str=True)),
     })
     assert "".join(deltas["trim"]) == "Hello world, this is where we st"
-    assert "".join(deltas["keep"]).startswith("Hello world, this is where we stop he")
-    assert "never" not in "".join(deltas["keep"])
-    for rid in ("trim", "keep"):
+    # SGLang's no_stop_trim keeps the whole token the match ended in ("here"); vLLM's include_stop_str_in_output
+    # cuts right after the matched string.
+    assert "".join(deltas["keep"]) == "Hello world, this is where we stop here"
+    assert "".join(deltas["vllm"]) == "Hello world, this is where we stop he"
+    for rid in ("trim", "keep", "vllm"):
         assert finishes[rid].reason == FinishReason.STOP_STRING
         assert finishes[rid].matched_stop == stop
     assert sorted((a.rid, a.reason, a.matched_stop) for a in aborts) == [
-        ("keep", FinishReason.STOP_STRING, stop), ("trim", FinishReason.STOP_STRING, stop)]
+        ("keep", FinishReason.STOP_STRING, stop), ("trim", FinishReason.STOP_STRING, stop),
+        ("vllm", FinishReason.STOP_STRING, stop)]
 
 
 def test_stop_string_in_the_last_token_overrides_length(tokenizer):
@@ -227,6 +232,9 @@ def test_stop_strings_first_match_and_partial_holdback():
     assert stops.partial_len("say worl", 8) == 4
     assert stops.partial_len("say xy!", 6) == 2
     assert StopStrings.of(["world"], no_stop_trim=True).partial_len("worl", 4) == 0
+    assert StopStrings.of(["world"], include_stop=True).partial_len("worl", 4) == 0  # nothing before it is cut
+    through = StopStrings.of(["lo w"], include_stop=True)
+    assert "hello world"[:through.text_end("hello world", through.find("hello world", 0))] == "hello w"
 
 
 def _block(rows: int, k: int, seed: int) -> LogprobBlock:

@@ -402,7 +402,8 @@ def test_a_field_no_api_has_is_refused_by_name(http, served_model, endpoint, bod
 
 
 @pytest.mark.parametrize(("endpoint", "body", "field", "says"), [
-    (CHAT_ENDPOINT, {**CHAT, "include_stop_str_in_output": True}, "include_stop_str_in_output", "; use no_stop_trim"),
+    ("/generate", {**GENERATE, "sampling_params": {"max_new_tokens": 3, "include_stop_str_in_output": True}},
+     "sampling_params.include_stop_str_in_output", "; use no_stop_trim"),  # chat and completions take it
     (COMPLETIONS_ENDPOINT, {**COMPLETION, "guided_regex": "a+"}, "guided_regex", "; use regex"),
     ("/generate", {**GENERATE, "sampling_params": {"max_new_tokens": 3, "use_beam_search": True}},
      "sampling_params.use_beam_search", ""),

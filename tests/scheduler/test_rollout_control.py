@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from harness.checkpoints import perturbed_checkpoint
 from harness.stack import running
 from services.common.auth import AccessKeys
-from services.scheduler.engine.control import Continue, Pause, SetWeightVersion, UpdateWeights
+from services.scheduler.engine.control import Continue, FlushCache, Pause, SetWeightVersion, UpdateWeights
 from services.scheduler.model.synthetic import SyntheticRunner
 from services.scheduler.model.weights import StagedWeights
 from tests.scheduler.engine_run import Run
@@ -118,6 +118,67 @@ def test_engine_paused_in_place_steps_nothing_and_ships_pending_output_before_a_
     assert relabel.done.result().weight_version == "v3"
     harness.run_out()
     assert harness.shipped("kept") == [(0, 3, "default"), (3, 17, "v3")]
+
+
+def test_engine_pause_wait_admits_nothing_and_answers_once_the_running_requests_end(synthetic):
+    """vLLM's pause mode wait: the running request finishes (every token of it), the waiting one is not admitted,
+    and the pause answers only then; the stats say paused from the call on (vLLM's is_paused)."""
+    harness = harness_of(synthetic)
+    harness.send("running", prompt(1), max_new_tokens=4)
+    harness.step()
+    pause = harness.engine.control(Pause(mode=PauseMode.WAIT))
+    harness.send("late", prompt(2), max_new_tokens=2)
+    harness.step()
+    assert not pause.done() and harness.running() == ["running"] and harness.engine.stats.paused
+    harness.step(6)
+    assert pause.result().success and harness.running() == []
+    assert harness.finish("running").output_tokens == 4 and harness.finish("late") is None
+    steps = harness.engine.stats.steps
+    harness.step(3)
+    assert harness.engine.stats.steps == steps and harness.engine.stats.paused  # paused: "late" waits
+    harness.engine.control(Continue())
+    harness.run()
+    assert harness.finish("late").output_tokens == 2 and not harness.engine.stats.paused
+
+
+def test_engine_continue_before_a_wait_pause_drains_refuses_that_pause(synthetic):
+    harness = harness_of(synthetic)
+    harness.send("running", prompt(1), max_new_tokens=6)
+    harness.step()
+    pause = harness.engine.control(Pause(mode=PauseMode.WAIT))
+    harness.step()
+    harness.engine.control(Continue())
+    harness.step()
+    assert pause.result().success is False and "continued before" in pause.result().message
+    harness.send("after", prompt(2), max_new_tokens=2)
+    harness.run()  # admitting again
+    assert harness.finish("after").output_tokens == 2
+
+
+def test_engine_reset_prefix_cache_is_refused_while_requests_run_unless_they_are_retracted(synthetic):
+    """vLLM's reset_prefix_cache: refused while a request runs (its KV is in use), waiting ones do not count; with
+    reset_running_requests the running ones are retracted (prefilled again, their output whole) and it succeeds."""
+    harness = harness_of(synthetic)
+    harness.send("a", prompt(1, 40), max_new_tokens=8)
+    harness.step(2)
+    refused = harness.engine.control(FlushCache(reset_running_requests=False))
+    sglang = harness.engine.control(FlushCache())
+    harness.step()
+    assert refused.result().success is False and "1 requests are running" in refused.result().message
+    assert sglang.result().success is False
+    prefilled = harness.engine.stats.prefill_tokens
+    reset = harness.engine.control(FlushCache(reset_running_requests=True))
+    harness.step()
+    assert reset.result().success and "1 running requests retracted" in reset.result().message
+    # Prefilled again whole, prompt and output so far: the pages it had put in the cache were flushed.
+    assert harness.engine.stats.prefill_tokens - prefilled >= 40
+    harness.run()
+    assert harness.finish("a").output_tokens == 8 and len(harness.output("a")) == 8
+    harness.engine.control(Pause(mode=PauseMode.IN_PLACE))
+    harness.send("waiting", prompt(2), max_new_tokens=2)
+    waiting_only = harness.engine.control(FlushCache(reset_running_requests=False))
+    harness.step()
+    assert waiting_only.result().success  # a waiting request holds no KV (SGLang's flush_cache would refuse)
 
 
 def test_access_keys_follow_sglang():

@@ -262,6 +262,8 @@ def test_a_twin_that_misses_a_field_fails_at_import():
 def test_enums_match_their_protos():
     assert {m.name: m.value for m in control.PauseMode} == {
         name.removeprefix("PAUSE_MODE_"): value for name, value in generate_pb2.PauseMode.items()}
+    assert {m.name: m.value for m in control.WeightsRelease} == {
+        name.removeprefix("WEIGHTS_RELEASE_"): value for name, value in generate_pb2.WeightsRelease.items()}
     assert {m.name: m.value for m in FinishReason} == {
         name.removeprefix("FINISH_REASON_"): value for name, value in arrays_pb2.FinishReason.items()}
 

@@ -35,7 +35,8 @@ from flatwire_wire.public import GENERATION, AbortGenerationRequest, ControlResp
 from flatwire_client.requests import Options
 from flatwire_client.results import ChunkStream, Generation, generation
 
-PAUSE_MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.IN_PLACE, "retract": PauseMode.RETRACT}
+PAUSE_MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.IN_PLACE, "retract": PauseMode.RETRACT,
+               "wait": PauseMode.WAIT}
 PUSH_CHUNK_BYTES = 4 * 1024 * 1024  # within the gateway's --max-request-mb (32 by default)
 
 
@@ -225,7 +226,7 @@ class FlatwireClient:
                                         timeout=timeout, metadata=self._admin_metadata)
 
     def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> ControlResponse:
-        """mode "abort" (SGLang's default), "in_place" or "retract" (as in_place)."""
+        """mode "abort" (SGLang's default), "in_place", "retract" or "wait" (vLLM's: once the running requests end)."""
         return self._calls.pause_generation(PauseGenerationRequest(mode=PAUSE_MODES[mode]),
                                             timeout=timeout, metadata=self._admin_metadata)
 

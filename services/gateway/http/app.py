@@ -1,4 +1,5 @@
-"""The gateway's FastAPI app: SGLang /generate, OpenAI /v1/*, /health, /metrics."""
+"""The gateway's FastAPI app: SGLang /generate, OpenAI /v1/*, SGLang's and vLLM's rollout control, /health,
+/metrics."""
 
 import asyncio
 import logging
@@ -11,7 +12,7 @@ from starlette.requests import ClientDisconnect
 
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient, RequestError
-from services.gateway.http import generate, loads, native, openai_chat, openai_completions, rollout
+from services.gateway.http import generate, loads, native, openai_chat, openai_completions, rollout, vllm_rl
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import (
@@ -51,6 +52,7 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
     app.include_router(native.router)
     app.include_router(loads.router)
     app.include_router(rollout.router)
+    app.include_router(vllm_rl.router)
     add_request_schemas(app)  # the routes read raw bodies: declare them in /openapi.json
 
     @app.exception_handler(InvalidRequest)

@@ -1,8 +1,8 @@
 """The gateway's keys on HTTP (services/common/auth.py AccessKeys: SGLang's api_key and admin_api_key).
 
 --api-key: every route but /health needs `Authorization: Bearer KEY` (as the OpenAI client sends it).
---admin-api-key: the admin routes (ADMIN_PATHS: rollout control) need it, and no other key opens them;
-without it they need the API key like the rest. /abort_request serves both kinds: either key passes
+--admin-api-key: the admin routes (ADMIN_PATHS: rollout control, SGLang's and vLLM's) need it, and no other key
+opens them; without it they need the API key like the rest. /abort_request serves both kinds: either key passes
 here, and the route itself asks for the admin key when the body says abort_all (require_admin).
 Anything else is answered 401 in the OpenAI error shape, with `WWW-Authenticate: Bearer`, before the
 body is read. A plain ASGI middleware, outermost, so that it also covers /metrics, /openapi.json and
@@ -19,7 +19,10 @@ ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tens
                          "/continue_generation", "/update_weight_version", "/flush_cache",
                          "/init_weights_update_group", "/update_weights_from_distributed",
                          "/destroy_weights_update_group", "/release_memory_occupation",
-                         "/resume_memory_occupation"})
+                         "/resume_memory_occupation",
+                         # vLLM's (http/vllm_rl.py)
+                         "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
+                         "/reset_prefix_cache"})
 MIXED_PATHS = frozenset({"/abort_request"})  # one request by rid (ordinary), or abort_all (admin)
 
 

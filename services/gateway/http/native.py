@@ -14,6 +14,7 @@ from contextlib import aclosing
 
 import orjson
 from fastapi import APIRouter, Request, Response
+from flatwire_wire.control import SGLANG_FLUSH
 from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, SchedulerStats
 from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
@@ -193,7 +194,8 @@ async def flush_cache(request: Request) -> Response:
     """SGLang's: empty every replica's prefix cache; 400 when one refuses (requests run or wait) or does not
     answer. An admin route (http/auth.py)."""
     gateway = gateway_of(request)
-    response = control_response(await gateway.engine.schedulers.control(lambda client: client.flush_cache()))
+    response = control_response(await gateway.engine.schedulers.control(
+        lambda client: client.flush_cache(SGLANG_FLUSH)))
     lines = [f"{address}: {reply.message}" for address, reply in sorted(response.replicas.items())]
     text = "\n".join(["Cache flushed." if response.success else "Cache not flushed.", *lines, FLUSH_CACHE_NOTE, ""])
     return Response(text, status_code=200 if response.success else 400, media_type="text/plain")

@@ -38,6 +38,7 @@ from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.render import assistant
 from services.gateway.render.openai_chat import chat_logprobs
 from services.gateway.render.pieces import dumps
+from services.gateway.render.vllm_logprobs import prompt_logprobs, top_k
 from services.gateway.reply import Reply
 from services.gateway.routing import routing_key
 
@@ -59,8 +60,8 @@ async def chat_completions(request: Request) -> Response:
                              "--tool-call-parser; give tool_choice required, a function's name, or none")
     ids = await encode_chat(gateway.engine.tokenizer, req.messages, gateway.limits.max_context,
                             req.template_tools(), req.template_kwargs())
-    inputs = generate_inputs([(prompt_request(req), ids)], gateway.limits,
-                             LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n"), req.n)
+    inputs = generate_inputs([(prompt_request(req), ids)], gateway.limits, req.logprob_fields(
+        LogprobFields(top_k="top_logprobs", max_new_tokens=req.max_tokens_field, n="n")), req.n)
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
                                  routing_key(request.headers) or req.prompt_cache_key)
     if req.stream:
@@ -74,6 +75,7 @@ async def chat_completions(request: Request) -> Response:
         "choices": [_choice(gateway, req, i, result, ids) for i, result in enumerate(results)],
         "usage": usage(len(ids), results, req.n),
         **({"prompt_token_ids": ids} if req.return_token_ids else {}),
+        **_prompt_logprobs(gateway, req, results[0].whole.prompt),
     })
     gateway.metrics.bytes_sent.labels(openai_format(req, req.logprobs)).inc(len(body))
     return Response(body, media_type="application/json")
@@ -82,7 +84,17 @@ async def chat_completions(request: Request) -> Response:
 def _logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogprobs | None) -> dict | None:
     if not req.logprobs or track is None:
         return None
-    return chat_logprobs(track, gateway.table, candidates=not req.return_flat_raw_output_top_logprobs)
+    # The rows hold prompt_logprobs' candidates when that asks for more.
+    return chat_logprobs(top_k(track, req.output_top_k), gateway.table,
+                         candidates=not req.return_flat_raw_output_top_logprobs)
+
+
+def _prompt_logprobs(gateway: Gateway, req: ChatCompletionRequest, track: RequestLogprobs | None) -> dict:
+    """vLLM's top-level prompt_logprobs, when asked for (the choices share the prompt)."""
+    if (k := req.prompt_top_k) is None:
+        return {}
+    assert track is not None  # asked for: logprob_start_len 0
+    return {"prompt_logprobs": prompt_logprobs(track, k, gateway.table)}
 
 
 def _tool_call_parser(gateway: Gateway) -> ToolCallParserName | None:

@@ -27,6 +27,7 @@ from services.gateway.protocol.intake import generate_inputs
 from services.gateway.protocol.openai import CompletionRequest, prompt_request
 from services.gateway.render.openai_completions import completion_logprobs
 from services.gateway.render.pieces import dumps
+from services.gateway.render.vllm_logprobs import prompt_logprobs, top_k
 from services.gateway.reply import Reply
 from services.gateway.routing import routing_key
 
@@ -52,7 +53,8 @@ async def completions(request: Request) -> Response:
         ids, texts = prompts, (await asyncio.to_thread(tokenizer.batch_decode, prompts) if req.echo
                                else [""] * len(prompts))
     prompt = prompt_request(req)  # choice p * n + j: prompt p's j-th sample
-    inputs = generate_inputs([(prompt, prompt_ids) for prompt_ids in ids], gateway.limits, LOGPROB_FIELDS, req.n)
+    inputs = generate_inputs([(prompt, prompt_ids) for prompt_ids in ids], gateway.limits,
+                             req.logprob_fields(LOGPROB_FIELDS), req.n)
     echoes = [text for text in texts for _ in range(req.n)] if req.echo else [""] * len(inputs)
     choice_prompts = [inp.input_ids for inp in inputs] if req.return_token_ids else None  # per choice, as vLLM
     starting = Generations.start(gateway.engine, inputs, gateway.metrics, ENDPOINT, started,
@@ -79,16 +81,9 @@ def _logprobs(gateway: Gateway, req: CompletionRequest, prompt: RequestLogprobs 
     if req.logprobs is None:
         return None
     tracks = [track for track in ((prompt if req.echo else None), output) if track is not None]
-    if req.return_flat_raw_output_top_logprobs:  # the candidates are in meta_info
-        tracks = [_without_candidates(track) for track in tracks]
-    return completion_logprobs(tracks, gateway.table, text_offset)
-
-
-def _without_candidates(track: RequestLogprobs) -> RequestLogprobs:
-    return RequestLogprobs(token_ids=track.token_ids, token_logprobs=track.token_logprobs,
-                        topk_values=track.topk_values[:, :0], topk_ids=track.topk_ids[:, :0],
-                        ids_logprobs=track.ids_logprobs, null_prefix=track.null_prefix,
-                        null_token_ids=track.null_token_ids)
+    # The candidates asked for: none here when they are in meta_info; the rows hold prompt_logprobs' when larger.
+    k = 0 if req.return_flat_raw_output_top_logprobs else req.logprobs
+    return completion_logprobs([top_k(track, k) for track in tracks], gateway.table, text_offset)
 
 
 def _token_ids(choice_prompts: list[list[int]] | None, index: int, token_ids) -> dict:
@@ -102,6 +97,9 @@ def _choice(gateway: Gateway, req: CompletionRequest, index: int, result: Reply,
     choice = {"index": index, "text": echo + whole.text,
               "logprobs": _logprobs(gateway, req, whole.prompt, whole.output, 0), **finish_fields(result),
               **_token_ids(choice_prompts, index, whole.token_ids)}
+    if (k := req.prompt_top_k) is not None:
+        assert whole.prompt is not None  # asked for: logprob_start_len 0
+        choice["prompt_logprobs"] = prompt_logprobs(whole.prompt, k, gateway.table)
     if req.return_meta_info:
         choice["meta_info"] = choice_meta_info(gateway, req, result)
     return choice

@@ -15,10 +15,10 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 _MODELS: dict[str, type[BaseModel]] = {}  # the models request_body has referenced
 
 
-def request_body(model: type[BaseModel]) -> dict:
+def request_body(model: type[BaseModel], required: bool = True) -> dict:
     """A route's `openapi_extra`: its JSON body is `model`."""
     _MODELS[model.__name__] = model
-    return {"requestBody": {"required": True, "content": {"application/json": {
+    return {"requestBody": {"required": required, "content": {"application/json": {
         "schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}}
 
 
@@ -36,3 +36,11 @@ def add_request_schemas(app: FastAPI) -> None:
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
+
+
+def query_parameters(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra`: its query parameters are `model`'s fields (vLLM's routes take their options so)."""
+    schema = model.model_json_schema()
+    required = set(schema.get("required", []))
+    return {"parameters": [{"name": name, "in": "query", "required": name in required, "schema": field}
+                           for name, field in schema["properties"].items()]}

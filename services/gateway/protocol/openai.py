@@ -13,10 +13,12 @@ from typing import Annotated, Any, Literal
 
 from flatwire_wire.sampling import DEFAULT_SAMPLING, Range
 from flatwire_wire.scheduler import LogprobParams
-from pydantic import AfterValidator, BaseModel, Field, ValidationInfo, field_validator, model_validator
+from flatwire_wire.steps import DetokenizeParams
+from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from services.gateway.agents.tool_choice import named_call_schema, required_calls_schema
 from services.gateway.protocol.chat import TEMPLATE_VARIABLES, ChatMessage, NamedToolChoice, Tool
+from services.gateway.protocol.cost import LogprobFields
 from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
     InvalidRequest,
@@ -112,9 +114,15 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     logprobs_mode: LogprobsModeName | None = None  # flatwire's (vLLM's names): of the logprobs returned
     # vLLM's: the prompt's and each choice's token ids in the response, so that a trainer never retokenizes
     return_token_ids: bool = False
+    # vLLM's: the prompt's logprobs, with this many top candidates per position (-1: the whole vocabulary), in its
+    # shape (render/vllm_logprobs.py); the output's text through a matched stop string (SGLang's no_stop_trim keeps
+    # the rest of its token too)
+    prompt_logprobs: int | None = Field(None, ge=-1)
+    include_stop_str_in_output: bool = False
     # SGLang's MoE routing replay: each choice's meta_info.routed_experts (a scheduler with
     # --enable-return-routed-experts)
     return_routed_experts: bool = False
+    _prompt_top_k: int | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _stream_options(self) -> "OpenAIRequest":
@@ -130,12 +138,66 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
             self.min_new_tokens = self.min_tokens
         return self
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_range(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == -1:
+            vocab, limit = limits_of(info).vocab_size, limits_of(info).max_top_logprobs
+            if vocab > limit:
+                raise ValueError(f"-1 (the whole vocabulary: {vocab} per position) exceeds this server's maximum "
+                                 f"of {limit}")
+            return value
+        return value if value is None else check_top_k("prompt_logprobs", value, info)
+
+    @model_validator(mode="after")
+    def _vllm_fields(self, info: ValidationInfo) -> "OpenAIRequest":
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise InvalidRequest("prompt_logprobs", "prompt_logprobs: not available with stream true (as vLLM's)")
+            k = limits_of(info).vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs
+            if self.return_flat_raw_output_top_logprobs and k > self.output_top_k:
+                raise InvalidRequest("prompt_logprobs", "prompt_logprobs: at most the output's top-k with "
+                                                        "return_flat_raw_output_top_logprobs (their arrays share it)")
+            self._prompt_top_k = k
+        return self
+
+    @property
+    def prompt_top_k(self) -> int | None:
+        """The top-k of the prompt's logprobs (prompt_logprobs; -1: the vocabulary), None: none asked."""
+        return self._prompt_top_k
+
+    @property
+    def output_top_k(self) -> int:
+        """The top-k of the output's logprobs the request asks for."""
+        return 0
+
+    def logprob_fields(self, fields: LogprobFields) -> LogprobFields:
+        """`fields` (the API's names for what sizes a response), with prompt_logprobs where it asks for the prompt's
+        rows and for the top-k the scheduler computes."""
+        if self._prompt_top_k is None:
+            return fields
+        top_k = "prompt_logprobs" if self._prompt_top_k >= self.output_top_k else fields.top_k
+        return dataclasses.replace(fields, top_k=top_k, prompt="the prompt, with prompt_logprobs")
+
+    def logprob_params(self, output: bool, output_k: int, echo: bool = False) -> LogprobParams:
+        """The scheduler's LogprobParams: output logprobs (`output`, top `output_k`), the prompt's with `echo` or
+        prompt_logprobs. The scheduler computes one top-k for both sides: the larger (each side renders its own)."""
+        prompt_k = self.prompt_top_k
+        if not output and prompt_k is None:
+            return LogprobParams(logprob_start_len=-1)
+        return LogprobParams(return_logprob=True, top_logprobs_num=max(output_k, prompt_k or 0),
+                             logprob_start_len=0 if echo or prompt_k is not None else -1,
+                             logprobs_mode=logprobs_mode(self.logprobs_mode))
+
     @model_validator(mode="after")
     def _flat_flags(self) -> "OpenAIRequest":
         for flag in ("return_flat_raw_output_top_logprobs", "return_routed_experts"):  # they live in meta_info
             if getattr(self, flag) and not self.return_meta_info:
                 raise InvalidRequest(flag, f"{flag} requires return_meta_info")
         return self
+
+    def detokenize(self, min_new_tokens: int) -> DetokenizeParams:
+        return dataclasses.replace(super().detokenize(min_new_tokens), include_stop_str=self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:
@@ -297,11 +359,12 @@ class ChatCompletionRequest(OpenAIRequest):
             fields["sampling.json_schema"] = "tools"  # a function's parameters schema the grammar cannot take
         return fields
 
+    @property
+    def output_top_k(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
     def logprob(self) -> LogprobParams:
-        if not self.logprobs:
-            return LogprobParams(logprob_start_len=-1)
-        return LogprobParams(return_logprob=True, top_logprobs_num=self.top_logprobs or 0, logprob_start_len=-1,
-                             logprobs_mode=logprobs_mode(self.logprobs_mode))
+        return self.logprob_params(self.logprobs, self.output_top_k)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -355,12 +418,14 @@ class CompletionRequest(OpenAIRequest):
             return [prompt]
         return prompt
 
+    @property
+    def output_top_k(self) -> int:
+        return self.logprobs or 0
+
     def logprob(self) -> LogprobParams:
-        if self.logprobs is None:
-            return LogprobParams(logprob_start_len=-1)
         # echo returns the prompt's logprobs too, from its first position.
-        return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
-                             logprob_start_len=0 if self.echo else -1, logprobs_mode=logprobs_mode(self.logprobs_mode))
+        output = self.logprobs is not None
+        return self.logprob_params(output, self.output_top_k, echo=self.echo and output)
 
 
 def prompt_request(req: ChatCompletionRequest | CompletionRequest) -> PromptRequest:

@@ -156,12 +156,13 @@ def parse_body(model: type[M], body: bytes, limits: ModelLimits) -> M:
 
 
 # vLLM's own request fields, which neither SGLang's nor OpenAI's APIs have: refused as what they are (not as a
-# misspelling), naming this server's way to ask for the same where it has one.
+# misspelling) where a route does not take them, naming this server's way to ask for the same where it has one.
+# (Chat and completions take prompt_logprobs, include_stop_str_in_output and return_token_ids, as vLLM's.)
 VLLM_FIELDS = {
     "include_stop_str_in_output": "no_stop_trim", "guided_json": "response_format or json_schema",
     "guided_regex": "regex", "guided_choice": "regex", "guided_grammar": "ebnf",
     "structured_outputs": "response_format, json_schema, regex or ebnf", "allowed_token_ids": "logit_bias",
-    "prompt_logprobs": "logprob_start_len on /generate, echo with logprobs on completions",
+    "prompt_logprobs": "logprob_start_len (chat and completions take prompt_logprobs)",
     **dict.fromkeys(("bad_words", "use_beam_search", "length_penalty", "truncate_prompt_tokens",
                      "add_generation_prompt", "add_special_tokens", "chat_template", "documents", "request_id",
                      "mm_processor_kwargs", "guided_decoding_backend"), ""),

@@ -6,7 +6,7 @@ between two steps (engine.py says how)."""
 import concurrent.futures
 from dataclasses import dataclass, field
 
-from flatwire_wire.control import ControlReply, PauseMode
+from flatwire_wire.control import ControlReply, PauseMode, WeightsRelease
 
 from services.scheduler.model.weights import StagedWeights
 
@@ -46,12 +46,16 @@ class UpdateWeights(Control):
 
 @dataclass(kw_only=True)
 class FlushCache(Control):
-    pass
+    """None: SGLang's flush_cache (refused while requests run or wait); a bool: vLLM's reset_prefix_cache (refused
+    while requests run, unless true: they are retracted first)."""
+
+    reset_running_requests: bool | None = None
 
 
 @dataclass(kw_only=True)
 class ReleaseMemory(Control):
     tags: list[str]  # checked (MemoryOccupation.tags_of)
+    weights: WeightsRelease = WeightsRelease.UNSPECIFIED
 
 
 @dataclass(kw_only=True)

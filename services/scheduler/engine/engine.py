@@ -66,7 +66,7 @@ class Engine:
                                    chunked=config.chunked_prefill_size > 0, max_context=runner.max_context,
                                    compile_timeout_s=config.grammar_compile_timeout_s,
                                    routed_experts=self._routed_experts)
-        self.rollout = RolloutControl(self.scheduler, runner, occupation, ship=self._ship)
+        self.rollout = RolloutControl(self.scheduler, runner, occupation, ship=self._ship, changed=self._update_stats)
         self._step = 0
         self._update_stats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,9 +139,9 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """A step to run, or a held weight update that may apply now."""
+        """A step to run, or a held weight update or wait-mode pause that may go on now."""
         rollout, scheduler = self.rollout, self.scheduler
-        if rollout.update_due or self._in_flight is not None:  # a launched step lands in the next one
+        if rollout.due or self._in_flight is not None:  # a launched step lands in the next one
             return True
         return rollout.stepping and bool(scheduler.running or (scheduler.waiting and rollout.admitting))
 
@@ -167,7 +167,7 @@ class Engine:
         if self._stopping:
             return
         out = Outgoing(new)
-        if self._in_flight is not None and (aborts or controls or self.rollout.held_updates):
+        if self._in_flight is not None and (aborts or controls or self.rollout.holding):
             self._land(out)
         self.scheduler.compiled(out)
         for abort in aborts:
@@ -178,7 +178,7 @@ class Engine:
                                                        message=message))
         for control in controls:
             self.rollout.apply(control, out)
-        self.rollout.apply_held_updates(out)
+        self.rollout.settle(out)
         if self._in_flight is not None:
             self._land(out)
         # A held update waits for the running requests: none is admitted meanwhile.
@@ -276,7 +276,7 @@ class Engine:
 
     def _refuse_pending_controls(self) -> None:
         """Answer the commands the engine will never apply (held updates, and those still in the inbox)."""
-        self.rollout.refuse_held_updates()
+        self.rollout.refuse_held()
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -310,4 +310,6 @@ class Engine:
             prefill_tokens=scheduler.prefill_tokens,
             cached_prompt_tokens=scheduler.cached_prompt_tokens,
             retractions=scheduler.retractions,
+            paused=self.rollout.pausing,
+            memory_released=sorted(occupation.released) if (occupation := self.rollout.occupation) else [],
         )

@@ -4,7 +4,8 @@ control.py, come through its inbox with new requests and aborts).
 
 - pause: no step runs until continue; new requests wait. Mode abort first aborts every request; in_place keeps
   the running ones with their KV; retract drops their KV and puts them back at the head of the waiting list, to
-  be prefilled again (prompt and output so far) on continue: under whatever weights are in place by then.
+  be prefilled again (prompt and output so far) on continue: under whatever weights are in place by then. Mode
+  wait (vLLM's) admits nothing while the running requests finish, and pauses (and answers) once they have.
 - a weight update waits until it is safe: while running requests finish on the old weights nothing is admitted
   (abort_all_requests: they are aborted instead); while paused it applies at once, and the requests kept in place
   continue on the new weights. The prefix cache is flushed with every update and weight_version change: no KV of
@@ -17,7 +18,7 @@ control.py, come through its inbox with new requests and aborts).
 import logging
 from collections.abc import Callable
 
-from flatwire_wire.control import ControlReply, PauseMode
+from flatwire_wire.control import ControlReply, PauseMode, WeightsRelease
 
 from services.scheduler.engine.control import (
     ABORTING_PAUSES,
@@ -48,16 +49,19 @@ class RolloutControl:
     """Engine thread only."""
 
     def __init__(self, scheduler: Scheduler, runner: StepRunner, occupation: MemoryOccupation | None,
-                 ship: Callable[[Outgoing], None]):
+                 ship: Callable[[Outgoing], None], changed: Callable[[], None] = lambda: None):
         """`occupation`: the model's memory, to release and resume (None: --engine synthetic has none); `ship`:
-        publishes what an Outgoing holds and every held request's pending output, now."""
+        publishes what an Outgoing holds and every held request's pending output, now; `changed`: called before a
+        reply is given (the engine's stats then show the state the reply reports)."""
         self.scheduler = scheduler
         self.runner = runner
         self.occupation = occupation
         self._ship = ship
+        self._changed = changed
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.paused = False
         self.held_updates: list[UpdateWeights] = []  # waiting for the running requests to finish
+        self.draining: list[Pause] = []  # wait-mode pauses, until the running requests finish
 
     @property
     def stepping(self) -> bool:
@@ -66,30 +70,56 @@ class RolloutControl:
 
     @property
     def admitting(self) -> bool:
-        """Waiting requests may start: no weight update waits for the running ones to end."""
-        return not self.held_updates
+        """Waiting requests may start: no weight update nor wait-mode pause waits for the running ones to end."""
+        return not self.held_updates and not self.draining
 
     @property
-    def update_due(self) -> bool:
-        """A held weight update may apply now."""
-        return bool(self.held_updates) and (self.paused or not self.scheduler.running)
+    def pausing(self) -> bool:
+        """Paused, or a wait-mode pause draining the running requests (vLLM's is_paused either way)."""
+        return self.paused or bool(self.draining)
+
+    @property
+    def holding(self) -> bool:
+        """A weight update or a wait-mode pause waits for the running requests."""
+        return bool(self.held_updates or self.draining)
+
+    @property
+    def due(self) -> bool:
+        """A held weight update may apply, or a wait-mode pause complete, now (settle does it)."""
+        idle = not self.scheduler.running
+        return (bool(self.held_updates) and (self.paused or idle)) or (bool(self.draining) and idle)
 
     def apply(self, command: Control, out: Outgoing) -> None:
-        """Apply a command; its future gets the reply (a weight update's once it is swapped in)."""
+        """Apply a command; its future gets the reply (a weight update's once it is swapped in, a wait-mode pause's
+        once the running requests have finished)."""
         if (reply := self._apply(command, out)) is not None:
-            command.done.set_result(reply)
+            self._answer(command, reply)
+
+    def _answer(self, command: Control, reply: ControlReply) -> None:
+        self._changed()
+        command.done.set_result(reply)
 
     def _apply(self, command: Control, out: Outgoing) -> ControlReply | None:
         scheduler = self.scheduler
         match command:
+            case Pause(mode=PauseMode.WAIT) if scheduler.running and not self.paused:
+                self.draining.append(command)
+                log.info("pause (wait) held until the %d running requests end (none is admitted meanwhile)",
+                         len(scheduler.running))
+                return None
             case Pause(mode=mode):
                 aborted = scheduler.end_all(out, "aborted: generation paused") if mode in ABORTING_PAUSES else 0
                 if mode is PauseMode.RETRACT:
                     scheduler.retract_running()
                 self.paused = True
+                self._settle_drains("Generation paused.")  # a pause of another mode ends their wait
                 return self._reply("Generation paused.", aborted_requests=aborted)
             case Continue():
                 self.paused = False
+                for pause in self.draining:
+                    self._answer(pause, self._refused(
+                        "Generation not paused: continued before the running requests finished."))
+                self.draining.clear()
                 return self._reply("Generation continued.")
             case AbortAll():
                 return self._reply("Aborted every request.", aborted_requests=scheduler.end_all(out, "aborted: all"))
@@ -99,7 +129,7 @@ class RolloutControl:
                 if command.abort_all_requests:
                     command.aborted_requests = scheduler.end_all(out, "aborted: weight update")
                 self.held_updates.append(command)
-                if scheduler.running and not self.paused:  # else it applies at once (apply_held_updates)
+                if scheduler.running and not self.paused:  # else it applies at once (settle)
                     log.info("weight update held until the %d running requests end (none is admitted meanwhile)",
                              len(scheduler.running))
                 return None
@@ -107,19 +137,33 @@ class RolloutControl:
                 aborted = scheduler.end_all(out, "aborted: weight version update") if command.abort_all_requests else 0
                 self._set_version(command.version, out)
                 return self._reply(f"Weight version updated to {command.version}.", aborted_requests=aborted)
-            case FlushCache():
+            case FlushCache(reset_running_requests=None):
                 if scheduler.requests:  # as SGLang: their KV may be cached yet
                     return self._refused(
                         f"Cache not flushed: {len(scheduler.requests)} requests are running or waiting.")
                 scheduler.kv.flush()
                 return self._reply("Cache flushed.")
-            case ReleaseMemory(tags=tags):
-                return self._release(tags)
+            case FlushCache(reset_running_requests=bool(reset_running)):
+                return self._reset_prefix_cache(reset_running)
+            case ReleaseMemory(tags=tags, weights=weights):
+                return self._release(tags, weights)
             case ResumeMemory(tags=tags):
                 return self._resume(tags)
         raise TypeError(f"unknown control command {command!r}")
 
-    def _release(self, tags: list[str]) -> ControlReply:
+    def _reset_prefix_cache(self, reset_running: bool) -> ControlReply:
+        """vLLM's reset_prefix_cache: the running requests hold KV in use, so it is refused while they run unless
+        they are retracted first (they are prefilled again when they next run); waiting requests hold none."""
+        scheduler = self.scheduler
+        if scheduler.running and not reset_running:
+            return self._refused(f"Prefix cache not reset: {len(scheduler.running)} requests are running "
+                                 "(reset_running_requests retracts them first).")
+        retracted = len(scheduler.running)
+        scheduler.retract_running()
+        scheduler.kv.flush()
+        return self._reply("Prefix cache reset." + (f" {retracted} running requests retracted." if retracted else ""))
+
+    def _release(self, tags: list[str], weights: WeightsRelease) -> ControlReply:
         if self.occupation is None:
             return self._refused("Memory not released: --engine synthetic holds no model memory.")
         scheduler = self.scheduler
@@ -130,7 +174,7 @@ class RolloutControl:
                                  "pause_generation (abort or retract) first.")
         if "kv_cache" in tags:
             scheduler.kv.flush()  # its pages are about to hold nothing
-        reply = self._reply(self.occupation.release(tags))
+        reply = self._reply(self.occupation.release(tags, weights))
         self.runner.memory_moved()
         return reply
 
@@ -144,10 +188,21 @@ class RolloutControl:
         finally:
             self.runner.memory_moved()
 
-    def apply_held_updates(self, out: Outgoing) -> None:
-        """Swap in the held weight updates once no request runs on the old weights, or while paused."""
-        if not self.update_due:
-            return
+    def settle(self, out: Outgoing) -> None:
+        """What waited for the running requests and may go on now: wait-mode pauses, held weight updates."""
+        if self.draining and not self.scheduler.running:
+            self.paused = True
+            self._settle_drains("Generation paused: the running requests finished.")
+        if self.held_updates and (self.paused or not self.scheduler.running):
+            self._apply_held_updates(out)
+
+    def _settle_drains(self, message: str) -> None:
+        for pause in self.draining:
+            self._answer(pause, self._reply(message))
+        self.draining.clear()
+
+    def _apply_held_updates(self, out: Outgoing) -> None:
+        """Swap in the held weight updates (no request runs on the old weights, or paused)."""
         self._ship(out)
         self.scheduler.kv.flush()  # KV of the old weights serves no new request
         for update in self.held_updates:
@@ -158,17 +213,18 @@ class RolloutControl:
             if update.weight_version is not None:
                 self.weight_version = update.weight_version
             log.info("weights updated: %s; weight_version %s", update.staged.description, self.weight_version)
-            update.done.set_result(self._reply(
+            self._answer(update, self._reply(
                 "Succeeded to update model weights.", num_paused_requests=len(self.scheduler.running),
                 aborted_requests=update.aborted_requests))
         self.held_updates.clear()
 
-    def refuse_held_updates(self) -> None:
-        """The engine stops: the held updates will never apply."""
-        for update in self.held_updates:
-            if not update.done.done():
-                update.done.set_result(stopped_reply())
+    def refuse_held(self) -> None:
+        """The engine stops: the held updates and wait-mode pauses will never apply."""
+        for command in [*self.held_updates, *self.draining]:
+            if not command.done.done():
+                command.done.set_result(stopped_reply())
         self.held_updates.clear()
+        self.draining.clear()
 
     def _set_version(self, version: str, out: Outgoing) -> None:
         if version != self.weight_version:

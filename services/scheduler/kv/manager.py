@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 @dataclass
 class KVState:
     """One request's KV memory: per layer group, the pages that hold its sequence (prompt, then output; token p in
-    table[p // page_size] at offset p % page_size, DROPPED before a window group's window), and how far they are
-    filled."""
+    table[p // page_size] at offset p % page_size, DROPPED before a window group's window; every group's table as
+    long as the others), and how far they are filled."""
 
     tables: list[list[int]] = field(default_factory=list)
     computed: int = 0  # leading tokens whose KV the pages hold
@@ -120,6 +120,9 @@ class KVManager:
 
     def pages_needed(self, request: "Request", end: int) -> int:
         """Pages `request` needs beyond its own for its next row, up to position `end`."""
+        tables = request.kv.tables
+        if tables and len(tables[0]) * self.page_size >= end:  # most decode steps: the pages it holds reach `end`
+            return 0
         needed = 0
         for window, table in zip(self.windows, request.kv.tables or [[] for _ in self.windows]):
             first, last = self._span(request, window, end)
@@ -164,8 +167,10 @@ class KVManager:
         if commit:
             self.commit(request)
         for window, table in zip(self.windows, kv.tables):
+            if not window:
+                continue
             first = first_visible_page(end, window, self.page_size)
-            if window and (passed := [page for page in table[:first] if page != DROPPED]):
+            if passed := [page for page in table[:first] if page != DROPPED]:
                 self.pages.release(passed)
                 table[:first] = [DROPPED] * min(first, len(table))
 

@@ -72,7 +72,10 @@ def latent_attention(self, hidden_states: torch.Tensor, position_embeddings: tup
 
     absorb = self.kv_b_proj.weight.view(-1, nope + self.v_head_dim, latent)  # [H, nope + v, latent]
     query = torch.cat([torch.einsum("thn,hnc->thc", q_pass, absorb[:, :nope]), q_rot], dim=-1)  # [T, H, latent+rope]
-    attended = step.plan.attend(query, cache, cache[..., :latent], self.scaling,
-                                kv_scales=KVScales(scale, scale))  # [T, H, latent]
+    # The values are the latent, the cache's first `latent` columns; attending to the whole [c, k_r] and dropping the
+    # rope columns after gives the same, and keeps key and value widths equal: torch's CPU SDPA falls back to a path
+    # some 20x slower when they differ.
+    attended = step.plan.attend(query, cache, cache, self.scaling,
+                                kv_scales=KVScales(scale, scale))[..., :latent]  # [T, H, latent]
     values = torch.einsum("thc,hvc->thv", attended, absorb[:, nope:])  # [T, H, v]
     return self.o_proj(values.reshape(1, tokens, -1)), None

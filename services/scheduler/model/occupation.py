@@ -7,13 +7,17 @@ Released weights are copied to the host when the model is on CUDA and copied bac
 no lower tier: they are dropped, and resume reads them again from the checkpoint they came from; weights that
 came from a push or a broadcast are not on disk, so resume leaves zeros and the engine refuses requests until
 an update brings every tensor (RL trainers resume, then update, as SGLang expects).
+
+vLLM's sleep levels ask for more or less (WeightsRelease): level 1 (OFFLOAD) promises the same weights back, so
+on CPU the tensors that no checkpoint holds are kept (nothing of theirs is freed); level 2 (DISCARD) keeps
+nothing, not even the host copy, and resume leaves zeros until an update.
 """
 
 import logging
 from pathlib import Path
 
 import torch
-from flatwire_wire.control import MEMORY_TAGS
+from flatwire_wire.control import MEMORY_TAGS, WeightsRelease
 
 from services.common.memory import trim_now
 from services.scheduler.kv.pool import KVPool
@@ -34,6 +38,7 @@ class MemoryOccupation:
         self.awaiting_update = False  # resumed weights are zeros until an update brings them all
         self.source: Path | None = model_dir  # the checkpoint on disk that holds the served weights, if one does
         self._host_copies: list[torch.Tensor] = []
+        self._zeros_because = ""  # why resume leaves zeros, when it does
         self._shapes: list[tuple[torch.Size, torch.dtype]] = []
 
     @staticmethod
@@ -55,15 +60,15 @@ class MemoryOccupation:
                     "a checkpoint on disk): update every tensor (update_weights_*) before generating")
         return None
 
-    def release(self, tags: list[str]) -> str:
+    def release(self, tags: list[str], weights: WeightsRelease = WeightsRelease.UNSPECIFIED) -> str:
         done = []
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.kv.release()
+            self.released.add("kv_cache")
             done.append("kv_cache")
         if "weights" in tags and "weights" not in self.released:
-            self._release_weights()
-            done.append("weights")
-        self.released.update(done)
+            done.append(f"weights ({self._release_weights(weights)})")
+            self.released.add("weights")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
@@ -87,14 +92,29 @@ class MemoryOccupation:
         if staged.complete:
             self.awaiting_update = False
 
-    def _release_weights(self) -> None:
+    def _release_weights(self, weights: WeightsRelease) -> str:
+        """Free the weights' memory; what is kept of them for resume (WeightsRelease), said."""
         tensors = self.weights.unique_tensors()
+        keep = False
+        self._zeros_because = "they came from a push or a broadcast"
+        if weights is WeightsRelease.DISCARD:
+            self.source, kept = None, "discarded: zeros on resume until an update"
+            self._zeros_because = "they were discarded"
+        elif self.device.type == "cuda":
+            keep, kept = True, "kept on the host"
+        elif self.source is not None:
+            kept = f"to be read again from {self.source}"
+        elif weights is WeightsRelease.OFFLOAD:  # the tensors themselves are kept: nothing is freed
+            keep, kept = True, "kept in memory: they came from a push or a broadcast, and a CPU has no lower tier"
+        else:
+            kept = "dropped: zeros on resume until an update (they came from a push or a broadcast)"
         with torch.no_grad():
-            if self.device.type == "cuda":
-                self._host_copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
+            if keep:  # a copy from CUDA; on CPU the tensors themselves
+                self._host_copies = [tensor.detach().to("cpu") for tensor in tensors]
             self._shapes = [(tensor.shape, tensor.dtype) for tensor in tensors]
             for tensor in tensors:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+        return kept
 
     def _resume_weights(self) -> str:
         tensors = self.weights.unique_tensors()
@@ -110,4 +130,4 @@ class MemoryOccupation:
             self.weights.read_checkpoint(str(self.source), "").install()
             return f"read again from {self.source}"
         self.awaiting_update = True
-        return "zeros until the next update: they came from a push or a broadcast"
+        return f"zeros until the next update: {self._zeros_because}"

@@ -116,7 +116,8 @@ class TorchPlan:
         out = query.new_empty((*query.shape[:2], values.shape[-1]))
         for group in self.groups(window):
             context_keys = _context(group.pages, keys, query.dtype, kv_scales.key)
-            context_values = _context(group.pages, values, query.dtype, kv_scales.value)
+            context_values = context_keys if values is keys and kv_scales.value == kv_scales.key else \
+                _context(group.pages, values, query.dtype, kv_scales.value)  # MLA: one latent for both
             mask = group.mask
             if sinks is not None:
                 context_keys, context_values, mask = _with_sink(context_keys, context_values, mask, sinks)

@@ -15,11 +15,20 @@ class PauseMode(enum.IntEnum):
     ABORT = 1  # abort every running and waiting request, then pause
     IN_PLACE = 2  # keep running requests and their KV cache; no step runs until continue
     RETRACT = 3  # running requests drop their KV and wait; on continue each is prefilled again
+    WAIT = 4  # vLLM's: nothing new is admitted while the running requests finish; then paused
+
+
+class WeightsRelease(enum.IntEnum):
+    """What a memory release keeps of the weights for resume (generate.proto says what each does)."""
+
+    UNSPECIFIED = 0  # SGLang's: a host copy on CUDA; on CPU read again from their checkpoint (zeros otherwise)
+    OFFLOAD = 1  # vLLM's sleep level 1: resume brings back the weights served before
+    DISCARD = 2  # vLLM's sleep level 2: nothing kept; zeros on resume until an update brings every tensor
 
 
 @twin(scheduler_pb2.SubmitReply, scheduler_pb2.AbortReply, scheduler_pb2.StreamStepsRequest,
       scheduler_pb2.ModelInfoRequest, scheduler_pb2.StatsRequest, generate_pb2.ModelInfoRequest,
-      scheduler_pb2.FlushCacheRequest, generate_pb2.FlushCacheRequest)
+      generate_pb2.FlushCacheRequest)
 @dataclass
 class Empty:
     """The twin of the messages without fields."""
@@ -61,6 +70,18 @@ class ContinueGenerationRequest:
 @dataclass
 class AbortAllRequest:
     pass
+
+
+@twin(scheduler_pb2.FlushCacheRequest)
+@dataclass
+class FlushCacheRequest:
+    """The scheduler's FlushCache: None is SGLang's flush_cache; a bool, vLLM's reset_prefix_cache (the public
+    API's FlushCache is SGLang's, with no field)."""
+
+    reset_running_requests: bool | None = None
+
+
+SGLANG_FLUSH = FlushCacheRequest()
 
 
 @twin(scheduler_pb2.UpdateWeightVersionRequest, generate_pb2.UpdateWeightVersionRequest)
@@ -113,6 +134,7 @@ class DestroyWeightsUpdateGroupRequest:
 @dataclass
 class ReleaseMemoryOccupationRequest:
     tags: list[str] = field(default_factory=list)  # of MEMORY_TAGS; none: all
+    weights: WeightsRelease = WeightsRelease.UNSPECIFIED
 
 
 @twin(scheduler_pb2.ResumeMemoryOccupationRequest, generate_pb2.ResumeMemoryOccupationRequest)

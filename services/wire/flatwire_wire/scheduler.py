@@ -16,6 +16,7 @@ from flatwire_wire.control import (
     ControlReply,
     DestroyWeightsUpdateGroupRequest,
     Empty,
+    FlushCacheRequest,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     ReleaseMemoryOccupationRequest,
@@ -163,6 +164,8 @@ class SchedulerStats:
     prefill_tokens: int = 0
     cached_prompt_tokens: int = 0
     retractions: int = 0
+    paused: bool = False
+    memory_released: list[str] = field(default_factory=list)
     waiting_tokens: int = 0  # the waiting requests' sequences (prompt and output so far), to prefill
 
 
@@ -176,7 +179,7 @@ SCHEDULER = ServiceSpec(
            "ContinueGeneration": (ContinueGenerationRequest, ControlReply),
            "AbortAll": (AbortAllRequest, ControlReply),
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
-           "FlushCache": (Empty, ControlReply),
+           "FlushCache": (FlushCacheRequest, ControlReply),
            **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()}})
 
 
@@ -195,7 +198,7 @@ class SchedulerServicer(Protocol):
     async def continue_generation(self, request: ContinueGenerationRequest, context: Any) -> ControlReply: ...
     async def abort_all(self, request: AbortAllRequest, context: Any) -> ControlReply: ...
     async def update_weight_version(self, request: UpdateWeightVersionRequest, context: Any) -> ControlReply: ...
-    async def flush_cache(self, request: Empty, context: Any) -> ControlReply: ...
+    async def flush_cache(self, request: FlushCacheRequest, context: Any) -> ControlReply: ...
     async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context: Any) -> ControlReply: ...
     async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest, context: Any
                                              ) -> ControlReply: ...
@@ -272,8 +275,8 @@ class SchedulerClient:
     async def update_weight_version(self, request: UpdateWeightVersionRequest) -> ControlReply:
         return await self._calls["UpdateWeightVersion"](request)
 
-    async def flush_cache(self) -> ControlReply:
-        return await self._calls["FlushCache"](EMPTY)
+    async def flush_cache(self, request: FlushCacheRequest) -> ControlReply:
+        return await self._calls["FlushCache"](request)
 
     async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> ControlReply:
         return await self._calls["InitWeightsUpdateGroup"](request)

@@ -50,6 +50,7 @@ class DetokenizeParams:
     stop: list[str] = field(default_factory=list)
     no_stop_trim: bool = False
     min_new_tokens: int = 0  # stop strings match only once the output has this many tokens
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
 
 
 @twin(scheduler_pb2.RequestStart)

@@ -14,10 +14,21 @@ class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAUSE_MODE_ABORT: _ClassVar[PauseMode]
     PAUSE_MODE_IN_PLACE: _ClassVar[PauseMode]
     PAUSE_MODE_RETRACT: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+
+class WeightsRelease(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHTS_RELEASE_UNSPECIFIED: _ClassVar[WeightsRelease]
+    WEIGHTS_RELEASE_OFFLOAD: _ClassVar[WeightsRelease]
+    WEIGHTS_RELEASE_DISCARD: _ClassVar[WeightsRelease]
 PAUSE_MODE_UNSPECIFIED: PauseMode
 PAUSE_MODE_ABORT: PauseMode
 PAUSE_MODE_IN_PLACE: PauseMode
 PAUSE_MODE_RETRACT: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+WEIGHTS_RELEASE_UNSPECIFIED: WeightsRelease
+WEIGHTS_RELEASE_OFFLOAD: WeightsRelease
+WEIGHTS_RELEASE_DISCARD: WeightsRelease
 
 class AbortGenerationRequest(_message.Message):
     __slots__ = ("rid",)
@@ -306,10 +317,12 @@ class DestroyWeightsUpdateGroupRequest(_message.Message):
     def __init__(self, group_name: _Optional[str] = ...) -> None: ...
 
 class ReleaseMemoryOccupationRequest(_message.Message):
-    __slots__ = ("tags",)
+    __slots__ = ("tags", "weights")
     TAGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+    weights: WeightsRelease
+    def __init__(self, tags: _Optional[_Iterable[str]] = ..., weights: _Optional[_Union[WeightsRelease, str]] = ...) -> None: ...
 
 class ResumeMemoryOccupationRequest(_message.Message):
     __slots__ = ("tags",)

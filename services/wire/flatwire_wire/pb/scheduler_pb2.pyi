@@ -8,16 +8,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WeightsRelease(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHTS_RELEASE_UNSPECIFIED: _ClassVar[WeightsRelease]
+    WEIGHTS_RELEASE_OFFLOAD: _ClassVar[WeightsRelease]
+    WEIGHTS_RELEASE_DISCARD: _ClassVar[WeightsRelease]
+
 class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
     PAUSE_MODE_ABORT: _ClassVar[PauseMode]
     PAUSE_MODE_IN_PLACE: _ClassVar[PauseMode]
     PAUSE_MODE_RETRACT: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+WEIGHTS_RELEASE_UNSPECIFIED: WeightsRelease
+WEIGHTS_RELEASE_OFFLOAD: WeightsRelease
+WEIGHTS_RELEASE_DISCARD: WeightsRelease
 PAUSE_MODE_UNSPECIFIED: PauseMode
 PAUSE_MODE_ABORT: PauseMode
 PAUSE_MODE_IN_PLACE: PauseMode
 PAUSE_MODE_RETRACT: PauseMode
+PAUSE_MODE_WAIT: PauseMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "logit_bias", "json_schema", "regex", "ebnf")
@@ -77,18 +88,20 @@ class LogprobParams(_message.Message):
     def __init__(self, return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ...) -> None: ...
 
 class DetokenizeParams(_message.Message):
-    __slots__ = ("skip_special_tokens", "spaces_between_special_tokens", "stop", "no_stop_trim", "min_new_tokens")
+    __slots__ = ("skip_special_tokens", "spaces_between_special_tokens", "stop", "no_stop_trim", "min_new_tokens", "include_stop_str")
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     NO_STOP_TRIM_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_FIELD_NUMBER: _ClassVar[int]
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
     no_stop_trim: bool
     min_new_tokens: int
-    def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
+    include_stop_str: bool
+    def __init__(self, skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., include_stop_str: _Optional[bool] = ...) -> None: ...
 
 class TokenizedRequest(_message.Message):
     __slots__ = ("rid", "owner", "input_ids", "sampling", "logprob", "detokenize", "stream_interval", "return_routed_experts", "routed_experts_start_len")
@@ -287,7 +300,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions", "waiting_tokens")
+    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions", "paused", "memory_released", "waiting_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +314,8 @@ class SchedulerStats(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RELEASED_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
@@ -315,8 +330,10 @@ class SchedulerStats(_message.Message):
     prefill_tokens: int
     cached_prompt_tokens: int
     retractions: int
+    paused: bool
+    memory_released: _containers.RepeatedScalarFieldContainer[str]
     waiting_tokens: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., paused: _Optional[bool] = ..., memory_released: _Optional[_Iterable[str]] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsFromDiskRequest(_message.Message):
     __slots__ = ("model_path", "load_format", "abort_all_requests", "weight_version")
@@ -387,10 +404,12 @@ class DestroyWeightsUpdateGroupRequest(_message.Message):
     def __init__(self, group_name: _Optional[str] = ...) -> None: ...
 
 class ReleaseMemoryOccupationRequest(_message.Message):
-    __slots__ = ("tags",)
+    __slots__ = ("tags", "weights")
     TAGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     tags: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+    weights: WeightsRelease
+    def __init__(self, tags: _Optional[_Iterable[str]] = ..., weights: _Optional[_Union[WeightsRelease, str]] = ...) -> None: ...
 
 class ResumeMemoryOccupationRequest(_message.Message):
     __slots__ = ("tags",)
@@ -413,8 +432,10 @@ class AbortAllRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FlushCacheRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("reset_running_requests",)
+    RESET_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    reset_running_requests: bool
+    def __init__(self, reset_running_requests: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightVersionRequest(_message.Message):
     __slots__ = ("new_version", "abort_all_requests")

@@ -219,7 +219,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FlushCache(self, request, context):
-        """Empty the prefix cache; refused (success false) while requests run or wait, as SGLang's flush_cache.
+        """Empty the prefix cache; refused (success false) while requests run or wait, as SGLang's flush_cache
+        (FlushCacheRequest says what vLLM's reset_prefix_cache does instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
