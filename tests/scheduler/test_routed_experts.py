@@ -3,6 +3,8 @@
 went through the model, the experts each MoE layer's router chose, equal to transformers' own routers on the same
 sequence; a prompt prefix found in the prefix cache keeps the routing its first prefill recorded."""
 
+from urllib.parse import urlsplit
+
 import httpx
 import numpy as np
 import pybase64
@@ -14,6 +16,13 @@ from transformers import AutoModelForCausalLM
 from harness.checkpoints import moe_checkpoint
 from harness.http import generate, post
 from harness.stack import running
+from tests.gateway.external_engine_calls import (
+    miles_get_server_info,
+    miles_server_args,
+    sanity_check_server_args,
+    slime_server_args,
+    trainer_args,
+)
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -128,3 +137,14 @@ def test_routed_experts_start_len(moe_stack):
                                                    "routed_experts_start_len": 13,
                                                    "sampling_params": {"max_new_tokens": 2}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "routed_experts_start_len", reply.text
+
+
+@pytest.mark.parametrize("compute", [slime_server_args, miles_server_args], ids=["slime", "miles"])
+def test_a_trainer_with_routing_replay_attaches(moe_stack, compute):
+    """slime's and miles' --rollout-external check with --use-rollout-routing-replay (tests/gateway/
+    test_external_engines.py): this scheduler records the routing, and /get_server_info says so."""
+    url = urlsplit(moe_stack.http_url)
+    expected, fields = compute(trainer_args(offload_rollout=True, use_rollout_routing_replay=True), 0, url.hostname,
+                               url.port)
+    assert "enable_return_routed_experts" in fields
+    sanity_check_server_args(miles_get_server_info(moe_stack.http_url), expected, fields)

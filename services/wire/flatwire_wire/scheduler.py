@@ -144,6 +144,9 @@ class ModelInfo:
     kv_layers: str = ""  # what the model's layers keep
     state_bytes_per_request: int = 0  # linear-attention state one request holds (0: no such layers)
     state_checkpoints: int = 0  # of that state, which the prefix cache may keep
+    return_routed_experts: bool = False  # it records MoE routing (--enable-return-routed-experts)
+    releases_memory: bool = False  # release_memory_occupation frees its model memory (not --engine synthetic)
+    load_format: str = ""  # --load-format
 
 
 @twin(scheduler_pb2.SchedulerStats)
@@ -164,6 +167,7 @@ class SchedulerStats:
     retractions: int = 0
     paused: bool = False
     memory_released: list[str] = field(default_factory=list)
+    waiting_tokens: int = 0  # the waiting requests' sequences (prompt and output so far), to prefill
 
 
 # -- colocated trainers (internal calls only: the gateway's HTTP routes forward them) ------------------------------
