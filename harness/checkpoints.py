@@ -1,5 +1,6 @@
-"""Checkpoints for the tests: the default model with seeded noise on some layers (weight updates), and a small
-random Mixture-of-Experts model on the default vocabulary (routed experts); each beside the default tokenizer."""
+"""Checkpoints for the tests: the default model on a small vocabulary (the engine tests), the default model with
+seeded noise on some layers (weight updates), and a small random Mixture-of-Experts model on the default vocabulary
+(routed experts); each beside its tokenizer."""
 
 import shutil
 from collections.abc import Sequence
@@ -8,7 +9,21 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from services.common import default_model
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# The small vocabulary's ordinary tokens: ids below it are Qwen's first byte-pair ranks (the 256 bytes first), its
+# 33 special tokens follow (<|im_end|> at SMALL_VOCABULARY + 2).
+SMALL_VOCABULARY = 4096
+
+
+def small_vocabulary_checkpoint(target: Path) -> Path:
+    """The default model's architecture and tokenizer on a vocabulary of SMALL_VOCABULARY tokens and the special
+    ones (services/common/default_model.py's `ranks`), random weights from its seed, saved to `target`; `target`.
+    The default model is 99% embedding: at every step its 248k rows go through lm_head, log-softmax and top-k,
+    which is what an engine test on it spends its time on. Any text still encodes, in more tokens."""
+    default_model.build(target, ranks=SMALL_VOCABULARY)
+    return target
 
 
 def perturbed_checkpoint(model_dir: Path, target: Path, seed: int, layers: Sequence[str] = (".layers.",),

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness.checkpoints import small_vocabulary_checkpoint
 from harness.procs import start_service as harness_start_service
 from harness.scheduler_client import SchedulerClient
 from harness.stack import Stack
@@ -30,6 +31,13 @@ CACHE_DIR = Path(os.environ.get("FLATWIRE_CACHE_DIR", DEFAULT_CACHE_DIR))
 def model_dir() -> Path:
     """The embedded default model (built once into the cache)."""
     return resolve_model(None, CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory) -> Path:
+    """The default model's architecture on a small vocabulary (harness.checkpoints.SMALL_VOCABULARY, and its
+    tokenizer), built once per test process: what the engine and scheduler tests run on, that need no text."""
+    return small_vocabulary_checkpoint(tmp_path_factory.mktemp("small-vocabulary"))
 
 
 @pytest.fixture(scope="session")
@@ -104,12 +112,14 @@ def openai_client(stack):
 
 
 @pytest.fixture(scope="session")
-def lone_scheduler_address(start_service) -> str:
+def lone_scheduler_address(start_service, small_model_dir) -> str:
     """A scheduler that no detokenizer follows, for tests that read its step stream themselves: the session's
     detokenizer adopts the owners it sees within --owner-grace-s of its start and, since such a test never
     subscribes there, aborts their requests once that grace has passed. Its output ships on the steps it was
-    made, however late the test reads it (--stream-coalesce-tokens 1): these tests check each entry."""
-    _, address = start_service("scheduler", "--max-running-requests", "16", "--stream-coalesce-tokens", "1")
+    made, however late the test reads it (--stream-coalesce-tokens 1): these tests check each entry. These tests
+    send token ids and read no text: it serves the small vocabulary (small_model_dir)."""
+    _, address = start_service("scheduler", "--model", str(small_model_dir), "--max-running-requests", "16",
+                               "--stream-coalesce-tokens", "1")
     return address
 
 
@@ -123,6 +133,7 @@ def scheduler_client(lone_scheduler_address):
 
 
 @pytest.fixture(scope="session")
-def reference_model(model_dir):
-    """The default checkpoint in transformers, float32: what the scheduler's outputs are checked against."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def reference_model(small_model_dir):
+    """The lone scheduler's checkpoint (small_model_dir) in transformers, float32: what its outputs are checked
+    against."""
+    return AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32).eval()
