@@ -1,13 +1,13 @@
 """Checkpoints for the tests: the default model on a small vocabulary (the engine tests), the default model with
-seeded noise on some layers (weight updates), and a small random Mixture-of-Experts model on the default vocabulary
-(routed experts); each beside its tokenizer."""
+seeded noise on some layers (weight updates), and a small random Mixture-of-Experts model on a given model's
+vocabulary (routed experts); each beside its tokenizer."""
 
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from services.common import default_model
 
@@ -43,12 +43,14 @@ def perturbed_checkpoint(model_dir: Path, target: Path, seed: int, layers: Seque
 
 def moe_checkpoint(model_dir: Path, target: Path, seed: int = 7) -> Path:
     """A random Qwen3-MoE of 3 decoder layers (8 experts, 2 per token; layer 1 dense, as mlp_only_layers make it)
-    on the default model's vocabulary and tokenizer, saved to `target`; `target`."""
+    on the vocabulary and tokenizer of `model_dir` (the default model's, or the small one's), saved to `target`;
+    `target`."""
+    vocabulary = AutoConfig.from_pretrained(model_dir)
     config = Qwen3MoeConfig(
-        vocab_size=248077, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        mlp_only_layers=[1], max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=[248046, 248044], pad_token_id=248044)
+        vocab_size=vocabulary.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=vocabulary.eos_token_id, pad_token_id=vocabulary.pad_token_id)
     torch.manual_seed(seed)
     Qwen3MoeForCausalLM(config).save_pretrained(target)
     _copy_tokenizer(model_dir, target)
