@@ -89,13 +89,64 @@ def http(stack) -> httpx.Client:
         yield client
 
 
-def pytest_collection_modifyitems(items) -> None:
+DURATIONS_KEY = "flatwire/work-unit-seconds"  # pytest's cache: how long each work unit took when it last ran
+# Modules whose tests share nothing of module scope (each starts what it needs): each test a work unit of its own.
+SPREAD = frozenset({"tests/deploy/test_launcher.py"})
+_took: dict[str, float] = {}
+
+
+def work_unit(nodeid: str) -> str:
+    """What pytest-xdist hands a test process at once: a test module (its tests run in one process, in their
+    order, sharing the module's fixtures and the session's stack), or a test of a module in SPREAD."""
+    module = nodeid.split("::")[0]
+    return nodeid if module in SPREAD else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pyproject's `-n 2 --dist loadscope`: work_unit's units to whichever process is free, in collection order
+    (the longest first: pytest_collection_modifyitems), so that neither process idles at the end while the other
+    runs a long one. (`--dist loadgroup` would do, but pytest-xdist 3.8 cannot rename pytest 9's node ids: its
+    xdist_group marks are ignored.) Another --dist on the command line: pytest-xdist's own."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
     """Mark `slow` every test that runs services as processes through start_service or the session's stack
     (modules that start processes otherwise mark themselves): `python -m pytest -m "not slow"` is the fast inner
-    loop."""
+    loop. Then order the work units (work_unit) longest first: as long as they took when they last ran (pytest's
+    cache), or until then 10 s a test that runs processes and 0.5 s another."""
+    units: dict[str, list[pytest.Item]] = {}
     for item in items:
         if "start_service" in item.fixturenames or "session_stack" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+        units.setdefault(work_unit(item.nodeid), []).append(item)
+    cache = getattr(config, "cache", None)
+    took = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+
+    def cost(unit: str) -> float:
+        return took.get(unit) or sum(10.0 if item.get_closest_marker("slow") else 0.5 for item in units[unit])
+
+    items[:] = [item for unit in sorted(units, key=cost, reverse=True) for item in units[unit]]
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Sums each work unit's setup, call and teardown (in the process that reports them all: the controller)."""
+    unit = work_unit(report.nodeid)
+    _took[unit] = _took.get(unit, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    cache = getattr(session.config, "cache", None)
+    if cache is not None and _took and not hasattr(session.config, "workerinput"):
+        cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}), **{u: round(s, 2) for u, s in _took.items()}})
 
 
 @pytest.fixture(scope="session")
