@@ -184,6 +184,13 @@ def scheduler_client(lone_scheduler_address):
 
 
 @pytest.fixture(scope="session")
+def stack_reference_model(model_dir):
+    """The session stack's checkpoint (the default model) in transformers, float32: what the end-to-end tests'
+    outputs are checked against."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def reference_model(small_model_dir):
     """The lone scheduler's checkpoint (small_model_dir) in transformers, float32: what its outputs are checked
     against."""

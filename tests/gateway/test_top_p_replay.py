@@ -113,14 +113,14 @@ def logprobs_of(meta: dict) -> tuple[list[float], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def replayed(http, reference_model):
+def replayed(http, stack_reference_model):
     """One sampled request with top-p replay and top-5 logprobs, its nuclei and the reference's logits."""
     prompt = prompt_ids(1)
     body = {"input_ids": prompt, "sampling_params": {**SAMPLED, **REPLAY}, "return_logprob": True,
             "top_logprobs_num": 5}
     result = generate(http, **body)
     tokens = result["output_ids"]
-    return body, result, reference_logits(reference_model, prompt, tokens)
+    return body, result, reference_logits(stack_reference_model, prompt, tokens)
 
 
 def test_the_nuclei_are_transformers_top_p_sets(replayed):
@@ -151,7 +151,7 @@ def test_replayed_logprobs_are_renormalized_over_the_nucleus(replayed):
                                                 reverse=True)
 
 
-def test_default_logprobs_are_sglangs_at_the_temperature_before_the_cut(http, reference_model):
+def test_default_logprobs_are_sglangs_at_the_temperature_before_the_cut(http, stack_reference_model):
     """Without replay: log-softmax(logits / T) over the whole vocabulary, top-k of the same; raw_logprobs per
     request: the model's own, at temperature 1 (the same tokens: the mode changes no draw)."""
     prompt = prompt_ids(2)
@@ -161,7 +161,7 @@ def test_default_logprobs_are_sglangs_at_the_temperature_before_the_cut(http, re
     values, tokens = logprobs_of(meta)
     raw_values, raw_tokens = logprobs_of(raw)
     assert raw_tokens == tokens
-    logits = reference_logits(reference_model, prompt, tokens)
+    logits = reference_logits(stack_reference_model, prompt, tokens)
     scaled, unscaled = log_softmax(logits / TEMPERATURE), log_softmax(logits)
     for i, token in enumerate(tokens):
         assert values[i] == pytest.approx(scaled[i, token], abs=LOGPROB_TOL)
@@ -172,7 +172,7 @@ def test_default_logprobs_are_sglangs_at_the_temperature_before_the_cut(http, re
     assert max(abs(a - b) for a, b in zip(values, raw_values)) > 0.5
 
 
-def test_top_k_and_min_p_cut_the_nucleus_too(http, reference_model):
+def test_top_k_and_min_p_cut_the_nucleus_too(http, stack_reference_model):
     """The nucleus is what every cut kept, as SGLang's replay returns it: top-k, then top-p, then min-p."""
     prompt = prompt_ids(3)
     cuts = {"top_k": 40, "top_p": 0.95, "min_p": 0.02}
@@ -181,7 +181,7 @@ def test_top_k_and_min_p_cut_the_nucleus_too(http, reference_model):
     assert "output_token_logprobs" not in result["meta_info"]  # replay needs no logprobs
     tokens = result["output_ids"]
     nuclei = nuclei_of(result["meta_info"])
-    check_nuclei(nuclei, tokens, reference_logits(reference_model, prompt, tokens), **cuts)
+    check_nuclei(nuclei, tokens, reference_logits(stack_reference_model, prompt, tokens), **cuts)
     assert max(map(len, nuclei)) <= cuts["top_k"]
 
 
@@ -248,7 +248,7 @@ def test_grpc_and_packed_http_carry_the_nuclei_as_raw_arrays(stack, replayed):
     assert all(chunk.top_p is not None and chunk.top_p.tokens == len(chunk.token_ids) for chunk in chunks)
 
 
-def test_openai_routes_return_raw_logprobs_and_nuclei_in_meta_info(openai_client, served_model, reference_model):
+def test_openai_routes_return_raw_logprobs_and_nuclei_in_meta_info(openai_client, served_model, stack_reference_model):
     """vLLM's default on the OpenAI routes: the model's own logprobs whatever the temperature; the nuclei in a
     choice's meta_info (base64 on chat, where the flat arrays are base64 by default)."""
     prompt = prompt_ids(5)
@@ -258,7 +258,7 @@ def test_openai_routes_return_raw_logprobs_and_nuclei_in_meta_info(openai_client
                     "return_token_ids": True})
     choice = completion.choices[0]
     tokens = choice.token_ids
-    logits = reference_logits(reference_model, prompt, tokens)
+    logits = reference_logits(stack_reference_model, prompt, tokens)
     unscaled = log_softmax(logits)
     for i, value in enumerate(choice.logprobs.token_logprobs):
         assert value == pytest.approx(unscaled[i, tokens[i]], abs=LOGPROB_TOL)
