@@ -37,7 +37,7 @@ def test_real_step_message_parses_as_typed_view(lone_scheduler_address):
     client = SchedulerClient(lone_scheduler_address)
     try:
         rid = client.submit(
-            input_ids=[11, 2024, 7, 99_000, 5],
+            input_ids=[11, 2024, 7, 3_999, 5],  # the lone scheduler's small vocabulary
             sampling=SamplingParams(max_new_tokens=3, temperature=0.0),
             logprob=LogprobParams(return_logprob=True, top_logprobs_num=8, logprob_start_len=0,
                                   token_ids_logprob=[1, 2]))

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from services.gateway.http.accept import prefers
-from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.context import ROUTER_UNNAMED_MODEL, Gateway, gateway_of
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.openapi import request_body
@@ -38,6 +38,7 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
+    _check_model(gateway, req.model)
     packed = prefers(request.headers.get("accept"), packed_format.MEDIA_TYPE)
     if packed and req.returns_list:
         raise InvalidRequest(req.prompt_field if req.is_batch else "sampling_params.n",
@@ -61,6 +62,14 @@ async def generate(request: Request) -> Response:
     body = orjson.dumps(bodies if req.returns_list else bodies[0], option=orjson.OPT_SERIALIZE_NUMPY)
     gateway.metrics.bytes_sent.labels(logprob_format(req)).inc(len(body))
     return Response(body, media_type="application/json")
+
+
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    """SGLang ignores /generate's `model`; here it selects (Gateway.model_named), and absent, null or a router's
+    placeholder for none is the served model."""
+    if model not in (None, ROUTER_UNNAMED_MODEL) and gateway.model_named(model) is None:
+        raise InvalidRequest("model", f"model: this server serves {', '.join(map(repr, gateway.model_names))}, "
+                                      f"not {model!r}")
 
 
 async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]:

@@ -1,7 +1,7 @@
-"""SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models/{model}.
+"""SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models (/{model}).
 
 /get_model_info (/model_info), /get_server_info (/server_info), /flush_cache, /health_generate,
-/tokenize and /detokenize (also under /v1/), /version. Shapes as SGLang 0.5.x sends them
+/tokenize and /detokenize (also under /v1/). Shapes as SGLang 0.5.x sends them
 (sglang/srt/entrypoints/http_server.py, openai/serving_tokenize.py). /abort_request and the other
 rollout-control routes are in rollout.py.
 """
@@ -15,7 +15,7 @@ from contextlib import aclosing
 import orjson
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.control import SGLANG_FLUSH
-from flatwire_wire.scheduler import LogprobParams, SamplingParams, SchedulerStats
+from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, SchedulerStats
 from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -39,7 +39,7 @@ FLUSH_CACHE_NOTE = "(When there are running or waiting requests, the operation w
 
 
 @functools.cache  # reading the installed metadata takes most of a ms
-def _version() -> str:
+def flatwire_version() -> str:
     try:
         return importlib.metadata.version("flatwire")
     except importlib.metadata.PackageNotFoundError:
@@ -51,7 +51,7 @@ def _json(data, status: int = 200) -> Response:
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:
-    if model is not None and model != gateway.engine.model_name:
+    if model is not None and gateway.model_named(model) is None:
         raise InvalidRequest("model", f"model: this server serves {gateway.engine.model_name!r}, not {model!r}",
                              status=404, code="model_not_found")
 
@@ -59,19 +59,25 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 # -- models ----------------------------------------------------------------------------------------------
 
 
-def model_card(gateway: Gateway) -> dict:
-    """The served model as OpenAI's model object (GET /v1/models lists it, GET /v1/models/{model} returns it)."""
-    name = gateway.engine.model_name
-    return {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire", "root": name,
-            "max_model_len": gateway.limits.max_context}
+def model_card(gateway: Gateway, name: str) -> dict:
+    """The served model under `name` as OpenAI's model object (GET /v1/models lists one per name, GET
+    /v1/models/{model} returns it). owned_by is the server's name, as vLLM's and SGLang's say theirs."""
+    return {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
+            "root": gateway.engine.model_name, "max_model_len": gateway.limits.max_context}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    gateway = gateway_of(request)
+    return _json({"object": "list", "data": [model_card(gateway, name) for name in gateway.model_names]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
     gateway = gateway_of(request)
-    if model != gateway.engine.model_name:
+    if gateway.model_named(model) is None:
         return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-    return _json(model_card(gateway))
+    return _json(model_card(gateway, model))
 
 
 @router.get("/get_model_info")
@@ -100,7 +106,7 @@ async def server_info(request: Request) -> Response:
     assert info is not None  # fetched when the pipeline starts, before the server listens
     name = engine.model_name
     return _json({
-        "version": _version(),
+        "version": flatwire_version(),
         "model_path": name,
         "tokenizer_path": name,
         "served_model_name": name,
@@ -144,7 +150,32 @@ async def server_info(request: Request) -> Response:
         "renderers_ready": gateway.renderers_ready,
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
+        **sglang_server_args(info, len(engine.schedulers.replicas)),
     })
+
+
+def sglang_server_args(info: ModelInfo, replicas: int) -> dict:
+    """SGLang's ServerArgs that slime and miles compare with what they would have launched when they attach to a
+    running engine (--rollout-external: slime/backends/sglang_utils/sglang_engine.py, and miles' of that name), each
+    with flatwire's true value. Each scheduler replica is one process on one device (one node, no tensor, pipeline
+    or expert parallelism), as SGLang's data-parallel ranks are; a setting flatwire has no such thing for is
+    SGLang's default only where that default is true here (no LoRA, no prefill/decode disaggregation, no indexer
+    top-k)."""
+    return {
+        "nnodes": 1, "node_rank": 0,
+        "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": replicas,
+        # The device the (first) replica computes on; SGLang's 0 on a CPU, as SGLang itself reports it there.
+        "base_gpu_id": int(info.device.partition(":")[2] or 0), "gpu_id_step": 1,
+        # release_memory_occupation frees the model's memory (SGLang needs --enable-memory-saver for that).
+        "enable_memory_saver": info.releases_memory,
+        "enable_return_routed_experts": info.return_routed_experts,
+        "enable_return_indexer_topk": False,
+        "enable_lora": False,
+        "load_format": info.load_format,
+        "disaggregation_mode": "null",
+        "encoder_only": False,
+        "enable_metrics": True,  # /metrics is always served
+    }
 
 
 def _kv_memory(stats: SchedulerStats | None) -> dict | None:
@@ -154,11 +185,6 @@ def _kv_memory(stats: SchedulerStats | None) -> dict | None:
             "pages_cached": stats.kv_pages_cached, "tokens_used": stats.kv_tokens_used,
             "running": stats.running, "waiting": stats.waiting, "prefill_tokens": stats.prefill_tokens,
             "cached_prompt_tokens": stats.cached_prompt_tokens, "retractions": stats.retractions}
-
-
-@router.get("/version")
-async def version() -> Response:
-    return _json({"version": _version()})
 
 
 # -- cache and health ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from services.gateway.reply import Reply
 
 
 def check_model(gateway: Gateway, model: str) -> None:
-    if model != gateway.engine.model_name:
+    if gateway.model_named(model) is None:
         raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves "
                                       f"`{gateway.engine.model_name}`", status=404, code="model_not_found")
 

@@ -5,7 +5,7 @@ from typing import Annotated, Any
 
 from flatwire_wire.sampling import DEFAULT_SAMPLING, INT32_MAX
 from flatwire_wire.scheduler import LogprobParams
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
@@ -23,6 +23,24 @@ from services.gateway.protocol.sampling import SGLangSamplingParams, unsupported
 
 MAX_RID_LENGTH = 256
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
+
+
+def no_media(value) -> bool:
+    """Whether a media field's value holds no item: null, "", or lists of those at any depth ([], a batch's
+    [[], []]), as SGLang's has_valid_data reads them; AReaL sends image_data [] with every prompt."""
+    if value is None or value == "":
+        return True
+    return isinstance(value, list) and all(no_media(item) for item in value)
+
+
+def _check_no_media(value):
+    if not no_media(value):
+        raise ValueError('not supported by this server yet (no media input); only an empty value is accepted: '
+                         'null, "" or [] (per prompt of a batch too)')
+    return value
+
+
+NoMedia = Annotated[Any, AfterValidator(_check_no_media)]
 
 
 class SGLangServerFields(RequestModel):
@@ -46,7 +64,7 @@ class SGLangServerFields(RequestModel):
     extra_key: Annotated[Any, unsupported(None, "")] = None
     cache_salt: Annotated[Any, unsupported(None, "")] = None
     custom_labels: Annotated[Any, unsupported(None, {})] = None
-    images_config: Annotated[Any, unsupported(None)] = None
+    images_config: Annotated[Any, unsupported(None, {})] = None
     max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     min_dynamic_patch: Annotated[Any, unsupported(None)] = None
     use_audio_in_video: Annotated[bool | None, unsupported(None, False)] = None
@@ -57,11 +75,11 @@ class SGLangGenerateFields(SGLangServerFields):
     """The rest of SGLang's GenerateReqInput that flatwire does not have (other modalities, disaggregation,
     entropy and sampling masks, thinking budgets, tracing): accepted at their neutral values only."""
 
-    video_data: Annotated[Any, unsupported(None)] = None
-    audio_data: Annotated[Any, unsupported(None)] = None
-    mm_hashes: Annotated[Any, unsupported(None)] = None
-    mm_content_hashes: Annotated[Any, unsupported(None)] = None
-    video_config: Annotated[Any, unsupported(None)] = None
+    video_data: NoMedia = None
+    audio_data: NoMedia = None
+    mm_hashes: NoMedia = None
+    mm_content_hashes: NoMedia = None
+    video_config: Annotated[Any, unsupported(None, {})] = None
     image_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     video_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     positional_embed_overrides: Annotated[Any, unsupported(None)] = None
@@ -104,11 +122,14 @@ class GenerateRequest(SGLangGenerateFields):
     # MoE routing replay (SGLang's): meta_info.routed_experts, from a scheduler with --enable-return-routed-experts.
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0, le=INT32_MAX)  # the first position whose routing is returned
-    image_data: Annotated[Any, unsupported(None)] = None
-    input_embeds: Annotated[Any, unsupported(None)] = None
-    modalities: Annotated[Any, unsupported(None)] = None
+    image_data: NoMedia = None
+    input_embeds: Annotated[Any, unsupported(None)] = None  # a prompt of its own: [] is an empty one, not none
+    modalities: NoMedia = None  # of the media items: none
     lora_id: Annotated[Any, unsupported(None)] = None
     log_metrics: Annotated[bool | None, unsupported(None, True)] = None  # this server's metrics count every request
+    # SGLang ignores it here; routers (smg, sglang-router) always send it: what it selects, http/context.py's
+    # Gateway.model_named (absent, null or smg's "unknown": the served model).
+    model: str | None = None
     routing_key: str | None = None  # SGLang's routing-key policy: routes as a session header does (routing.py)
     no_logs: bool = False  # flatwire logs no request's content, so this asks for what is so already
 

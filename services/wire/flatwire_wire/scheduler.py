@@ -144,6 +144,9 @@ class ModelInfo:
     kv_layers: str = ""  # what the model's layers keep
     state_bytes_per_request: int = 0  # linear-attention state one request holds (0: no such layers)
     state_checkpoints: int = 0  # of that state, which the prefix cache may keep
+    return_routed_experts: bool = False  # it records MoE routing (--enable-return-routed-experts)
+    releases_memory: bool = False  # release_memory_occupation frees its model memory (not --engine synthetic)
+    load_format: str = ""  # --load-format
 
 
 @twin(scheduler_pb2.SchedulerStats)
@@ -164,6 +167,40 @@ class SchedulerStats:
     retractions: int = 0
     paused: bool = False
     memory_released: list[str] = field(default_factory=list)
+    waiting_tokens: int = 0  # the waiting requests' sequences (prompt and output so far), to prefill
+
+
+# -- colocated trainers (internal calls only: the gateway's HTTP routes forward them) ------------------------------
+
+@twin(scheduler_pb2.UpdateWeightsFromTensorRequest)
+@dataclass
+class UpdateWeightsFromTensorRequest:
+    serialized_named_tensors: list[bytes] = field(default_factory=list)  # rank i reads entry i: torch's pickle
+    load_format: str = ""  # "", "direct" or "flattened_bucket"
+    abort_all_requests: bool = False
+    weight_version: str | None = None  # set on success; None: the version stays
+
+
+@twin(scheduler_pb2.BeginWeightUpdateRequest)
+@dataclass
+class BeginWeightUpdateRequest:
+    pass
+
+
+@twin(scheduler_pb2.EndWeightUpdateRequest)
+@dataclass
+class EndWeightUpdateRequest:
+    pass
+
+
+CHECK_WEIGHTS_ACTIONS = ("snapshot", "reset_tensors", "compare")  # SGLang's weights_checker actions
+
+
+@twin(scheduler_pb2.CheckWeightsRequest)
+@dataclass
+class CheckWeightsRequest:
+    action: str  # of CHECK_WEIGHTS_ACTIONS
+    skip_tensor_list: list[str] = field(default_factory=list)  # compare: names left out
 
 
 SCHEDULER = ServiceSpec(
@@ -177,7 +214,11 @@ SCHEDULER = ServiceSpec(
            "AbortAll": (AbortAllRequest, ControlReply),
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
            "FlushCache": (FlushCacheRequest, ControlReply),
-           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()}})
+           **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()},
+           "UpdateWeightsFromTensor": (UpdateWeightsFromTensorRequest, ControlReply),
+           "BeginWeightUpdate": (BeginWeightUpdateRequest, ControlReply),
+           "EndWeightUpdate": (EndWeightUpdateRequest, ControlReply),
+           "CheckWeights": (CheckWeightsRequest, ControlReply)})
 
 
 class SchedulerServicer(Protocol):
@@ -204,6 +245,11 @@ class SchedulerServicer(Protocol):
     async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context: Any
                                        ) -> ControlReply: ...
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context: Any) -> ControlReply: ...
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest, context: Any
+                                         ) -> ControlReply: ...
+    async def begin_weight_update(self, request: BeginWeightUpdateRequest, context: Any) -> ControlReply: ...
+    async def end_weight_update(self, request: EndWeightUpdateRequest, context: Any) -> ControlReply: ...
+    async def check_weights(self, request: CheckWeightsRequest, context: Any) -> ControlReply: ...
 
 
 class SchedulerClient:
@@ -289,3 +335,15 @@ class SchedulerClient:
 
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest) -> ControlReply:
         return await self._calls["ResumeMemoryOccupation"](request)
+
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> ControlReply:
+        return await self._calls["UpdateWeightsFromTensor"](request)
+
+    async def begin_weight_update(self) -> ControlReply:
+        return await self._calls["BeginWeightUpdate"](BeginWeightUpdateRequest())
+
+    async def end_weight_update(self) -> ControlReply:
+        return await self._calls["EndWeightUpdate"](EndWeightUpdateRequest())
+
+    async def check_weights(self, request: CheckWeightsRequest) -> ControlReply:
+        return await self._calls["CheckWeights"](request)

@@ -256,7 +256,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints", "return_routed_experts", "releases_memory", "load_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,9 @@ class ModelInfo(_message.Message):
     KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STATE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -291,14 +294,17 @@ class ModelInfo(_message.Message):
     kv_layers: str
     state_bytes_per_request: int
     state_checkpoints: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ...) -> None: ...
+    return_routed_experts: bool
+    releases_memory: bool
+    load_format: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., releases_memory: _Optional[bool] = ..., load_format: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions", "paused", "memory_released")
+    __slots__ = ("running", "waiting", "kv_tokens_used", "steps", "finished", "aborted", "kv_pages_total", "kv_pages_used", "kv_pages_cached", "page_size", "prefill_tokens", "cached_prompt_tokens", "retractions", "paused", "memory_released", "waiting_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +320,7 @@ class SchedulerStats(_message.Message):
     RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_tokens_used: int
@@ -329,7 +336,8 @@ class SchedulerStats(_message.Message):
     retractions: int
     paused: bool
     memory_released: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., paused: _Optional[bool] = ..., memory_released: _Optional[_Iterable[str]] = ...) -> None: ...
+    waiting_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., steps: _Optional[int] = ..., finished: _Optional[int] = ..., aborted: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., paused: _Optional[bool] = ..., memory_released: _Optional[_Iterable[str]] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsFromDiskRequest(_message.Message):
     __slots__ = ("model_path", "load_format", "abort_all_requests", "weight_version")
@@ -440,6 +448,34 @@ class UpdateWeightVersionRequest(_message.Message):
     new_version: str
     abort_all_requests: bool
     def __init__(self, new_version: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsFromTensorRequest(_message.Message):
+    __slots__ = ("serialized_named_tensors", "load_format", "abort_all_requests", "weight_version")
+    SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    serialized_named_tensors: _containers.RepeatedScalarFieldContainer[bytes]
+    load_format: str
+    abort_all_requests: bool
+    weight_version: str
+    def __init__(self, serialized_named_tensors: _Optional[_Iterable[bytes]] = ..., load_format: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class BeginWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EndWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckWeightsRequest(_message.Message):
+    __slots__ = ("action", "skip_tensor_list")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TENSOR_LIST_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    skip_tensor_list: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, action: _Optional[str] = ..., skip_tensor_list: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ControlReply(_message.Message):
     __slots__ = ("success", "message", "num_paused_requests", "weight_version", "aborted_requests")
