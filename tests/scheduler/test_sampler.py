@@ -162,6 +162,34 @@ def test_nuclei_are_what_each_row_could_draw():
         assert sizes.tolist() == [int((draw.probs[params.rows.index(row)] > 0).sum()) for row in sampled_only]
 
 
+@pytest.mark.parametrize("spread", [3.0, 0.1])  # peaked: nuclei within top-p's head; flat: past it
+def test_nuclei_read_from_top_ps_head_equal_a_full_pass(spread):
+    """When every sampled row has a top-p, the nuclei come from the head top-p sorted (a peaked distribution's)
+    unless it does not hold them all; either way they are the reference's."""
+    rows = [(0.9, 0.9, 0, 0.0), (1.0, 0.95, 300, 0.0), (0.7, 0.8, 0, 0.05), (1.2, 0.5, 20, 0.0)]
+    vocab = 5000
+    logits = torch.from_numpy(np.random.default_rng(3).normal(0, spread, (len(rows), vocab))).float()
+    params = batch_of(rows)
+    draw = sample(logits, params)
+    assert (draw.head is not None and bool(draw.head[1].all())) == (spread > 1)
+    sizes, ids = nuclei(draw, params, [2, 0, 3], vocab)
+    for row, kept in zip([2, 0, 3], torch.split(ids, sizes.tolist())):
+        want = np.flatnonzero(np.isfinite(reference_processed(logits[row].double().numpy(), *rows[row])))
+        np.testing.assert_array_equal(kept.numpy(), want)
+    draw.head = None  # the full pass
+    assert all(torch.equal(a, b) for a, b in zip(nuclei(draw, params, [2, 0, 3], vocab), (sizes, ids)))
+
+
+def test_a_tie_at_the_cut_past_top_ps_head_is_kept():
+    """Tokens past the head that tie the threshold are kept by the cut: the nucleus is read in full then."""
+    vocab = 1100  # equally likely: top-p 0.5 reaches its mass within the head of 1024, and keeps every tie
+    params = batch_of([(1.0, 0.5, 0, 0.0)])
+    draw = sample(torch.zeros(1, vocab), params)
+    sizes, ids = nuclei(draw, params, [0], vocab)
+    assert draw.head is not None and not bool(draw.head[1].all())
+    assert int(sizes[0]) == vocab and ids.tolist() == list(range(vocab))
+
+
 def penalised(rid: str, prompt: list[int]) -> Request:
     """A greedy request with a frequency penalty of 1 (each of its output tokens' logits less its count), over a
     vocabulary of 5."""
