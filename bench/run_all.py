@@ -215,6 +215,30 @@ ANALYSIS = """\
   tokens lie closer than the 8-bit cache moves a logprob (0.02 for e4m3, 0.04 for e5m2 at most), greedy picks
   the other; every parting in the table is at such a margin (0.04 at the most, one exact bfloat16 tie). The
   logprob target (within 0.05) is met by every format and dtype.
+- **The engine's house, before and after** (one KV manager with a memory spec per layer group, a public step, the
+  sampler owning its state: 0ebe194 against 72bd7ce, back to back on this host, 2026-12-06, load 2-3.3 from the
+  benchmarks alone). bench.prefix: the same prefill tokens in every row (n=8 samples 2160 of 16384, the session's
+  last turn 80 of 928, two replicas' hits 82% against 74%), walls within 1-3% either way (default n=8 with the
+  cache 594 -> 592 ms, mid-size 4.95 -> 5.01 s; mid-size session 16.4 -> 16.0 s). bench.kv_capacity: every number
+  equal (4.1x and 3.8x, peaks 205 and 143). bench.decode_context, three runs each: B=1 equal; B=32 at 8192 tokens
+  default 239/242/245 against 257/263/260 ms, mid-size 2.85/2.79/2.98 against 2.86/2.98/3.01 s; the 1024-2048
+  columns move 30-60% between runs of the same code either way. A profile of the default model's B=32 step at
+  8192 tokens (ten steps each, same host, minutes apart) gave 246 ms before and 236 ms after with the same
+  split (page gather 53%, SDPA 27%): the step itself did not change. Capacity, C=512 streaming (`python -m
+  bench.capacity --concurrency 512 --formats flat_b64 --modes stream`): k=0 98% against 97% of the offer,
+  k=128 flat base64 86% against 85%; the synthetic scheduler's CPU per token rose from 5.6 to 7.4 us (k=0) and
+  8.9 to 10.3 us (k=128): per decode row and step the KV manager did page arithmetic for every row. A row
+  whose pages already reach its next token now returns at once (72bd7ce): the 512-row synthetic step in process
+  went from 1.66 to 1.13 ms (the same loop before the issue: 0.39 ms, which kept no per-row output entries);
+  the capacity run after it is not repeated here on a quiet host.
+- **DeepSeek V3 at B=8** (bench.family_decode, run before ec5e5f9): the engine's step took 3.4x transformers' (295
+  against 87 ms) while every other family was within 0.9-1.1x. The cause: MLA attended with values narrower than
+  its keys (the latent without its rope columns), and torch's CPU scaled_dot_product_attention takes a path some
+  20x slower when the widths differ (the step's shapes alone, same load: 438 against 23 ms). MLA now attends
+  with values as wide as the keys and drops the rope columns after (the same numbers; its tests unchanged); in a
+  profile of the B=8 step under the same load, attention went from 25.6 s to 0.55 s of the run. The table's
+  DeepSeek row is from before the fix; gpt-oss's B=8 transformers figure is its own MoE at B=8 (dense over the
+  experts), not noise.
 """
 
 

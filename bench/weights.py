@@ -8,6 +8,12 @@ between the two, so each one changes every tensor. Measured from the client:
   one layer) with nothing running: the call's wall time, read + check + stage + swap;
 - update_weights_from_distributed: a trainer process (harness/trainer.py, rank 0 of a gloo group the
   scheduler joined first) broadcasts the whole model; the call's wall time, receive + check + swap;
+- update_weights_from_tensor, the colocated trainer's call (this process is the trainer: the tensors go into
+  shared memory under torch's file_system strategy, harness/sglang_payloads.py): SGLang's engine format (a list of
+  (name, tensor) pairs) of fresh tensors (each serialize moves them into shared memory: a copy), of tensors already
+  there (a trainer's parameters stay in shared memory once moved; updated in place they need no second move), and
+  slime's flattened bucket (one concatenation: a copy); the trainer's serialize and the call, read + check + copy
+  + swap;
 - the same updates made the way an RL trainer does between rollout steps while C requests stream:
   pause_generation(in_place), the update, continue_generation. The requests in flight stop for the
   whole sequence: the largest gap between two of their tokens, against their median gap;
@@ -37,6 +43,7 @@ from safetensors.torch import load_file
 from bench.common import OUT_DIR, Progress, Table, fmt_time, write_results
 from harness.checkpoints import perturbed_checkpoint
 from harness.procs import free_port
+from harness.sglang_payloads import flattened_bucket, serialize, shared_memory
 from harness.stack import Stack, running
 from services.common.model_store import resolve_model
 
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(None)
     log_dir = OUT_DIR / "weights-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    progress = Progress(9, "weights")
+    progress = Progress(12, "weights")
     with tempfile.TemporaryDirectory() as scratch, \
             running(model_dir, log_dir, scheduler_args=SCHEDULER_ARGS) as stack, \
             FlatwireClient(stack.grpc_address) as client, httpx.Client(timeout=600) as http:
@@ -139,10 +146,27 @@ def main(argv: list[str] | None = None) -> None:
             assert joined.json()["success"], joined.text
             start = time.perf_counter()
             reply = http.post(f"{stack.http_url}/update_weights_from_distributed", json=body)
-            broadcast_times.append(time.perf_counter() - start)
+            own_times.append(time.perf_counter() - start)
             assert reply.json()["success"], reply.text
             assert trainer.wait(timeout=60) == 0
             assert http.post(f"{stack.http_url}/destroy_weights_update_group", json={}).json()["success"]
+
+        def from_tensor(shape: str):
+            """`shape`: "fresh" tensors, tensors already "shared", or a "bucket" of fresh tensors."""
+            def update() -> None:
+                state = tensors[next(count) % 2]
+                named = [(name, tensor if shape == "shared" else tensor.clone()) for name, tensor in state.items()]
+                start = time.perf_counter()  # the trainer's tensors are at hand: its serialize and the call
+                with shared_memory():
+                    payload = flattened_bucket(named) if shape == "bucket" else named
+                    entry = serialize(payload)
+                body = {"serialized_named_tensors": [entry]}
+                if shape == "bucket":
+                    body["load_format"] = "flattened_bucket"
+                reply = http.post(f"{stack.http_url}/update_weights_from_tensor", json=body)
+                own_times.append(time.perf_counter() - start)
+                assert reply.status_code == 200 and reply.json()["success"], reply.text
+            return update
 
         def paused(update):
             def sequence() -> None:
@@ -153,16 +177,22 @@ def main(argv: list[str] | None = None) -> None:
 
         idle = {"update_weights_from_disk": from_disk, "PushWeights, whole model": pushed(tensors),
                 "PushWeights, one layer": pushed(layer),
-                "update_weights_from_distributed (gloo), whole model": broadcast}
+                "update_weights_from_distributed (gloo), whole model": broadcast,
+                "update_weights_from_tensor (shared memory), whole model": from_tensor("fresh"),
+                "update_weights_from_tensor, whole model already in shared memory": from_tensor("shared"),
+                "update_weights_from_tensor, whole model in a flattened bucket (slime)": from_tensor("bucket")}
         rows = []
-        for name, update in idle.items():
-            times, broadcast_times = [], []
-            for _ in range(args.repeats):
+        timings: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in idle}
+        for _ in range(args.repeats):  # interleaved: a change in the machine's load weighs on every operation alike
+            for name, update in idle.items():
+                times, own_times = timings[name]  # own_times: what the update appends itself
                 start = time.perf_counter()
                 update()
                 times.append(time.perf_counter() - start)
-            # A broadcast's own call: the trainer's start and the group's join are not the update.
-            rows.append({"operation": name, "in_flight": 0, "seconds": statistics.median(broadcast_times or times)})
+        for name, (times, own_times) in timings.items():
+            # What an update times itself: a broadcast's call (the trainer's start and the group's join are not
+            # the update), a tensor update's serialize and call (the clone that makes its tensors fresh is not).
+            rows.append({"operation": name, "in_flight": 0, "seconds": statistics.median(own_times or times)})
             progress.step(f"{name}, idle: {fmt_time(rows[-1]['seconds'])}")
         loaded = {"none (the gaps' baseline: 0.2 s of streaming)": (lambda: time.sleep(0.2), 4000),
                   "pause(in_place) + update_weights_from_disk + continue": (paused(from_disk), 4000),
@@ -179,8 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                   ["operation", "requests streaming", "wall time", "their largest token gap", "their median gap"],
                   f"The default model: {model_bytes / 1e6:.0f} MB of float32 tensors (one layer: "
                   f"{layer_bytes / 1e6:.2f} MB); every update changes the tensors it carries. Medians of "
-                  f"{args.repeats} idle updates, of 3 runs under load. Paused, the requests stop for the whole "
-                  "sequence, the read and check of the new weights included (the swap itself is one step boundary). "
+                  f"{args.repeats} idle updates (the operations interleaved), of 3 runs under load. Paused, the "
+                  "requests stop for the whole sequence, the read and check of the new weights included (the swap "
+                  "itself is one step boundary). "
                   "Without a pause the running requests never stop: the update waits for them, and new requests "
                   "wait for it.")
     for row in rows:
@@ -192,9 +223,14 @@ def main(argv: list[str] | None = None) -> None:
     checks = Table("Targets", ["target", "measured", "verdict"],
                    f"On a GPU the same call moves the same {model_bytes / 1e6:.0f} MB (half of it in bfloat16) over "
                    "NCCL: at NVLink's hundreds of GB/s well under a millisecond, so the check and the swap between "
-                   "two steps are what remain; not measured here (no GPU).")
+                   "two steps are what remain; not measured here (no GPU), nor is update_weights_from_tensor's CUDA "
+                   "IPC path (a device-to-device copy from the trainer's memory).")
     checks.add("gloo broadcast of the default model within 2x of the disk update", f"{fmt_time(gloo)} vs "
                f"{fmt_time(disk)}: {gloo / disk:.2f}x", "met" if gloo <= 2 * disk else "missed")
+    tensor = by_name["update_weights_from_tensor (shared memory), whole model"]
+    checks.add("update_weights_from_tensor of the default model (CPU, shared memory, fresh tensors) within 2x of "
+               "the disk update", f"{fmt_time(tensor)} vs {fmt_time(disk)}: {tensor / disk:.2f}x",
+               "met" if tensor <= 2 * disk else "missed")
     print(write_results("weights", "python -m bench.weights", [table, checks],
                         {"rows": rows, "model_bytes": model_bytes, "layer_bytes": layer_bytes},
                         "Scheduler with --max-running-requests 64 on this machine's CPU; client on the same host."))

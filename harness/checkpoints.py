@@ -1,14 +1,29 @@
-"""Checkpoints for the tests: the default model with seeded noise on some layers (weight updates), and a small
-random Mixture-of-Experts model on the default vocabulary (routed experts); each beside the default tokenizer."""
+"""Checkpoints for the tests: the default model on a small vocabulary (the engine tests), the default model with
+seeded noise on some layers (weight updates), and a small random Mixture-of-Experts model on a given model's
+vocabulary (routed experts); each beside its tokenizer."""
 
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from services.common import default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# The small vocabulary's ordinary tokens: ids below it are Qwen's first byte-pair ranks (the 256 bytes first), its
+# 33 special tokens follow (<|im_end|> at SMALL_VOCABULARY + 2).
+SMALL_VOCABULARY = 4096
+
+
+def small_vocabulary_checkpoint(target: Path) -> Path:
+    """The default model's architecture and tokenizer on a vocabulary of SMALL_VOCABULARY tokens and the special
+    ones (services/common/default_model.py's `ranks`), random weights from its seed, saved to `target`; `target`.
+    The default model is 99% embedding: at every step its 248k rows go through lm_head, log-softmax and top-k,
+    which is what an engine test on it spends its time on. Any text still encodes, in more tokens."""
+    default_model.build(target, ranks=SMALL_VOCABULARY)
+    return target
 
 
 def perturbed_checkpoint(model_dir: Path, target: Path, seed: int, layers: Sequence[str] = (".layers.",),
@@ -28,12 +43,14 @@ def perturbed_checkpoint(model_dir: Path, target: Path, seed: int, layers: Seque
 
 def moe_checkpoint(model_dir: Path, target: Path, seed: int = 7) -> Path:
     """A random Qwen3-MoE of 3 decoder layers (8 experts, 2 per token; layer 1 dense, as mlp_only_layers make it)
-    on the default model's vocabulary and tokenizer, saved to `target`; `target`."""
+    on the vocabulary and tokenizer of `model_dir` (the default model's, or the small one's), saved to `target`;
+    `target`."""
+    vocabulary = AutoConfig.from_pretrained(model_dir)
     config = Qwen3MoeConfig(
-        vocab_size=248077, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        mlp_only_layers=[1], max_position_embeddings=4096, tie_word_embeddings=True,
-        eos_token_id=[248046, 248044], pad_token_id=248044)
+        vocab_size=vocabulary.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=4096, tie_word_embeddings=True,
+        eos_token_id=vocabulary.eos_token_id, pad_token_id=vocabulary.pad_token_id)
     torch.manual_seed(seed)
     Qwen3MoeForCausalLM(config).save_pretrained(target)
     _copy_tokenizer(model_dir, target)

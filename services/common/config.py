@@ -79,6 +79,16 @@ def flags_of(field: dataclasses.Field) -> list[str]:
     return ["--" + name.replace("_", "-") for name in (field.name, *field.metadata.get("aliases", ()))]
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable `name` (another program's, such as SGLang's) is set to a true boolean;
+    ValueError naming it when it is set to something else."""
+    raw = os.environ.get(name, "")
+    try:
+        return bool(raw) and _parse(bool, raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def shown_default(field: dataclasses.Field) -> str | None:
     """A field's default as a flag would give it; None when there is none to show (None, "", [])."""
     default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default

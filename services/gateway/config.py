@@ -2,12 +2,14 @@
 
 from dataclasses import dataclass
 
-from services.common.config import ServiceConfig, option, require_ports, require_positive
+from services.common.config import ServiceConfig, env_flag, option, require_ports, require_positive
 from services.common.event_loop import EventLoop
 from services.gateway.agents.reasoning import ReasoningParserName
 from services.gateway.agents.tool_calls import ToolCallParserName
 from services.gateway.http.parsers import HttpParser
 from services.gateway.routing import RoutingPolicy
+
+SGLANG_ORIGINAL_LOGPROB = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
 @dataclass
@@ -67,6 +69,11 @@ class GatewayConfig(ServiceConfig):
     incremental_streaming_output: bool = option(
         False, "/generate streams send each event's new text, output_ids and output logprobs only (SGLang's "
                "--incremental-streaming-output), not everything so far: linear bytes for long streams")
+    return_original_logprob: bool = option(
+        False, "/generate and the public gRPC API return the model's own logprobs (raw_logprobs: before temperature, "
+               "logit_bias, penalties and the grammar) where a request names no logprobs_mode, instead of SGLang's "
+               "(sglang_logprobs: at the temperature, before top-k/p and min-p); also on when SGLang's "
+               "SGLANG_RETURN_ORIGINAL_LOGPROB is true. The OpenAI routes follow the scheduler's --logprobs-mode")
     max_batch_size: int = option(4096, "most generations one HTTP request may ask for (a /generate batch's prompts, "
                                  "a completion's prompts x n, a chat's n); more is refused with 400")
     max_concurrent_submits: int = option(256, "Submit and Abort RPCs in flight to the schedulers at once; the rest "
@@ -104,6 +111,8 @@ class GatewayConfig(ServiceConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        # SGLang's switch, which trainers set in the environment they launch the server in
+        self.return_original_logprob = self.return_original_logprob or env_flag(SGLANG_ORIGINAL_LOGPROB)
         require_ports(self, ("grpc_port",))
         require_positive(self, ("stream_interval", "max_batch_size", "max_concurrent_submits", "hop_timeout_s",
                                 "health_interval_s", "health_timeout_s", "max_stop_strings", "max_stop_length",

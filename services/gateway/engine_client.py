@@ -182,14 +182,15 @@ class EngineClient:
         rid = inp.rid or uuid.uuid4().hex
         if rid in self._requests:
             raise RequestError("invalid_argument", "rid", f"rid: {rid!r} is already running")
-        state = GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(),
-                             outputs=Accumulator(inp.logprob, inp.sampling.max_new_tokens))
+        outputs = Accumulator(inp.logprob, inp.sampling.max_new_tokens, inp.return_top_p_token_ids)
+        state = GenerationState(rid=rid, inp=inp, started_at=time.perf_counter(), outputs=outputs)
         self._requests[rid] = state
         request = TokenizedRequest(
             rid=rid, owner=self.owner, input_ids=inp.input_ids, sampling=inp.sampling, logprob=inp.logprob,
             detokenize=inp.detokenize, stream_interval=self.config.stream_interval if inp.stream else 0,
             return_routed_experts=inp.return_routed_experts, routed_experts_start_len=inp.routed_experts_start_len,
-            lora_name=inp.lora_name, cache_namespace=inp.cache_namespace)
+            return_top_p_token_ids=inp.return_top_p_token_ids, lora_name=inp.lora_name,
+            cache_namespace=inp.cache_namespace)
         coalesce_s = self.config.stream_coalesce_ms / 1000
         try:
             state.scheduler = await self._submit(request, inp)
@@ -261,6 +262,7 @@ class EngineClient:
         """Work per message and per request in it; the arrays are copied with numpy, entry by entry."""
         woken: set[str] = set()
         rids, token_ids, output, version = list(step.rids), list(step.token_ids), step.output, step.weight_version
+        top_p = step.top_p
         texts = list(step.texts) or [""] * len(rids)
         end = 0
         for i, (rid, position, count) in enumerate(zip(rids, step.positions, step.counts)):
@@ -269,7 +271,8 @@ class EngineClient:
             if state is None or state.ended:
                 continue
             try:
-                if state.outputs.add(position, token_ids[start:end], texts[i], output, i, version) and state.inp.stream:
+                if state.outputs.add(position, token_ids[start:end], texts[i], output, i, version, top_p) and \
+                        state.inp.stream:
                     woken.add(rid)
             except OutputLost as exc:
                 self._fail(state, str(exc))

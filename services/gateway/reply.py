@@ -16,20 +16,22 @@ from functools import cached_property
 
 import numpy as np
 from flatwire_wire.logprobs import RequestLogprobs
+from flatwire_wire.nucleus import Nuclei
 from flatwire_wire.public import WeightVersionSpan
 from flatwire_wire.steps import Finish, FinishReason
 
 
 @dataclass  # read-only by convention: frozen, its __init__ took 4x as long, on every streamed event
 class Output:
-    """A run of a request's output: its token ids, their text and, when asked, their logprob rows; the prompt's
-    rows with the run that brings them."""
+    """A run of a request's output: its token ids, their text and, when asked, their logprob rows and nuclei; the
+    prompt's rows with the run that brings them."""
 
     token_ids: list[int]
     text: str
     output: RequestLogprobs | None = None  # rows of token_ids, with return_logprob
     prompt: RequestLogprobs | None = None  # with logprob_start_len >= 0
     token_ids_logprob: list[int] | None = None  # the ids of the ids_logprobs columns, with token_ids_logprob
+    top_p: Nuclei | None = None  # each token's nucleus, with top-p replay (return_top_p_token_ids)
 
 
 @dataclass(frozen=True)

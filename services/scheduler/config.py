@@ -42,9 +42,12 @@ class SchedulerConfig(ServiceConfig):
     state_checkpoints: int = option(0, "a linear-attention model (Qwen3.5, Qwen3-Next): checkpoints of its state at "
                                     "page boundaries the prefix cache keeps, each the size of one request's state; "
                                     "0: as many as --max-running-requests")
-    logprobs_mode: str = option("raw_logprobs", "the distribution output logprobs are of when a request names none "
-                                "(vLLM's names): raw_logprobs, the model's; processed_logprobs, the one each token "
-                                "was drawn from (after logit_bias, penalties, grammar, temperature, top-k/p, min-p)")
+    logprobs_mode: str = option("raw_logprobs", "the distribution output logprobs are of when an OpenAI request names "
+                                "none (vLLM's flag and names; /generate and the public gRPC API default to SGLang's, "
+                                "the gateway's --return-original-logprob): raw_logprobs, the model's; "
+                                "processed_logprobs, the one each token was drawn from (after logit_bias, penalties, "
+                                "grammar, temperature, top-k/p, min-p); sglang_logprobs, SGLang's (the adjusted "
+                                "logits at the temperature, before top-k/p and min-p)")
     enable_return_routed_experts: bool = option(
         False, "record the experts a MoE model's routers choose for every token (SGLang's flag), for requests that "
         "ask with return_routed_experts: int32 per KV slot, layer and expert slot (model/routed_experts.py)")

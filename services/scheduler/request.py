@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import xgrammar as xgr
-from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.logprobs import LogprobRows, LogprobsMode
 from flatwire_wire.sampling import SamplingOptions
 from flatwire_wire.steps import DetokenizeParams
 
@@ -53,7 +53,8 @@ class Request:
     top_logprobs_num: int  # 0 unless return_logprob
     logprob_start_len: int  # -1 unless return_logprob
     token_ids_logprob: list[int]  # empty unless return_logprob
-    processed_logprobs: bool  # output logprobs of the distribution sampled from (LogprobsMode.PROCESSED), not raw
+    logprobs_mode: LogprobsMode  # which distribution its output logprobs are of: RAW, SGLANG or PROCESSED
+    return_top_p_token_ids: bool  # top-p replay: each output token's nucleus ships with it
     return_routed_experts: bool  # its Finish carries the experts each of its tokens was routed to
     routed_experts_start_len: int  # from this position on
     adjustment: LogitAdjustment | None  # `sampling`'s penalties, logit_bias, min_new_tokens as arrays; None: none

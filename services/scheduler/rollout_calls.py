@@ -1,16 +1,24 @@
-"""The Scheduler service's rollout-control calls (RL trainers): weight updates from disk, pushed or broadcast
-over the trainer's torch.distributed group, the group itself, memory release and resume, pause, continue,
-abort_all, flush_cache and weight_version (engine/rollout.py has what each does).
+"""The Scheduler service's rollout-control calls (RL trainers): weight updates from disk, pushed, broadcast over
+the trainer's torch.distributed group or shared by a colocated trainer (model/tensor_payload.py), the group itself,
+miles' weight-update session, memory release and resume, pause, continue, abort_all, flush_cache, weight_version
+and weights_checker (engine/rollout.py has what each does).
 
 A weight update is read and checked in a worker thread (model/weights.py), one at a time, then handed to the engine
 thread, which swaps it in between two steps; the other commands go to the engine thread directly. Each call returns
 once the engine applied it. A refusal is `success: false` with the reason, as SGLang answers.
+
+miles opens a session around every update (begin_weight_update, its buckets, end_weight_update; its SGLang restores
+quantized weights to a loadable layout at the beginning and post-processes them at the end). No weight here has
+another layout than the checkpoint's, so the session means what it can: the updates made in it are checked and
+staged as they come (a later one's copy of a tensor replacing an earlier one's) and swapped in together at its end,
+as one update, so that no step ever runs on a mix of old and new tensors, paused or not.
 """
 
 import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from flatwire_wire.control import (
     AbortAllRequest,
@@ -26,10 +34,18 @@ from flatwire_wire.control import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
 )
+from flatwire_wire.scheduler import (
+    CHECK_WEIGHTS_ACTIONS,
+    BeginWeightUpdateRequest,
+    CheckWeightsRequest,
+    EndWeightUpdateRequest,
+    UpdateWeightsFromTensorRequest,
+)
 
 from services.scheduler.engine.control import (
     WEIGHTS_RELEASED,
     AbortAll,
+    CheckWeights,
     Continue,
     Control,
     FlushCache,
@@ -41,11 +57,22 @@ from services.scheduler.engine.control import (
 )
 from services.scheduler.engine.engine import Engine
 from services.scheduler.model.occupation import MemoryOccupation
+from services.scheduler.model.tensor_payload import named_tensors
 from services.scheduler.model.weight_sync import WeightGroups
 from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
 
 SYNTHETIC_HAS_NO_WEIGHTS = "this scheduler runs --engine synthetic: it has no weights to update"
 log = logging.getLogger("flatwire.scheduler")
+
+
+@dataclass
+class WeightSession:
+    """An open weight-update session: what its updates staged so far, as one update."""
+
+    staged: StagedWeights | None = None
+    updates: int = 0
+    abort_all_requests: bool = False  # any of its updates asked
+    weight_version: str | None = None  # the last one named
 
 
 class RolloutCalls:
@@ -61,6 +88,9 @@ class RolloutCalls:
         # few of them must not take the default pool's threads, which the other controls read weights on.
         self._group_calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-group")
         self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
+        self._session: WeightSession | None = None  # miles' begin_weight_update .. end_weight_update
+        # This process is tensor-parallel rank 0 of 1 (no --tp-size yet): a colocated trainer's entry i is rank i's.
+        self.tp_rank, self.tp_size = 0, 1
 
     async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> ControlReply:
         if self._weights_released():  # said before the checkpoint is read against weights that are not there
@@ -92,6 +122,46 @@ class RolloutCalls:
         parts.clear()
         return await self._update_weights(lambda weights: weights.read_safetensors(data), first.abort_all_requests,
                                           first.weight_version)
+
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest, context) -> ControlReply:
+        entries, rank = request.serialized_named_tensors, self.tp_rank
+        if len(entries) != self.tp_size:
+            return self._refused(f"serialized_named_tensors: {len(entries)} entries, and this scheduler runs "
+                                 f"{self.tp_size} tensor-parallel rank(s): one entry per rank")
+        if self._weights_released():
+            return self._refused(WEIGHTS_RELEASED)
+
+        def read(weights: ServedWeights) -> StagedWeights:
+            tensors = named_tensors(entries[rank], request.load_format, rank)
+            return weights.stage_copies(tensors, f"{len(tensors)} tensors a colocated trainer shared")
+
+        return await self._update_weights(read, request.abort_all_requests, request.weight_version)
+
+    async def begin_weight_update(self, request: BeginWeightUpdateRequest, context) -> ControlReply:
+        if self.weights is None:
+            return self._refused(SYNTHETIC_HAS_NO_WEIGHTS)
+        async with self._updating:
+            if self._session is not None:
+                return self._refused(f"a weight-update session is open ({self._session.updates} updates staged): "
+                                     "end_weight_update first")
+            self._session = WeightSession()
+        return self._reply("Weight-update session open: updates are staged until end_weight_update.")
+
+    async def end_weight_update(self, request: EndWeightUpdateRequest, context) -> ControlReply:
+        async with self._updating:
+            session, self._session = self._session, None
+            if session is None:
+                return self._refused("no weight-update session is open: begin_weight_update first")
+            if session.staged is None:
+                return self._reply("Weight-update session closed: nothing was staged.")
+            return await self._control(UpdateWeights(staged=session.staged,
+                                                     abort_all_requests=session.abort_all_requests,
+                                                     weight_version=session.weight_version))
+
+    async def check_weights(self, request: CheckWeightsRequest, context) -> ControlReply:
+        if request.action not in CHECK_WEIGHTS_ACTIONS:
+            return self._refused(f"action: {request.action!r} is not one of {', '.join(CHECK_WEIGHTS_ACTIONS)}")
+        return await self._control(CheckWeights(action=request.action, skip=set(request.skip_tensor_list)))
 
     async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest, context) -> ControlReply:
         return await self._in_group(lambda groups: groups.init(request))
@@ -163,8 +233,23 @@ class RolloutCalls:
             except WeightsRefused as exc:
                 log.warning("weight update refused: %s", exc)
                 return self._refused(str(exc))
+            if (session := self._session) is not None:
+                return self._stage_in(session, staged, abort_all_requests, version)
             return await self._control(UpdateWeights(staged=staged, abort_all_requests=abort_all_requests,
                                                      weight_version=version))
+
+    def _stage_in(self, session: WeightSession, staged: StagedWeights, abort_all_requests: bool,
+                  version: str | None) -> ControlReply:
+        assert self.weights is not None
+        session.updates += 1
+        session.abort_all_requests |= abort_all_requests
+        session.weight_version = version if version is not None else session.weight_version
+        if session.staged is not None:
+            staged = self.weights.merged(session.staged, staged, "")
+        staged.description = f"{len(staged.pairs)} tensors from {session.updates} updates of a weight-update session"
+        session.staged = staged
+        return self._reply(f"Staged: {len(staged.pairs)} tensors so far in this session; they apply at "
+                           "end_weight_update.")
 
     def _weights_released(self) -> bool:
         """A disk or pushed update would be checked against released (empty) tensors; the engine refuses it
@@ -178,3 +263,6 @@ class RolloutCalls:
     def _refused(self, message: str) -> ControlReply:
         """SGLang answers a refused control call with success false and the reason, not an error status."""
         return ControlReply(success=False, message=message, weight_version=self.engine.weight_version)
+
+    def _reply(self, message: str) -> ControlReply:
+        return ControlReply(success=True, message=message, weight_version=self.engine.weight_version)

@@ -80,6 +80,9 @@ class SchedulerService(RolloutCalls, LoraCalls):
                                    stream_coalesce_tokens=config.stream_coalesce_tokens, max_total_tokens=kv_tokens,
                                    logprobs_mode=LogprobsMode.named(config.logprobs_mode),
                                    routed_experts=runner.expert_routing is not None)
+        source = None if config.load_format == "dummy" else weights.model_dir if weights else None
+        occupation = (MemoryOccupation(runner.kv, weights, runner.device, source, graphs=runner.graphs is not None)
+                      if weights is not None and isinstance(runner, ModelRunner) else None)
         self.model_info = ModelInfo(
             model=model_name, vocab_size=runner.vocab_size, max_context=runner.max_context,
             eos_token_ids=runner.eos_token_ids, max_top_logprobs=config.max_top_logprobs,
@@ -89,6 +92,8 @@ class SchedulerService(RolloutCalls, LoraCalls):
             logprobs_mode=self.limits.logprobs_mode, kv_layers=runner.kv_layers,
             state_bytes_per_request=runner.state_bytes,
             state_checkpoints=runner.state_slots[1] if runner.state_slots else 0,
+            return_routed_experts=self.limits.routed_experts, releases_memory=occupation is not None,
+            load_format=config.load_format,
             max_loras_per_batch=config.max_loras_per_batch if config.enable_lora else 0)
         self.config = config
         self.grammars = grammars
@@ -96,9 +101,6 @@ class SchedulerService(RolloutCalls, LoraCalls):
         self._loop = asyncio.get_running_loop()
         self._subscribers: set[asyncio.Queue] = set()  # of StepOutput, or None: end of stream, or CUT
         self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
-        source = None if config.load_format == "dummy" else weights.model_dir if weights else None
-        occupation = (MemoryOccupation(runner.kv, weights, runner.device, source)
-                      if weights is not None and isinstance(runner, ModelRunner) else None)
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
                              behind=self._behind, occupation=occupation)
         RolloutCalls.__init__(self, weights, WeightGroups(runner.device, config.weights_sync_timeout_s)

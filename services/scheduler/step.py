@@ -7,6 +7,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.nucleus import Nuclei
 
 from services.scheduler.model.lora import LoraLayers
 from services.scheduler.model.routed_experts import ExpertRouting
@@ -60,6 +61,8 @@ class StepResult:
     output: LogprobRows[np.ndarray] | None = None
     # per row with prompt positions (BatchRow.prompt_positions), in row order: their rows
     prompt: list[LogprobRows[np.ndarray]] = field(default_factory=list)
+    # per sampling row whose request asked for top-p replay, in order: its token's nucleus; None when none asked
+    top_p: Nuclei | None = None
 
 
 class LaunchedStep(Protocol):

@@ -102,6 +102,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
            "this scheduler records no routed experts: a MoE model, started with --enable-return-routed-experts")
     _check(msg.routed_experts_start_len <= len(msg.input_ids), "routed_experts_start_len",
            f"must be at most the prompt's length, {len(msg.input_ids)}")
+    _check(not msg.return_top_p_token_ids or sampling.cuts, "return_top_p_token_ids",
+           "the request samples without top_p, top_k or min_p: its nucleus would be the whole vocabulary")
     adapter = _adapter(msg.lora_name, adapters)
     compiling = _grammar(sampling, stop_ids, grammars)
     # Stop strings are matched by the detokenizer: it must see every token as soon as it exists.
@@ -124,7 +126,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         top_logprobs_num=top_k,
         logprob_start_len=logprob.logprob_start_len if wants else -1,
         token_ids_logprob=ids,
-        processed_logprobs=wants and (logprob.logprobs_mode or limits.logprobs_mode) is LogprobsMode.PROCESSED,
+        logprobs_mode=_logprobs_mode(logprob.logprobs_mode or limits.logprobs_mode, msg.return_top_p_token_ids),
+        return_top_p_token_ids=msg.return_top_p_token_ids,
         return_routed_experts=msg.return_routed_experts,
         routed_experts_start_len=msg.routed_experts_start_len,
         adjustment=LogitAdjustment.of(sampling, stop_ids),
@@ -134,7 +137,8 @@ def parse_request(msg: TokenizedRequest, limits: SubmitLimits, grammars: Grammar
         compiling=compiling,
         status=RequestStatus.COMPILING if compiling is not None else RequestStatus.WAITING,
         pending=PendingOutput(interval, (top_k, len(ids)) if wants else None, first_interval,
-                              lane=min(limits.stream_coalesce_tokens, max_new_tokens)),
+                              lane=min(limits.stream_coalesce_tokens, max_new_tokens),
+                              top_p=msg.return_top_p_token_ids),
     )
 
 
@@ -151,6 +155,12 @@ def _adapter(name: str, adapters: LoraRegistry | None) -> LoraAdapter | None:
         raise InvalidTokenizedRequest("lora_name", f"The model `{name}` does not exist: no LoRA adapter of that name "
                                       f"is loaded (loaded: {loaded})", not_found=True)
     return adapter
+
+
+def _logprobs_mode(mode: LogprobsMode, top_p_replay: bool) -> LogprobsMode:
+    """The distribution its output logprobs are of: SGLang's with top-p replay is the renormalized nucleus (as
+    slime's SGLang returns it, so that the rollout's logprob is the one its trainer recomputes over the nucleus)."""
+    return LogprobsMode.PROCESSED if mode is LogprobsMode.SGLANG and top_p_replay else mode
 
 
 def _grammar(sampling: SamplingOptions, stop_ids: frozenset[int],

@@ -34,8 +34,15 @@ OPENAI_FIELDS = [
     # SGLang's, on both routes and /generate (SGLANG_FIELDS)
     *((endpoint, "return_hidden_states", True, [None, False]) for endpoint in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)),
 ]
+# A media field's empty value asks for nothing: null, "", [] and a batch's per-prompt [] (SGLang's has_valid_data;
+# AReaL's RemoteSGLangEngine sends image_data [] with every prompt).
+EMPTY_MEDIA = [None, "", [], [[], []], [None]]
+MEDIA_FIELDS = [("image_data", "https://example.com/a.png", EMPTY_MEDIA), ("image_data", [["a.png"], []], []),
+                ("video_data", ["clip.mp4"], EMPTY_MEDIA), ("audio_data", [{"url": "a.wav"}], EMPTY_MEDIA),
+                ("modalities", ["image"], EMPTY_MEDIA), ("mm_hashes", ["ab12"], EMPTY_MEDIA),
+                ("mm_content_hashes", [["sha256:00"]], EMPTY_MEDIA), ("video_config", {"fps": 2}, [None, {}])]
 SGLANG_FIELDS = [("n", 5, [None, 1]), ("return_hidden_states", True, [None, False]),
-                 ("image_data", "https://example.com/a.png", [None]), ("input_embeds", [[0.0]], [None]),
+                 *MEDIA_FIELDS, ("input_embeds", [[0.0]], [None]), ("input_embeds", [], []),
                  ("log_metrics", False, [None, True]), ("session_params", {"id": "s"}, [None])]
 
 
@@ -57,11 +64,32 @@ def test_openai_field_refused_unless_neutral(http, served_model, endpoint, field
         assert response.status_code == 200, (ok, response.text)
 
 
-@pytest.mark.parametrize(("field", "value", "neutral"), SGLANG_FIELDS, ids=[f[0] for f in SGLANG_FIELDS])
+@pytest.mark.parametrize(("field", "value", "neutral"), SGLANG_FIELDS,
+                         ids=[f"{f[0]}-{i}" for i, f in enumerate(SGLANG_FIELDS)])
 def test_generate_field_refused_unless_neutral(http, field, value, neutral):
     assert_refused(http.post("/generate", json={**GENERATE, field: value}), field)
     for ok in neutral:
-        assert http.post("/generate", json={**GENERATE, field: ok}).status_code == 200
+        body = {**GENERATE, field: ok}
+        if ok == [[], []]:  # one per prompt of a batch
+            body["text"] = ["Hello", "Hi"]
+        response = http.post("/generate", json=body)
+        assert response.status_code == 200, (ok, response.text)
+
+
+def test_generate_takes_the_served_models_name(http, served_model):
+    """SGLang ignores /generate's model; routers (smg) always send one, "unknown" when their client named none.
+    Any name /v1/models lists, or none, selects the served model; a name nothing served has is refused."""
+    listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
+    assert served_model in listed
+    expected = http.post("/generate", json=GENERATE).json()["output_ids"]
+    for model in [*listed, "unknown", None]:
+        response = http.post("/generate", json={**GENERATE, "model": model})
+        assert response.status_code == 200, (model, response.text)
+        assert response.json()["output_ids"] == expected
+    response = http.post("/generate", json={**GENERATE, "model": "no-such-model"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and "no-such-model" in error["message"] and served_model in error["message"]
 
 
 def test_the_rest_of_sglangs_generate_fields_are_refused_unless_neutral(http):
@@ -90,8 +118,9 @@ def test_a_lora_adapter_on_a_server_without_lora_is_refused_by_name(http, served
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
-# SGLang's OpenAI routes' own fields flatwire lacks (beside those of every route, SGLangServerFields)
-SGLANG_OPENAI_FIELDS = {"stop_regex", "custom_params", "rid", "ngram_corpus_id", "return_cached_tokens_details"}
+# SGLang's OpenAI routes' own fields flatwire lacks (beside those of every route, SGLangServerFields; custom_params:
+# top-p replay, tests/gateway/test_top_p_replay.py)
+SGLANG_OPENAI_FIELDS = {"stop_regex", "rid", "ngram_corpus_id", "return_cached_tokens_details"}
 
 
 @pytest.mark.parametrize(("endpoint", "body", "model", "own"), [

@@ -1,5 +1,6 @@
 """logprobs_mode: output logprobs of the distribution each token was drawn from (processed_logprobs), or of the
-raw model (raw_logprobs, the default), through /generate, the OpenAI routes and the public gRPC API. The
+raw model (raw_logprobs, the OpenAI routes' default), through /generate, the OpenAI routes and the public gRPC API;
+SGLang's (sglang_logprobs, /generate's default) against transformers: tests/gateway/test_top_p_replay.py. The
 sampler's arithmetic against a numpy reference: tests/scheduler/test_sampler.py."""
 
 import math
@@ -24,7 +25,7 @@ def sampled_logprobs(http, mode: str | None) -> dict:
 
 
 def test_processed_logprobs_are_of_the_truncated_distribution(http):
-    processed, raw = sampled_logprobs(http, "processed_logprobs"), sampled_logprobs(http, None)
+    processed, raw = sampled_logprobs(http, "processed_logprobs"), sampled_logprobs(http, "raw_logprobs")
     tokens = [token for _, token, _ in processed["output_token_logprobs"]]
     assert tokens == [token for _, token, _ in raw["output_token_logprobs"]]  # the mode changes no draw
     for (logprob, _, _), top in zip(processed["output_token_logprobs"], processed["output_top_logprobs"]):
@@ -62,7 +63,7 @@ def test_grpc_takes_logprobs_mode(stack):
     with FlatwireClient(stack.grpc_address) as client:
         result = client.generate("Hi", max_new_tokens=4, temperature=0, top_logprobs_num=2,
                                  logprobs_mode="processed_logprobs")
-        raw = client.generate("Hi", max_new_tokens=4, temperature=0, top_logprobs_num=2)
+        raw = client.generate("Hi", max_new_tokens=4, temperature=0, top_logprobs_num=2)  # SGLang's: at T=1
     assert result.output is not None and raw.output is not None
     np.testing.assert_array_equal(result.output.token_logprobs, np.zeros(4, np.float32))
     np.testing.assert_array_equal(result.output.topk_values, np.tile([0.0, -np.inf], (4, 1)).astype(np.float32))
@@ -79,14 +80,23 @@ def test_unknown_logprobs_mode_is_refused(http, endpoint, body):
     assert "logprobs_mode" in response.text
 
 
-def test_server_reports_its_default(http):
-    assert http.get("/get_server_info").json()["logprobs_mode"] == "raw_logprobs"
+def test_server_reports_its_defaults(http):
+    info = http.get("/get_server_info").json()
+    assert (info["logprobs_mode"], info["return_original_logprob"]) == ("raw_logprobs", False)
 
 
-@pytest.mark.parametrize("default", [LogprobsMode.RAW, LogprobsMode.PROCESSED])
-@pytest.mark.parametrize("asked", [LogprobsMode.UNSPECIFIED, LogprobsMode.RAW, LogprobsMode.PROCESSED])
-def test_a_request_names_its_mode_or_takes_the_servers(default, asked):
+MODES = [LogprobsMode.RAW, LogprobsMode.PROCESSED, LogprobsMode.SGLANG]
+
+
+@pytest.mark.parametrize("replay", [False, True])
+@pytest.mark.parametrize("default", MODES)
+@pytest.mark.parametrize("asked", [LogprobsMode.UNSPECIFIED, *MODES])
+def test_a_request_names_its_mode_or_takes_the_servers(default, asked, replay):
+    """SGLang's mode with top-p replay is the distribution renormalized over the nucleus, as SGLang's replay."""
     limits = SubmitLimits(100, 64, 5, (), output_interval=1, logprobs_mode=default)
-    request = parse_request(TokenizedRequest(rid="r", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2),
-                                             logprob=LogprobParams(return_logprob=True, logprobs_mode=asked)), limits)
-    assert request.processed_logprobs == ((asked or default) is LogprobsMode.PROCESSED)
+    request = parse_request(TokenizedRequest(rid="r", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2,
+                                                                                                top_p=0.9),
+                                             logprob=LogprobParams(return_logprob=True, logprobs_mode=asked),
+                                             return_top_p_token_ids=replay), limits)
+    mode = asked or default
+    assert request.logprobs_mode is (LogprobsMode.PROCESSED if replay and mode is LogprobsMode.SGLANG else mode)

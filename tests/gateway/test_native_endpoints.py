@@ -2,7 +2,9 @@
 call them (issue 11)."""
 
 import asyncio
+import concurrent.futures
 import importlib.metadata
+import time
 from types import SimpleNamespace
 
 import openai
@@ -49,10 +51,65 @@ def test_server_info(http, served, model_dir, path):
     assert str(model_dir) not in response.text
 
 
-def test_version(http):
-    response = http.get("/version")
-    assert response.status_code == 200
-    assert response.json() == {"version": importlib.metadata.version("flatwire")}
+def test_server_info_says_which_sglang_server_arguments_hold(http):
+    """SGLang's ServerArgs names that frameworks attaching to a running engine compare (slime and miles
+    --rollout-external: tests/gateway/test_external_engines.py), with what is true of this stack: one scheduler
+    replica on the CPU, releasing memory on request, no routing replay."""
+    info = http.get("/get_server_info").json()
+    assert {key: info[key] for key in ("nnodes", "node_rank", "tp_size", "pp_size", "ep_size", "dp_size",
+                                       "base_gpu_id", "gpu_id_step", "enable_memory_saver",
+                                       "enable_return_routed_experts", "enable_lora", "load_format",
+                                       "disaggregation_mode", "device")} == {
+        "nnodes": 1, "node_rank": 0, "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": 1, "base_gpu_id": 0,
+        "gpu_id_step": 1, "enable_memory_saver": True, "enable_return_routed_experts": False,
+        "enable_lora": False, "load_format": "auto", "disaggregation_mode": "null", "device": "cpu"}
+
+
+def test_no_vllm_version_route(http):
+    """GET /version is vLLM's (SGLang has none; its version is /server_info's): a router that finds it takes
+    the worker for vLLM (smg's detect_backend.rs)."""
+    assert http.get("/version").status_code == 404
+    assert http.get("/server_info").json()["version"] == importlib.metadata.version("flatwire")
+    assert http.get("/v1/models").json()["data"][0]["owned_by"] == "flatwire"
+
+
+def test_loads_report_each_replica_as_sglang_does(http):
+    """SGLang's /v1/loads, as smg polls it (?include=core,disagg,queues,memory), and /get_load: a running request
+    shows within a health round (1 s here), and leaves."""
+    path = "/v1/loads?include=core,disagg,queues,memory"
+
+    def load() -> dict:
+        body = http.get(path).json()
+        assert set(body) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
+        assert body["num_accelerators"] == 0  # the CPU
+        [one] = body["loads"]
+        return one
+
+    idle = load()
+    assert idle["dp_rank"] == 0 and idle["max_total_num_tokens"] > 0 and idle["max_running_requests"] == 16
+    assert 0 <= idle["token_usage"] <= 1 and 0 <= idle["cache_hit_rate"] <= 1
+    long = {"text": PROMPT, "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(http.post, "/generate", json=long)
+        deadline = time.monotonic() + 60
+        while (busy := load())["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline and not running.done(), "the running request never showed"
+            time.sleep(0.1)
+        assert busy["num_used_tokens"] > 0 and busy["token_usage"] > 0
+        assert busy["num_total_tokens"] >= busy["num_used_tokens"]
+        [legacy] = http.get("/get_load").json()  # SGLang's older shape, which sglang-router 0.3 sums
+        assert legacy["dp_rank"] == 0 and legacy["num_reqs"] >= 1 and legacy["num_tokens"] > 0
+        assert legacy["num_tokens"] >= legacy["num_pending_tokens"] >= 0 and "ts_tic" in legacy
+        assert running.result().status_code == 200
+    deadline = time.monotonic() + 60  # other tests' requests may share the stack
+    while load()["num_running_reqs"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert http.get("/v1/loads?dp_rank=0").json()["loads"][0]["dp_rank"] == 0
+    for query, param in [("include=core,everything", "include"), ("dp_rank=3", "dp_rank"),
+                         ("format=prometheus", "format")]:
+        response = http.get(f"/v1/loads?{query}")
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_health_generate(http):

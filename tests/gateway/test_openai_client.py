@@ -91,6 +91,9 @@ def test_chat_n_and_stop(client):
 
 
 def test_chat_flat_candidates_in_meta_info(client):
+    # The prompt's KV into the prefix cache first: both requests below find it there (a request that computed it
+    # would not be bit-equal to one that reads it: attention over cached pages sums in another order).
+    chat(client, max_tokens=1)
     nested = chat(client, logprobs=True, top_logprobs=K).choices[0]
     flat = chat(client, logprobs=True, top_logprobs=K, extra_body={
         "return_meta_info": True, "return_flat_raw_output_top_logprobs": True}).choices[0]

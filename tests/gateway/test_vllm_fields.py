@@ -44,7 +44,7 @@ def check_prompt_logprobs(entries: list, ids: list[int], k: int, reference: torc
         assert entry[str(token)]["rank"] == (exact_rank if token in top else None)
 
 
-def test_completions_prompt_logprobs_in_vllms_shape(openai_client, served_model, reference_model, tokenizer):
+def test_completions_prompt_logprobs_in_vllms_shape(openai_client, served_model, stack_reference_model, tokenizer):
     """Each choice carries its prompt's prompt_logprobs (two prompts, n=2 here); the output's logprobs keep their
     own top-k (1), though the scheduler computed the prompt's 4 for both."""
     prompts = [PROMPT_IDS, PROMPT_IDS[2:]]
@@ -53,7 +53,7 @@ def test_completions_prompt_logprobs_in_vllms_shape(openai_client, served_model,
     assert len(reply.choices) == 4
     for choice in reply.choices:
         ids = prompts[choice.index // 2]
-        check_prompt_logprobs(choice.prompt_logprobs, ids, 4, reference_prompt_logprobs(reference_model, ids),
+        check_prompt_logprobs(choice.prompt_logprobs, ids, 4, reference_prompt_logprobs(stack_reference_model, ids),
                               tokenizer)
         assert all(len(row) <= 2 for row in choice.logprobs.top_logprobs)  # logprobs 1: the top 1 and its token
     plain = openai_client.completions.create(model=served_model, prompt=PROMPT_IDS, max_tokens=3, temperature=0)
@@ -61,7 +61,7 @@ def test_completions_prompt_logprobs_in_vllms_shape(openai_client, served_model,
     assert getattr(plain.choices[0], "prompt_logprobs", None) is None  # only when asked for
 
 
-def test_chat_prompt_logprobs_are_top_level_over_the_templated_prompt(openai_client, served_model, reference_model,
+def test_chat_prompt_logprobs_are_top_level_over_the_templated_prompt(openai_client, served_model, stack_reference_model,
                                                                      tokenizer):
     """prime-rl's scoring request asks for 1; 0 gives the prompt tokens' own logprobs alone."""
     for k in (0, 1):
@@ -69,7 +69,7 @@ def test_chat_prompt_logprobs_are_top_level_over_the_templated_prompt(openai_cli
             model=served_model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=2,
             temperature=0, logprobs=True, top_logprobs=2, extra_body={"prompt_logprobs": k, "return_token_ids": True})
         ids = reply.prompt_token_ids
-        check_prompt_logprobs(reply.prompt_logprobs, ids, k, reference_prompt_logprobs(reference_model, ids), tokenizer)
+        check_prompt_logprobs(reply.prompt_logprobs, ids, k, reference_prompt_logprobs(stack_reference_model, ids), tokenizer)
         assert all(len(token.top_logprobs) == 2 for token in reply.choices[0].logprobs.content)
 
 

@@ -1,9 +1,9 @@
 """A gateway-detokenizer stream cut while both processes stay up.
 
-The gateway reaches the detokenizer through a TCP proxy that the test can cut. Messages
-in transit on the cut connection are gone and nothing replays them (the detokenizer did
-not restart), so the requests in flight must fail explicitly (503 naming the cut) when
-the gateway reconnects: never a short 200, never a hang. New requests work afterwards.
+A second gateway on the session's scheduler and detokenizer reaches the detokenizer through a TCP proxy that the
+test can cut. Messages in transit on the cut connection are gone and nothing replays them (the detokenizer did
+not restart), so the requests in flight must fail explicitly (503 naming the cut) when the gateway reconnects:
+never a short 200, never a hang. New requests work afterwards.
 """
 
 import asyncio
@@ -12,12 +12,9 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from harness.procs import free_port
-from harness.stack import Stack
-
-pytestmark = pytest.mark.slow  # runs services as processes of its own
+from harness.stack import another_gateway
 
 REQUEST = {"text": "a long one", "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
 
@@ -62,35 +59,29 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.transport.abort()
 
 
-def test_a_cut_output_stream_fails_its_requests_explicitly(model_dir, log_dir):
-    proxy_port = free_port()  # the gateway's detokenizer address: the proxy, in front of the real one
-    stack = Stack(model_dir, log_dir, gateway_args=("--detokenizers", f"127.0.0.1:{proxy_port}"))
-    proxy = None
+def test_a_cut_output_stream_fails_its_requests_explicitly(stack):
+    proxy_port = free_port()  # the second gateway's detokenizer address: the proxy, in front of the real one
+    proxy = CuttableProxy(proxy_port, stack.services["detokenizer"].port)
     try:
-        stack.start("scheduler", "detokenizer")
-        proxy = CuttableProxy(proxy_port, stack.services["detokenizer"].port)
-        stack.start("gateway")
-        url = f"{stack.http_url}/generate"
+        with another_gateway(stack, "--detokenizers", f"127.0.0.1:{proxy_port}") as http:
+            url = f"{str(http.base_url).rstrip('/')}/generate"
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(httpx.post, url, json=REQUEST, timeout=120) for _ in range(4)]
+                time.sleep(3)  # the requests are generating
+                cut = time.monotonic()
+                proxy.cut()
+                replies = [future.result() for future in futures]
+            ended = time.monotonic()
 
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(httpx.post, url, json=REQUEST, timeout=120) for _ in range(4)]
-            time.sleep(3)  # the requests are generating
-            cut = time.monotonic()
-            proxy.cut()
-            replies = [future.result() for future in futures]
-        ended = time.monotonic()
-
-        for reply in replies:
-            assert reply.status_code == 503, reply.text[:300]  # never a short 200
-            assert "was cut" in reply.json()["error"]["message"], reply.text
-        assert ended - cut < 10, "the requests did not fail promptly"
-        deadline = time.monotonic() + 30
-        while (reply := httpx.post(url, json={"text": "after", "sampling_params": {"max_new_tokens": 4}},
-                                   timeout=60)).status_code != 200:
-            assert time.monotonic() < deadline, reply.text
-            time.sleep(0.5)
-        assert reply.json()["meta_info"]["completion_tokens"] == 4
+            for reply in replies:
+                assert reply.status_code == 503, reply.text[:300]  # never a short 200
+                assert "was cut" in reply.json()["error"]["message"], reply.text
+            assert ended - cut < 10, "the requests did not fail promptly"
+            deadline = time.monotonic() + 30
+            while (reply := httpx.post(url, json={"text": "after", "sampling_params": {"max_new_tokens": 4}},
+                                       timeout=60)).status_code != 200:
+                assert time.monotonic() < deadline, reply.text
+                time.sleep(0.5)
+            assert reply.json()["meta_info"]["completion_tokens"] == 4
     finally:
-        stack.close()
-        if proxy:
-            proxy.close()
+        proxy.close()

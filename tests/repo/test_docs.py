@@ -25,9 +25,9 @@ CONFIG = ("Dockerfile", ".ci/run")
 GENERATED = "services/wire/flatwire_wire/pb/"  # protoc's output: what it cites is the protos' layout
 # Not this repository's: HTTP routes, a checkpoint's own files and a Hub cache's folders, other projects' sources,
 # benchmark and device-run output (generated), the example paths of usage texts, a capacity figure's "f4/".
-NOT_OURS = ("/", "sglang/", "openai/", "vllm/", "skyrl/", "prime_rl/", "trl/", "tokenizer.json", "vocab.json",
-            "merges.txt", "original/", "onnx/", "snapshots/", "bench/out/", "bench/gpu/RESULTS.md", "path/to/",
-            "file.py", "f4/")
+NOT_OURS = ("/", "sglang/", "openai/", "vllm/", "skyrl/", "prime_rl/", "trl/", "slime/", "miles/", "areal/",
+            "nemo_rl/", "verl/", "python/sglang/", "tokenizer.json", "vocab.json", "merges.txt", "original/", "onnx/",
+            "snapshots/", "bench/out/", "bench/gpu/RESULTS.md", "path/to/", "file.py", "f4/")
 
 
 def tracked() -> set[str]:

@@ -10,6 +10,7 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequ
 from flatwire_wire.steps import Finish, StepMessage
 from transformers import AutoModelForCausalLM
 
+from harness.checkpoints import SMALL_VOCABULARY
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.kv.manager import longest_sequence
@@ -165,7 +166,8 @@ def run_and_check(run: Run, model, cases: dict[str, list[int]], new_tokens: int)
 
 
 def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 240_000, length).tolist()
+    """Ordinary tokens of the small vocabulary (tests/conftest.py small_model_dir), drawn from `seed`."""
+    return np.random.default_rng(seed).integers(0, SMALL_VOCABULARY, length).tolist()
 
 
 def prompts(seed: int, lengths: list[int], vocab: int) -> dict[str, list[int]]:

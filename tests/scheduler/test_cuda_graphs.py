@@ -77,6 +77,39 @@ def test_an_update_or_a_memory_release_drops_the_captures(gqa_model):
     check(new_model, prompt(3, 5), 4, run.result("c"))
 
 
+def test_the_cuda_graph_tag_drops_the_captures_and_holds_requests_until_resumed(gqa):
+    """slime releases every tag and resumes weights, then kv_cache with cuda_graph: a released cuda_graph keeps
+    requests out until it is resumed by name (the graphs would be captured again into the trainer's memory);
+    weights_drafter names memory no scheduler here holds (no draft model)."""
+    path, reference_model = gqa
+    run = graph_run(path)
+    run.submit("a", prompt(1, 5), 4)
+    run.run()
+    graphs, runner = run.runner.graphs, run.runner
+    assert graphs is not None and graphs._captured
+    weights = ServedWeights(runner.model, path, runner.eos_token_ids)
+    occupation = MemoryOccupation(runner.kv, weights, runner.device, path, graphs=True)
+    run.engine.rollout.occupation = occupation
+    released = ReleaseMemory(tags=["cuda_graph", "weights_drafter"])
+    run.engine.control(released)
+    run.run()
+    assert released.done.result().message == "released cuda_graph (weights_drafter: none held here)"
+    assert not graphs._captured and "released (cuda_graph)" in (occupation.refusal or "")
+    kv_only = ResumeMemory(tags=["kv_cache"])
+    run.engine.control(kv_only)
+    run.run()
+    assert kv_only.done.result().message == "nothing to resume: not released" and occupation.refusal is not None
+    resumed = ResumeMemory(tags=["kv_cache", "cuda_graph"])
+    run.engine.control(resumed)
+    run.run()
+    assert resumed.done.result().message == "resumed cuda_graph (captured again when next used)"
+    assert occupation.refusal is None
+    run.submit("b", prompt(2, 5), 4)
+    run.run()
+    check(reference_model, prompt(2, 5), 4, run.result("b"))
+    assert graphs._captured
+
+
 def test_graphs_and_the_kernel_refuse_what_they_cannot_run(gqa_model, monkeypatch):
     with pytest.raises(ValueError, match="--attention-backend triton"):
         Run(gqa_model, enable_cuda_graph=True)

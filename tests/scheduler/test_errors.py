@@ -1,4 +1,5 @@
-"""Bad requests and aborts: the right gRPC error naming the field, and running requests undisturbed."""
+"""Bad requests and aborts: the right gRPC error naming the field, and running requests undisturbed; on the lone
+scheduler (the small vocabulary: tests/conftest.py small_model_dir)."""
 
 import time
 
@@ -10,7 +11,9 @@ from flatwire_wire.rpc import FIELD_METADATA
 from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams, SchedulerStats, TokenizedRequest
 from flatwire_wire.steps import FinishReason
 
-GOOD_PROMPT = np.random.default_rng(30).integers(0, 240_000, 19).tolist()
+from harness.checkpoints import SMALL_VOCABULARY
+
+GOOD_PROMPT = np.random.default_rng(30).integers(0, SMALL_VOCABULARY, 19).tolist()
 
 
 def greedy(max_new_tokens: int) -> SamplingParams:

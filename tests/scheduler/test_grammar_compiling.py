@@ -1,8 +1,10 @@
 """A constrained request's grammar compiles after its Submit answered (RequestStatus.COMPILING): the engine runs
 everything else meanwhile, then gets it in line; an abort or a failed compile ends only that request.
 
-The engine runs in process, stepped by the test (engine_run.Run), on the default model, with
-Grammars that compile for real once the test lets them (HeldGrammars)."""
+The engine runs in process, stepped by the test (engine_run.Run), on the small vocabulary's model
+(tests/conftest.py small_model_dir), with Grammars that compile for real once the test lets them (HeldGrammars).
+Reading the vocabulary outside the server process is checked on the default model's: its 248k tokens are what
+takes seconds."""
 
 import re
 import threading
@@ -11,7 +13,7 @@ import time
 import pytest
 from flatwire_wire.scheduler import AbortRequest
 from flatwire_wire.steps import FinishReason
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.request import RequestStatus
@@ -38,29 +40,29 @@ class HeldGrammars(Grammars):
 
 
 @pytest.fixture(scope="module")
-def runner(model_dir):
-    return ModelRunner(model_dir, "cpu", "float32", 0, 4, 4, 2048)
+def runner(small_model_dir):
+    return ModelRunner(small_model_dir, "cpu", "float32", 0, 4, 4, 2048)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
+def tokenizer(small_model_dir):
+    return AutoTokenizer.from_pretrained(small_model_dir)
 
 
 def constrained_run(runner: ModelRunner, model_dir, **options) -> Run:
     """The engine stepped by the test, its requests' grammars compiled by HeldGrammars."""
-    # The default model's cache directory: the vocabulary a scheduler of this session kept, if one did.
+    # The vocabulary is kept beside the model, read once in the session.
     grammars = HeldGrammars(model_dir, runner.vocab_size, runner.eos_token_ids, model_dir.parent)
     return Run(runner, slots=4, grammars=grammars, max_total_tokens=2048, **options)
 
 
 def ask(run: Run, rid: str, **sampling) -> None:
-    run.send(rid, [9707, 11, 1879], max_new_tokens=12, temperature=0, **sampling)
+    run.send(rid, [39, 300, 379, 11, 1814], max_new_tokens=12, temperature=0, **sampling)  # "Hello, world"
 
 
 @pytest.fixture
-def run(runner, model_dir):
-    run = constrained_run(runner, model_dir)
+def run(runner, small_model_dir):
+    run = constrained_run(runner, small_model_dir)
     yield run
     run.grammars.go.set()
 
@@ -80,13 +82,16 @@ def test_others_run_while_a_grammar_compiles(run, tokenizer):
     assert re.fullmatch(REGEX, tokenizer.decode(run.output("constrained")[:-1]))
 
 
-def test_the_vocabulary_is_read_outside_the_server_process_and_kept(runner, model_dir, tmp_path, monkeypatch):
+def test_the_vocabulary_is_read_outside_the_server_process_and_kept(model_dir, tmp_path, monkeypatch):
     """The server reads the tokenizer as it starts (prepare), and a compile waits for it; parsing tokenizer.json
     holds the GIL for seconds, and in this process the scheduler would answer nothing meanwhile (on a busy host:
     out of rotation). Here a thread that wakes every 10 ms is never held up for long. What was read is kept in
-    the cache directory, and the next start reads that instead."""
-    stop_ids = frozenset(runner.eos_token_ids)
-    grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, tmp_path)
+    the cache directory, and the next start reads that instead. On the default model: its vocabulary's 248k
+    tokens are what takes seconds."""
+    config = AutoConfig.from_pretrained(model_dir)
+    vocab_size, eos_ids = config.vocab_size, list(config.eos_token_id)  # the logits' width, the eos ids
+    stop_ids = frozenset(eos_ids)
+    grammars = Grammars(model_dir, vocab_size, eos_ids, tmp_path)
     reading = grammars.prepare()
     compiling = grammars.matcher_later(Grammars.parse("regex", REGEX), stop_ids)
     longest_wait, last = 0.0, time.perf_counter()
@@ -97,7 +102,7 @@ def test_the_vocabulary_is_read_outside_the_server_process_and_kept(runner, mode
     assert compiling.result().accept_string("abc-12") and longest_wait < 0.75, longest_wait
     assert reading.done() and len(list((tmp_path / "xgrammar").glob("vocabulary-*.json"))) == 1
 
-    restarted = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, tmp_path)
+    restarted = Grammars(model_dir, vocab_size, eos_ids, tmp_path)
     monkeypatch.setattr(restarted, "_read_vocabulary", lambda: pytest.fail("the kept vocabulary was read again"))
     restarted.prepare().result(timeout=60)
     assert restarted.matcher(Grammars.parse("regex", REGEX), stop_ids).accept_string("abc-12")
@@ -105,13 +110,13 @@ def test_the_vocabulary_is_read_outside_the_server_process_and_kept(runner, mode
     [kept] = (tmp_path / "xgrammar").glob("vocabulary-*.json")
     good = kept.read_text()
     kept.write_text(good[: len(good) // 2])
-    repaired = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, tmp_path)
+    repaired = Grammars(model_dir, vocab_size, eos_ids, tmp_path)
     monkeypatch.setattr(repaired, "_read_vocabulary", lambda: good)
     repaired.prepare().result(timeout=60)
     assert repaired.matcher(Grammars.parse("regex", REGEX), stop_ids).accept_string("abc-12")
     assert kept.read_text() == good and not list((tmp_path / "xgrammar").glob("*.tmp"))
     # Other stop tokens make another vocabulary for xgrammar: not the one kept.
-    other = VocabularyCache(tmp_path, model_dir, runner.vocab_size, [*runner.eos_token_ids, 0])
+    other = VocabularyCache(tmp_path, model_dir, vocab_size, [*eos_ids, 0])
     assert other.read() is None
 
 
@@ -143,9 +148,9 @@ def test_a_constraint_that_does_not_parse_is_refused_at_submit(run):
         ask(run, "bad", regex="[a-")
 
 
-def test_a_compile_past_its_bound_fails_that_request_alone(runner, model_dir):
+def test_a_compile_past_its_bound_fails_that_request_alone(runner, small_model_dir):
     """--grammar-compile-timeout-s: the engine wakes at the deadline by itself (no other request arrives)."""
-    run = constrained_run(runner, model_dir, grammar_compile_timeout_s=2.0)
+    run = constrained_run(runner, small_model_dir, grammar_compile_timeout_s=2.0)
     try:
         ask(run, "constrained", regex=REGEX)
         ask(run, "free", ignore_eos=True)

@@ -1,8 +1,9 @@
 """The engine on an 8-bit KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) against a 32-bit one, on the default
-model: 64 greedy tokens the same but at near-ties, and logprobs within LOGPROB_TOLERANCE; the pool's bytes a token
-half of bfloat16's and a quarter of float32's; a checkpoint's k_scale and v_scale taken, and the Triton kernel and
-the CUDA-graph decode (both without CUDA: interpreted, and eager) equal to the torch path on them; DeepSeek V3's
-latent and a hybrid model's attention layers in 8 bits, its linear-attention state not."""
+model's shape (on the small vocabulary: tests/conftest.py small_model_dir): 64 greedy tokens the same but at
+near-ties, and logprobs within LOGPROB_TOLERANCE; the pool's bytes a token half of bfloat16's and a quarter of
+float32's; a checkpoint's k_scale and v_scale taken, and the Triton kernel and the CUDA-graph decode (both without
+CUDA: interpreted, and eager) equal to the torch path on them; DeepSeek V3's latent and a hybrid model's attention
+layers in 8 bits, its linear-attention state not."""
 
 import os
 from pathlib import Path
@@ -32,8 +33,8 @@ def generate(model_dir: Path, prompts: dict[str, list[int]], new_tokens: int, **
 
 
 @pytest.fixture(scope="module")
-def float_outputs(model_dir) -> dict[str, dict]:
-    return generate(model_dir, PROMPTS, NEW_TOKENS)
+def float_outputs(small_model_dir) -> dict[str, dict]:
+    return generate(small_model_dir, PROMPTS, NEW_TOKENS)
 
 
 def compare(reference: dict, got: dict) -> tuple[int, float]:
@@ -65,22 +66,23 @@ def check_near(references: dict[str, dict], outputs: dict[str, dict]) -> tuple[i
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_an_8_bit_cache_keeps_the_greedy_output_and_its_logprobs(model_dir, float_outputs, kv_cache_dtype):
+def test_an_8_bit_cache_keeps_the_greedy_output_and_its_logprobs(small_model_dir, float_outputs, kv_cache_dtype):
     """The default model has random weights: its next-token distribution is nearly flat, and some steps' top two
     tokens lie a few thousandths of a nat apart, where an 8-bit cache may pick the second."""
-    unchanged, largest = check_near(float_outputs, generate(model_dir, PROMPTS, NEW_TOKENS,
+    unchanged, largest = check_near(float_outputs, generate(small_model_dir, PROMPTS, NEW_TOKENS,
                                                             kv_cache_dtype=kv_cache_dtype))
     print(f"{kv_cache_dtype}: {unchanged} of {len(PROMPTS)} outputs unchanged over {NEW_TOKENS} tokens; largest "
           f"logprob difference {largest:.4f}")
 
 
-def test_an_8_bit_cache_takes_half_of_bfloat16s_bytes_and_a_quarter_of_float32s(model_dir):
+def test_an_8_bit_cache_takes_half_of_bfloat16s_bytes_and_a_quarter_of_float32s(small_model_dir):
     """4 layers x (keys, values) x 2 KV heads x 32 wide, at 2, 1 or 4 bytes a value."""
     pool_bytes = {}
     for dtype, kv_cache_dtype, stored, token_bytes in [
             ("bfloat16", "auto", torch.bfloat16, 1024), ("bfloat16", "fp8_e4m3", torch.float8_e4m3fn, 512),
             ("float32", "auto", torch.float32, 2048), ("float32", "fp8_e5m2", torch.float8_e5m2, 512)]:
-        runner = ModelRunner(model_dir, "cpu", dtype, 0, 2, max_total_tokens=256, kv_cache_dtype=kv_cache_dtype)
+        runner = ModelRunner(small_model_dir, "cpu", dtype, 0, 2, max_total_tokens=256,
+                             kv_cache_dtype=kv_cache_dtype)
         assert runner.kv.keys(0).dtype == runner.kv.values(3).dtype == stored
         assert runner.kv_token_bytes == token_bytes
         pool_bytes[dtype, kv_cache_dtype] = runner.kv.bytes
@@ -102,11 +104,11 @@ def scaled_checkpoint(model_dir: Path, path: Path) -> list[KVScales]:
     return scales
 
 
-def test_checkpoint_scales_reach_the_torch_path_the_kernel_and_the_decode_graphs(model_dir, tmp_path):
+def test_checkpoint_scales_reach_the_torch_path_the_kernel_and_the_decode_graphs(small_model_dir, tmp_path):
     path = tmp_path / "scaled"
-    scales = scaled_checkpoint(model_dir, path)
+    scales = scaled_checkpoint(small_model_dir, path)
     cases = {rid: PROMPTS[rid] for rid in ("p1", "p3")}
-    reference = generate(model_dir, cases, 12)
+    reference = generate(small_model_dir, cases, 12)
     on_torch = generate(path, cases, 12, kv_cache_dtype="fp8_e4m3")
     graphs = Run(path, kv_cache_dtype="fp8_e4m3", attention_backend="triton", enable_cuda_graph=True, own_runner=True)
     assert graphs.runner.kv.scales == scales

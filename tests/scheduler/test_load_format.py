@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 from services.scheduler.model.runner import ModelRunner, pick_dtype
 
 
-def test_dummy_weights_have_the_checkpoints_shapes_not_its_values(model_dir):
-    checkpoint = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    runner = ModelRunner(model_dir, "cpu", "float32", 0, 2, max_total_tokens=256, load_format="dummy")
+def test_dummy_weights_have_the_checkpoints_shapes_not_its_values(small_model_dir):
+    checkpoint = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32).state_dict()
+    runner = ModelRunner(small_model_dir, "cpu", "float32", 0, 2, max_total_tokens=256, load_format="dummy")
     dummy = runner.model.state_dict()
     assert {name: t.shape for name, t in dummy.items()} == {name: t.shape for name, t in checkpoint.items()}
     weight = "model.layers.0.mlp.down_proj.weight"

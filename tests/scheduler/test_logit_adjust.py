@@ -1,5 +1,6 @@
 """Penalties, logit_bias and min_new_tokens (services/scheduler/sampling/logit_adjust.py) against transformers' own
-logits processors: on random logits, and through the scheduler over gRPC against transformers' generate."""
+logits processors: on random logits, and through the lone scheduler (the small vocabulary: tests/conftest.py
+small_model_dir) over gRPC against transformers' generate."""
 
 import dataclasses
 
@@ -16,6 +17,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
+from harness.checkpoints import SMALL_VOCABULARY
 from services.scheduler.sampling.logit_adjust import AdjustedRow, LogitAdjustment, SlotPenalties, adjust_logits
 
 VOCAB = 1000
@@ -129,8 +131,8 @@ def sampling(new_tokens: int, frequency=0.0, presence=0.0, repetition=1.0, min_n
 
 @pytest.mark.slow
 def test_batched_adjusted_greedy_matches_transformers(scheduler_client, reference_model):
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(0, 240_000, 12).tolist()
+    rng = np.random.default_rng(2)  # a prompt on which each adjustment changes the greedy output (below)
+    prompt = rng.integers(0, SMALL_VOCABULARY, 12).tolist()
     new_tokens = 16
     plain = reference_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
                                      do_sample=False)[0, 12:].tolist()
@@ -162,7 +164,7 @@ def test_batched_adjusted_greedy_matches_transformers(scheduler_client, referenc
 
 @pytest.mark.slow
 def test_repetition_penalty_reduces_repetition(scheduler_client):
-    prompt = np.random.default_rng(2).integers(0, 240_000, 8).tolist()
+    prompt = np.random.default_rng(2).integers(0, SMALL_VOCABULARY, 8).tolist()
 
     def distinct(penalty: float) -> int:
         rid = scheduler_client.submit(input_ids=prompt, sampling=sampling(48, repetition=penalty))
@@ -175,7 +177,7 @@ def test_repetition_penalty_reduces_repetition(scheduler_client):
 def test_a_bias_too_large_for_float32_still_picks_its_token(scheduler_client):
     """A bias of 3e38, divided by a sampled temperature, would be +inf (softmax NaN, token 0 sampled); it
     works as the largest bias: its token always, and a token biased down by as much never."""
-    prompt = np.random.default_rng(3).integers(0, 240_000, 8).tolist()
+    prompt = np.random.default_rng(3).integers(0, SMALL_VOCABULARY, 8).tolist()
     greedy = scheduler_client.wait(scheduler_client.submit(input_ids=prompt, sampling=sampling(4))).token_ids
     for temperature in (0.0, 2e-6, 0.5):
         up = dataclasses.replace(sampling(4, bias={7: 3e38}), temperature=temperature, seed=1)

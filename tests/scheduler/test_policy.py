@@ -1,5 +1,6 @@
 """SubmitLimits of continuous batching, on a small scheduler: 2 slots, a 16-token prefill
-budget, a 64-token context, prompt logits 7 rows at a time."""
+budget, a 64-token context, prompt logits 7 rows at a time; on the small vocabulary (tests/conftest.py
+small_model_dir: these tests send token ids and read no text). The policy alone, in process."""
 
 import time
 
@@ -10,6 +11,7 @@ from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams,
 from flatwire_wire.steps import FinishReason
 from transformers import AutoModelForCausalLM
 
+from harness.checkpoints import SMALL_VOCABULARY
 from harness.scheduler_client import SchedulerClient
 from services.scheduler.engine.policy import Scheduler, SlotPool
 from services.scheduler.kv.manager import KVManager
@@ -22,8 +24,9 @@ SLOTS, BUDGET, CONTEXT, CHUNK = 2, 16, 64, 7
 
 
 @pytest.fixture(scope="module")
-def client(start_service):
-    _, address = start_service("scheduler", "--max-running-requests", str(SLOTS), "--chunked-prefill-size", "-1",
+def client(start_service, small_model_dir):
+    _, address = start_service("scheduler", "--model", str(small_model_dir), "--max-running-requests", str(SLOTS),
+                               "--chunked-prefill-size", "-1",
                                "--max-prefill-tokens", str(BUDGET), "--context-length", str(CONTEXT),
                                "--logits-chunk-rows", str(CHUNK))
     client = SchedulerClient(address)
@@ -36,7 +39,7 @@ def greedy(max_new_tokens: int) -> SamplingParams:
 
 
 def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 240_000, length).tolist()
+    return np.random.default_rng(seed).integers(0, SMALL_VOCABULARY, length).tolist()
 
 
 def test_queued_requests_match_solo_and_respect_slots(client):
@@ -61,7 +64,7 @@ def _policy(budget: int, chunked: bool, slots: int = 3, pages: int = 65, prefix_
 
 
 def _request(i: int, length: int, new_tokens: int = 50):
-    limits = SubmitLimits(240_000, 1 << 20, 8, (), output_interval=50)
+    limits = SubmitLimits(SMALL_VOCABULARY, 1 << 20, 8, (), output_interval=50)
     return parse_request(TokenizedRequest(rid=f"r{i}", input_ids=prompt(i, length), sampling=greedy(new_tokens)),
                          limits)
 
@@ -126,13 +129,13 @@ def test_context_limit_ends_with_length(client):
     assert len(result.token_ids) == 4 and result.finish.reason == FinishReason.LENGTH
 
 
-def test_prompt_logprobs_across_logit_chunks(client, model_dir):
+def test_prompt_logprobs_across_logit_chunks(client, small_model_dir):
     ids = prompt(80, 30)
     result = client.wait(client.submit(
         input_ids=ids, sampling=greedy(1),
         logprob=LogprobParams(return_logprob=True, top_logprobs_num=4, logprob_start_len=0,
                                             token_ids_logprob=[5, 6])))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     got = result.prompt

@@ -487,13 +487,6 @@ def test_a_mismatched_checkpoint_is_refused_and_serving_goes_on(stack, http, mod
 
 
 @slow
-def test_update_weights_from_tensor_is_refused_without_unpickling(http):
-    reply = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["gASVAAAA"]}, headers=ADMIN)
-    assert reply.status_code == 501
-    assert "pickle" in reply.json()["error"]["message"] and "PushWeights" in reply.json()["error"]["message"]
-
-
-@slow
 @pytest.mark.parametrize("path, body", [
     ("/update_weights_from_disk", {"model_path": "/nowhere"}), ("/pause_generation", {}),
     ("/continue_generation", {}), ("/update_weight_version", {"new_version": "x"}),

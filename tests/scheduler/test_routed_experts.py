@@ -3,6 +3,8 @@
 went through the model, the experts each MoE layer's router chose, equal to transformers' own routers on the same
 sequence; a prompt prefix found in the prefix cache keeps the routing its first prefill recorded."""
 
+from urllib.parse import urlsplit
+
 import httpx
 import numpy as np
 import pybase64
@@ -11,9 +13,16 @@ import torch
 from flatwire_client import FlatwireClient, HttpClient
 from transformers import AutoModelForCausalLM
 
-from harness.checkpoints import moe_checkpoint
+from harness.checkpoints import SMALL_VOCABULARY, moe_checkpoint
 from harness.http import generate, post
 from harness.stack import running
+from tests.gateway.external_engine_calls import (
+    miles_get_server_info,
+    miles_server_args,
+    sanity_check_server_args,
+    slime_server_args,
+    trainer_args,
+)
 
 pytestmark = pytest.mark.slow  # runs services as processes of its own
 
@@ -21,8 +30,9 @@ LAYERS, TOP_K, DENSE_LAYER = 3, 2, 1
 
 
 @pytest.fixture(scope="module")
-def moe_dir(model_dir, tmp_path_factory):
-    return moe_checkpoint(model_dir, tmp_path_factory.mktemp("moe"))
+def moe_dir(small_model_dir, tmp_path_factory):
+    """On the small vocabulary (tests/conftest.py small_model_dir): these tests send token ids and read no text."""
+    return moe_checkpoint(small_model_dir, tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,7 @@ def ask(stack, prompt: list[int], new_tokens: int) -> dict:
 
 
 def test_every_token_s_experts_match_transformers(moe_stack, moe_dir):
-    prompt = np.random.default_rng(1).integers(0, 240_000, 21).tolist()
+    prompt = np.random.default_rng(1).integers(0, SMALL_VOCABULARY, 21).tolist()
     body = ask(moe_stack, prompt, 8)
     experts = routed(body["meta_info"])
     sequence = prompt + body["output_ids"][:-1]  # the last sampled token never went through the model
@@ -65,7 +75,7 @@ def test_every_token_s_experts_match_transformers(moe_stack, moe_dir):
 
 
 def test_a_cached_prefix_keeps_its_routing(moe_stack):
-    prompt = np.random.default_rng(2).integers(0, 240_000, 30).tolist()
+    prompt = np.random.default_rng(2).integers(0, SMALL_VOCABULARY, 30).tolist()
     first = ask(moe_stack, prompt, 4)
     second = ask(moe_stack, prompt + [11, 12, 13], 4)
     assert second["meta_info"]["cached_tokens"] >= 24  # whole pages of the shared prompt
@@ -86,7 +96,7 @@ def test_a_scheduler_without_routing_refuses_it(http):
 
 
 def test_the_public_grpc_api_and_the_client_carry_them(moe_stack):
-    prompt = np.random.default_rng(3).integers(0, 240_000, 13).tolist()
+    prompt = np.random.default_rng(3).integers(0, SMALL_VOCABULARY, 13).tolist()
     expected = routed(ask(moe_stack, prompt, 5)["meta_info"])
     options = dict(max_new_tokens=5, temperature=0, ignore_eos=True, return_routed_experts=True)
     with FlatwireClient(moe_stack.grpc_address) as client:
@@ -101,7 +111,7 @@ def test_the_public_grpc_api_and_the_client_carry_them(moe_stack):
 
 
 def test_openai_routes_carry_them_in_meta_info(moe_stack):
-    prompt = np.random.default_rng(4).integers(0, 240_000, 9).tolist()
+    prompt = np.random.default_rng(4).integers(0, SMALL_VOCABULARY, 9).tolist()
     expected = routed(ask(moe_stack, prompt, 3)["meta_info"])
     with httpx.Client(base_url=moe_stack.http_url, timeout=60) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
@@ -115,7 +125,7 @@ def test_openai_routes_carry_them_in_meta_info(moe_stack):
 
 
 def test_routed_experts_start_len(moe_stack):
-    prompt = np.random.default_rng(5).integers(0, 240_000, 12).tolist()
+    prompt = np.random.default_rng(5).integers(0, SMALL_VOCABULARY, 12).tolist()
     whole = routed(ask(moe_stack, prompt, 4)["meta_info"])
     body = generate(moe_stack.http_url, input_ids=prompt, return_routed_experts=True, routed_experts_start_len=5,
                     sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
@@ -128,3 +138,14 @@ def test_routed_experts_start_len(moe_stack):
                                                    "routed_experts_start_len": 13,
                                                    "sampling_params": {"max_new_tokens": 2}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "routed_experts_start_len", reply.text
+
+
+@pytest.mark.parametrize("compute", [slime_server_args, miles_server_args], ids=["slime", "miles"])
+def test_a_trainer_with_routing_replay_attaches(moe_stack, compute):
+    """slime's and miles' --rollout-external check with --use-rollout-routing-replay (tests/gateway/
+    test_external_engines.py): this scheduler records the routing, and /get_server_info says so."""
+    url = urlsplit(moe_stack.http_url)
+    expected, fields = compute(trainer_args(offload_rollout=True, use_rollout_routing_replay=True), 0, url.hostname,
+                               url.port)
+    assert "enable_return_routed_experts" in fields
+    sanity_check_server_args(miles_get_server_info(moe_stack.http_url), expected, fields)

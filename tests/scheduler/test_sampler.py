@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from flatwire_wire.logprobs import LogprobsMode
 from flatwire_wire.scheduler import SamplingParams, TokenizedRequest
 
 from services.scheduler.request import Request
-from services.scheduler.sampling.draw import SamplingBatch, sample
-from services.scheduler.sampling.logprobs import ProcessedRows, logprob_rows
+from services.scheduler.sampling.draw import SamplingBatch, nuclei, sample
+from services.scheduler.sampling.logprobs import StepDistributions
 from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.submit import SubmitLimits, parse_request
 
@@ -78,19 +79,25 @@ def reference_processed(logits: np.ndarray, temperature: float, top_p: float, to
         return np.log(p / p.sum())
 
 
+def batch_of(rows: list[tuple[float, float, int, float]]) -> SamplingBatch:
+    """The sampling batch of rows (temperature, top_p, top_k, min_p); temperature 0: greedy."""
+    sampled = [i for i, row in enumerate(rows) if row[0] > 0]
+    return SamplingBatch(rows=sampled, temperature=[rows[i][0] for i in sampled], top_p=[rows[i][1] for i in sampled],
+                         top_k=[rows[i][2] for i in sampled], min_p=[rows[i][3] for i in sampled],
+                         generators=[None] * len(sampled))
+
+
 def test_processed_logprobs_match_a_numpy_reference():
     """Rows in processed mode get the logprobs of the distribution their token was drawn from; the others,
     in the same batch, stay raw."""
     vocab, k = 2000, 30
     logits = torch.from_numpy(np.random.default_rng(0).normal(0, 3, (len(PROCESSED_ROWS) + 1, vocab))).float()
-    sampled = [i for i, row in enumerate(PROCESSED_ROWS) if row[0] > 0]
-    params = SamplingBatch(rows=sampled, temperature=[PROCESSED_ROWS[i][0] for i in sampled],
-                           top_p=[PROCESSED_ROWS[i][1] for i in sampled], top_k=[PROCESSED_ROWS[i][2] for i in sampled],
-                           min_p=[PROCESSED_ROWS[i][3] for i in sampled], generators=[None] * len(sampled))
+    params = batch_of(PROCESSED_ROWS)
     draw = sample(logits, params)
-    processed = list(range(len(PROCESSED_ROWS)))  # the last row stays raw
+    processed = [LogprobsMode.PROCESSED] * len(PROCESSED_ROWS) + [LogprobsMode.RAW]  # the last row stays raw
     ids = torch.tensor([[3, 7, 11]] * len(logits))
-    rows = logprob_rows(logits, draw.tokens, k, ids, ProcessedRows(processed, draw, params, logits))
+    distributions = StepDistributions(logits, logits, draw, params)
+    rows = distributions.output_rows(processed, k, ids)
     for i, row_params in enumerate(PROCESSED_ROWS):
         want = reference_processed(logits[i].double().numpy(), *row_params)
         token = int(draw.tokens[i])
@@ -102,12 +109,85 @@ def test_processed_logprobs_match_a_numpy_reference():
         np.testing.assert_array_equal(np.isfinite(want[rows.topk_ids[i].numpy()]), finite)
         # The undrawable candidates still come in the model's order, after the drawable ones.
         assert (np.diff(logits[i][rows.topk_ids[i]].numpy()) <= 0).all()
-    every = logprob_rows(logits, draw.tokens, k, ids, ProcessedRows(list(range(len(logits))), draw, params, logits))
+    every = distributions.output_rows([LogprobsMode.PROCESSED] * len(logits), k, ids)
     for mixed, alone in zip(rows.arrays, every.arrays):  # a batch of processed rows only takes its own path
         torch.testing.assert_close(mixed[:-1], alone[:-1])
     raw = torch.log_softmax(logits[-1], dim=-1)
     assert rows.token_logprobs[-1] == pytest.approx(float(raw[draw.tokens[-1]]))
     np.testing.assert_allclose(rows.topk_values[-1].numpy(), raw.topk(k).values.numpy(), atol=1e-6)
+
+
+def test_sglang_logprobs_are_the_adjusted_distribution_at_the_temperature_before_the_cut():
+    """SGLang's: log-softmax of the logits drawn from (here biased) over the temperature, whatever the cut; a greedy
+    row's at temperature 1; the top-k in the same distribution's order. Raw rows of the same batch are of the
+    unadjusted logits."""
+    vocab, k = 2000, 30
+    rng = np.random.default_rng(1)
+    logits = torch.from_numpy(rng.normal(0, 3, (len(PROCESSED_ROWS) + 1, vocab))).float()
+    adjusted = logits + torch.from_numpy(rng.normal(0, 1, logits.shape)).float()  # as logit_bias would
+    params = batch_of(PROCESSED_ROWS)
+    draw = sample(adjusted, params)
+    ids = torch.tensor([[3, 7, 11]] * len(logits))
+    modes = [LogprobsMode.SGLANG] * len(PROCESSED_ROWS) + [LogprobsMode.RAW]
+    rows = StepDistributions(logits, adjusted, draw, params).output_rows(modes, k, ids)
+    for i, (temperature, *_) in enumerate(PROCESSED_ROWS):
+        want = torch.log_softmax(adjusted[i].double() / (temperature or 1.0), dim=-1)
+        assert rows.token_logprobs[i] == pytest.approx(float(want[draw.tokens[i]]), abs=1e-5)
+        np.testing.assert_allclose(rows.topk_values[i].numpy(), want.topk(k).values.numpy(), atol=1e-5)
+        np.testing.assert_array_equal(rows.topk_ids[i].numpy(), want.topk(k).indices.numpy())
+        np.testing.assert_allclose(rows.ids_logprobs[i].numpy(), want[[3, 7, 11]].numpy(), atol=1e-5)
+    raw = torch.log_softmax(logits[-1], dim=-1)
+    assert rows.token_logprobs[-1] == pytest.approx(float(raw[draw.tokens[-1]]), abs=1e-6)
+    np.testing.assert_array_equal(rows.topk_ids[-1].numpy(), raw.topk(k).indices.numpy())
+
+
+def test_nuclei_are_what_each_row_could_draw():
+    """Top-p replay: a sampled row's nucleus is the set its temperature, top-k, top-p and min-p kept (the numpy
+    reference's finite entries), ascending, and holds the token drawn; a greedy row's is its token."""
+    vocab = 2000
+    logits = torch.from_numpy(np.random.default_rng(2).normal(0, 3, (len(PROCESSED_ROWS), vocab))).float()
+    params = batch_of(PROCESSED_ROWS)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        draw = sample(logits, params)
+        rows = [4, 0, 5, 1, 6]  # out of order, greedy rows among them
+        sizes, ids = nuclei(draw, params, rows, vocab)
+        assert sizes.dtype == ids.dtype == torch.int32 and int(sizes.sum()) == len(ids)
+        for row, kept in zip(rows, torch.split(ids, sizes.tolist())):
+            want = np.flatnonzero(np.isfinite(reference_processed(logits[row].double().numpy(), *PROCESSED_ROWS[row])))
+            np.testing.assert_array_equal(kept.numpy(), want)
+            assert int(draw.tokens[row]) in kept.tolist()
+        sampled_only = [1, 2, 3, 4]  # every row sampled: straight from the draw's probabilities
+        sizes, ids = nuclei(draw, params, sampled_only, vocab)
+        assert sizes.tolist() == [int((draw.probs[params.rows.index(row)] > 0).sum()) for row in sampled_only]
+
+
+@pytest.mark.parametrize("spread", [3.0, 0.1])  # peaked: nuclei within top-p's head; flat: past it
+def test_nuclei_read_from_top_ps_head_equal_a_full_pass(spread):
+    """When every sampled row has a top-p, the nuclei come from the head top-p sorted (a peaked distribution's)
+    unless it does not hold them all; either way they are the reference's."""
+    rows = [(0.9, 0.9, 0, 0.0), (1.0, 0.95, 300, 0.0), (0.7, 0.8, 0, 0.05), (1.2, 0.5, 20, 0.0)]
+    vocab = 5000
+    logits = torch.from_numpy(np.random.default_rng(3).normal(0, spread, (len(rows), vocab))).float()
+    params = batch_of(rows)
+    draw = sample(logits, params)
+    assert (draw.head is not None and bool(draw.head[1].all())) == (spread > 1)
+    sizes, ids = nuclei(draw, params, [2, 0, 3], vocab)
+    for row, kept in zip([2, 0, 3], torch.split(ids, sizes.tolist())):
+        want = np.flatnonzero(np.isfinite(reference_processed(logits[row].double().numpy(), *rows[row])))
+        np.testing.assert_array_equal(kept.numpy(), want)
+    draw.head = None  # the full pass
+    assert all(torch.equal(a, b) for a, b in zip(nuclei(draw, params, [2, 0, 3], vocab), (sizes, ids)))
+
+
+def test_a_tie_at_the_cut_past_top_ps_head_is_kept():
+    """Tokens past the head that tie the threshold are kept by the cut: the nucleus is read in full then."""
+    vocab = 1100  # equally likely: top-p 0.5 reaches its mass within the head of 1024, and keeps every tie
+    params = batch_of([(1.0, 0.5, 0, 0.0)])
+    draw = sample(torch.zeros(1, vocab), params)
+    sizes, ids = nuclei(draw, params, [0], vocab)
+    assert draw.head is not None and not bool(draw.head[1].all())
+    assert int(sizes[0]) == vocab and ids.tolist() == list(range(vocab))
 
 
 def penalised(rid: str, prompt: list[int]) -> Request:

@@ -1,4 +1,5 @@
-"""The scheduler's outputs against transformers, over gRPC, with requests batched together."""
+"""The scheduler's outputs against transformers, over gRPC, with requests batched together; the lone scheduler
+serves the small vocabulary (tests/conftest.py small_model_dir)."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,9 @@ import torch
 from flatwire_wire.scheduler import AbortRequest, LogprobParams, SamplingParams
 from flatwire_wire.steps import FinishReason
 
-VOCAB_SAMPLE = 240_000  # prompt ids drawn below the special tokens
+from harness.checkpoints import SMALL_VOCABULARY
+
+VOCAB_SAMPLE = SMALL_VOCABULARY  # prompt ids drawn below the special tokens
 TIE = 1e-5  # reference_model candidates closer than this may swap places in the top-k
 
 
@@ -40,7 +43,7 @@ def test_batched_greedy_matches_transformers(scheduler_client, reference_model):
     """Four requests of different lengths arriving at different times: tokens and logprobs
     match transformers' generate and a full-sequence log_softmax reference_model."""
     specs = {  # name: (prompt, top_logprobs_num, logprob_start_len, token_ids_logprob)
-        "a": (prompt(1, 6), 5, 0, [10, 200_000]),
+        "a": (prompt(1, 6), 5, 0, [10, SMALL_VOCABULARY - 96]),
         "b": (prompt(2, 23), 20, 11, []),
         "c": (prompt(3, 57), 0, -1, []),
         "d": (prompt(4, 14), 3, 0, [7]),

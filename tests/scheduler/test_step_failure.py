@@ -1,5 +1,6 @@
 """A step that raises fails the requests of that step, named with its cause, and the scheduler serves on: in process
-(the failure raised as a step launches, or as its results are waited for), and through the real services, where
+(the failure raised as a step launches, or as its results are waited for; on the small vocabulary: tests/conftest.py
+small_model_dir), and through the real services, where
 the client gets HTTP 500 (gRPC INTERNAL) rather than a scheduler-gone 503, and the next request is served."""
 
 import os
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from harness.stack import running
 from tests.scheduler.engine_run import Run, check, prompt
 
-MARKED = 4242  # a token id: a step that holds it raises
+MARKED = 4000  # a token id (of the small vocabulary too): a step that holds it raises
 FAULTY_STEP = Path(__file__).parent / "faulty_step"  # its sitecustomize.py makes a scheduler's model raise on it
 
 
@@ -51,8 +52,8 @@ def faulty(run: Run, when: str) -> None:
 
 
 @pytest.mark.parametrize("when,overlap", [("launch", False), ("result", False), ("result", True)])
-def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(model_dir, when, overlap):
-    run = Run(model_dir, own_runner=True, enable_overlap_schedule=overlap)
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(small_model_dir, when, overlap):
+    run = Run(small_model_dir, own_runner=True, enable_overlap_schedule=overlap)
     faulty(run, when)
     marked, other = [MARKED, *prompt(1, 6)], prompt(2, 9)
     run.submit("marked", marked, 4)
@@ -63,7 +64,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(model_dir, wh
         assert finish.reason is FinishReason.ERROR and finish.step_failed, finish
         assert finish.message.startswith("scheduler step failed: Raised: the marked token"), finish.message
     assert run.engine.failure is None
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32).eval()
     later = prompt(3, 9)
     run.submit("later", later, 6)
     run.run()

@@ -1,7 +1,8 @@
 """Structured output (services/scheduler/sampling/grammar.py): SGLang's json_schema, regex and ebnf, OpenAI's
-response_format. The mask on random logits against the vocabulary itself, the scheduler's checks in process,
-then every API through the running stack (the default model is random: the mask alone makes its output
-valid; seeded sampling keeps it short and reproducible)."""
+response_format. The mask on random logits against the vocabulary itself and the scheduler's checks, in process on
+the small vocabulary (tests/conftest.py small_model_dir: Qwen's first byte-pair ranks and special tokens), then
+every API through the running stack on the default model (random: the mask alone makes its output valid; seeded
+sampling keeps it short and reproducible)."""
 
 import json
 import re
@@ -19,6 +20,7 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams, TokenizedRequ
 from flatwire_wire.steps import FinishReason
 from transformers import AutoTokenizer
 
+from harness.checkpoints import SMALL_VOCABULARY
 from harness.http import generate, post
 from services.scheduler.engine.policy import Scheduler, SlotPool
 from services.scheduler.kv.manager import KVManager
@@ -35,57 +37,59 @@ REGEX = "[a-z]{3}-[0-9]{2}"
 REGEX_PREFIX = re.compile("[a-z]{0,3}|[a-z]{3}-[0-9]{0,2}")  # every prefix of REGEX's strings
 EBNF = 'root ::= answer " " answer\nanswer ::= "yes" | "no"'
 EBNF_LANGUAGE = {f"{a} {b}" for a in ("yes", "no") for b in ("yes", "no")}
-STOP = 248046  # the default model's <|im_end|>, one of its eos ids
+STOP = SMALL_VOCABULARY + 2  # the small vocabulary's <|im_end|>, one of its eos ids
 
 
 # -- the mask and the scheduler's checks, in process -------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
+def small_tokenizer(small_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(small_model_dir)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == STOP
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
-def grammars(model_dir, tokenizer) -> Grammars:
-    return Grammars(model_dir, len(tokenizer), [STOP])
+def grammars(small_model_dir, small_tokenizer) -> Grammars:
+    return Grammars(small_model_dir, len(small_tokenizer), [STOP])
 
 
 def allowed(row: torch.Tensor) -> set[int]:
     return set(torch.isfinite(row).nonzero().flatten().tolist())
 
 
-def test_mask_keeps_exactly_the_grammar_tokens_of_constrained_rows(grammars, tokenizer):
+def test_mask_keeps_exactly_the_grammar_tokens_of_constrained_rows(grammars, small_tokenizer):
     """Rows 0 and 2 constrained (row 2 mid-way), 1 and 3 not: each constrained row keeps exactly the tokens
     whose text continues a prefix of the language, the other rows are untouched."""
-    vocab = len(tokenizer)
+    vocab = len(small_tokenizer)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     raw = logits.clone()
     start, midway = (grammars.matcher(Grammars.parse("regex", REGEX), frozenset([STOP])) for _ in range(2))
-    for token in tokenizer.encode("abc-", add_special_tokens=False):
+    for token in small_tokenizer.encode("abc-", add_special_tokens=False):
         assert midway.accept_token(token)
     TokenMask(4, vocab, torch.device("cpu")).apply(logits, [(0, start), (2, midway)])
 
     # Byte-level token strings: letters, digits and "-" are themselves, anything else is not in the language.
-    pieces = tokenizer.convert_ids_to_tokens(list(range(vocab)))
+    pieces = small_tokenizer.convert_ids_to_tokens(list(range(vocab)))
     assert allowed(logits[0]) == {i for i, p in enumerate(pieces) if p and REGEX_PREFIX.fullmatch(p)}
     assert allowed(logits[2]) == {i for i, p in enumerate(pieces) if p and re.fullmatch("[0-9]{1,2}", p)}
     assert torch.equal(logits[[1, 3]], raw[[1, 3]])
     assert torch.equal(logits[0][torch.isfinite(logits[0])], raw[0][torch.isfinite(logits[0])])
 
 
-def test_a_complete_output_allows_only_the_stop_tokens(grammars, tokenizer):
+def test_a_complete_output_allows_only_the_stop_tokens(grammars, small_tokenizer):
     matcher = grammars.matcher(Grammars.parse("regex", REGEX), frozenset([STOP, 7]))
-    for token in tokenizer.encode("abc-12", add_special_tokens=False):
+    for token in small_tokenizer.encode("abc-12", add_special_tokens=False):
         assert matcher.accept_token(token)
-    logits = torch.zeros(1, len(tokenizer))
-    TokenMask(1, len(tokenizer), torch.device("cpu")).apply(logits, [(0, matcher)])
+    logits = torch.zeros(1, len(small_tokenizer))
+    TokenMask(1, len(small_tokenizer), torch.device("cpu")).apply(logits, [(0, matcher)])
     assert allowed(logits[0]) == {STOP, 7}
     assert matcher.accept_token(STOP) and matcher.is_terminated()
 
 
 @pytest.fixture(scope="module")
-def limits(tokenizer) -> SubmitLimits:
-    return SubmitLimits(len(tokenizer), 4096, 20, (STOP,), 50)
+def limits(small_tokenizer) -> SubmitLimits:
+    return SubmitLimits(len(small_tokenizer), 4096, 20, (STOP,), 50)
 
 
 def tokenized(**sampling) -> TokenizedRequest:
@@ -114,15 +118,15 @@ def test_scheduler_without_grammars_refuses_constraints(limits):
     assert parse_request(tokenized(), limits).grammar is None
 
 
-def test_logprobs_stay_raw(model_dir, grammars):
+def test_logprobs_stay_raw(small_model_dir, grammars):
     """A constrained and an unconstrained request on the same prompt, in one step: the same raw top-k, and the
     constrained one samples a token its grammar allows where the other takes the raw argmax."""
-    runner = ModelRunner(model_dir, "cpu", "auto", 256, 2, max_total_tokens=1024)
+    runner = ModelRunner(small_model_dir, "cpu", "auto", 256, 2, max_total_tokens=1024)
     limits = SubmitLimits(runner.vocab_size, runner.max_context, 20, tuple(runner.eos_token_ids), 50)
     requests = []
     for sampling in (dict(regex="[0-9]+"), {}):
         request = parse_request(TokenizedRequest(
-            rid=f"r{len(requests)}", input_ids=[9707, 11, 1879], logprob=LogprobParams(
+            rid=f"r{len(requests)}", input_ids=[39, 300, 379, 11, 1814], logprob=LogprobParams(  # "Hello, world"
                 return_logprob=True, top_logprobs_num=5, logprob_start_len=-1),
             sampling=SamplingParams(max_new_tokens=4, temperature=0, **sampling)), limits, grammars)
         requests.append(request)
@@ -148,6 +152,11 @@ def test_logprobs_stay_raw(model_dir, grammars):
 
 
 # -- through the stack --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
 
 def sample(http, **sampling) -> dict:
     """/generate of "Reply:" with these sampling params (up to 256 tokens, temperature 1, seed 1 unless given)."""

@@ -11,6 +11,7 @@ import pytest
 from flatwire_wire import codec, control, detokenizer, public, scheduler, steps
 from flatwire_wire.codec import from_proto, to_proto
 from flatwire_wire.logprobs import F32, I32, LogprobBlock, LogprobRows, RequestLogprobs, encode_block
+from flatwire_wire.nucleus import NucleusBlock
 from flatwire_wire.pb import arrays_pb2, generate_pb2
 from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from flatwire_wire.steps import EntryOrder, FinishReason, entry_order
@@ -36,7 +37,7 @@ def test_real_step_message_parses_as_typed_view(lone_scheduler_address):
     client = SchedulerClient(lone_scheduler_address)
     try:
         rid = client.submit(
-            input_ids=[11, 2024, 7, 99_000, 5],
+            input_ids=[11, 2024, 7, 3_999, 5],  # the lone scheduler's small vocabulary
             sampling=SamplingParams(max_new_tokens=3, temperature=0.0),
             logprob=LogprobParams(return_logprob=True, top_logprobs_num=8, logprob_start_len=0,
                                   token_ids_logprob=[1, 2]))
@@ -238,7 +239,9 @@ def test_the_step_message_view_holds_every_field():
                                 output=constructed_block(), prompt_rids=["a"], prompt=constructed_block().select([1]),
                                 finished=[_filled(steps.Finish)], texts=["x", "y"], positions=[0, 4], counts=[1, 2],
                                 resumed=[_filled(steps.RequestResume)], weight_version="v",
-                                made_at_unix_us=1_700_000_000_000_000)
+                                made_at_unix_us=1_700_000_000_000_000,
+                                top_p=NucleusBlock([1, 2], np.array([2, 1, 1], I32).tobytes(),
+                                                   np.array([4, 9, 2, 3], I32).tobytes()))
     back = steps.decode_step(message.encoded)
     for name in steps.STEP_FIELDS:
         assert _comparable(_listed(getattr(back, name))) == _comparable(_listed(getattr(message, name))), name
@@ -248,7 +251,7 @@ def test_the_step_message_view_holds_every_field():
 
 
 def _listed(value):
-    return list(value) if not isinstance(value, (str, bytes, int, LogprobBlock, type(None))) else value
+    return list(value) if not isinstance(value, (str, bytes, int, LogprobBlock, NucleusBlock, type(None))) else value
 
 
 def test_a_twin_that_misses_a_field_fails_at_import():

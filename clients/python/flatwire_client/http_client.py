@@ -2,8 +2,8 @@
 messages, raw arrays and no JSON, for clients that cannot use gRPC. A stream is length-delimited messages.
 
 Also SGLang's rollout-control routes (update_weights_from_disk, pause and continue, abort, weight_version),
-which answer JSON: their body as a dict. Weights from memory go over gRPC (FlatwireClient.push_weights):
-SGLang's /update_weights_from_tensor takes pickled tensors, which flatwire refuses.
+which answer JSON: their body as a dict. Weights from memory go over gRPC (FlatwireClient.push_weights); a
+trainer on the scheduler's machine may POST SGLang's /update_weights_from_tensor with its own serializer.
 """
 
 import asyncio

@@ -20,7 +20,7 @@ class Options:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # Change what is sampled, not the logprobs returned unless logprobs_mode is processed_logprobs.
+    # Change what is sampled, and the logprobs returned unless they are raw_logprobs.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -34,12 +34,15 @@ class Options:
     top_logprobs_num: int = 0
     logprob_start_len: int | None = None  # None: no prompt logprobs
     token_ids_logprob: tuple[int, ...] = ()
-    logprobs_mode: str | None = None  # raw_logprobs, processed_logprobs; None: the server's --logprobs-mode
+    # raw_logprobs, processed_logprobs, sglang_logprobs; None: the server's default (sglang_logprobs, or raw_logprobs
+    # with the gateway's --return-original-logprob)
+    logprobs_mode: str | None = None
     stop: tuple[str, ...] = field(default=())
     skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
     return_routed_experts: bool = False  # MoE: Generation.routed_experts (a server with --enable-return-routed-experts)
     routed_experts_start_len: int = 0  # from this sequence position on
+    return_top_p_token_ids: bool = False  # top-p replay: Generation.top_p, each token's nucleus
 
     @property
     def wants_logprobs(self) -> bool:
@@ -58,7 +61,8 @@ class Options:
             token_ids_logprob=list(self.token_ids_logprob), stop=list(self.stop),
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, stream=stream,
             logprobs_mode=LogprobsMode.named(self.logprobs_mode) if self.logprobs_mode else LogprobsMode.UNSPECIFIED,
-            return_routed_experts=self.return_routed_experts, routed_experts_start_len=self.routed_experts_start_len)
+            return_routed_experts=self.return_routed_experts, routed_experts_start_len=self.routed_experts_start_len,
+            return_top_p_token_ids=self.return_top_p_token_ids)
 
     def generate_body(self, text: str | None, input_ids: list[int] | None, stream: bool) -> dict:
         """/generate's JSON (SGLang's field names)."""
@@ -71,6 +75,8 @@ class Options:
                      "json_schema", "regex", "ebnf"):
             if (value := getattr(self, name)) is not None:
                 sampling[name] = value
+        if self.return_top_p_token_ids:
+            sampling["custom_params"] = {"return_top_p_token_ids": True}
         body = {"sampling_params": sampling, "return_logprob": self.wants_logprobs,
                 "top_logprobs_num": self.top_logprobs_num, "token_ids_logprob": list(self.token_ids_logprob),
                 "stream": stream, "text" if text is not None else "input_ids": text if text is not None else input_ids}

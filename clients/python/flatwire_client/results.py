@@ -2,12 +2,14 @@
 
 A side's rows (prompt or output) are the wire layer's RequestLogprobs (flatwire_wire.logprobs), exported here as
 `Logprobs`: token_ids [n], token_logprobs [n], topk_values / topk_ids [n, k], ids_logprobs [n, m], null_prefix.
+Top-p replay's nuclei are the wire layer's Nuclei (flatwire_wire.nucleus): offsets [n + 1] into token_ids.
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
 from flatwire_wire.logprobs import RequestLogprobs as Logprobs
+from flatwire_wire.nucleus import Nuclei
 from flatwire_wire.public import GenerateResponse
 from flatwire_wire.public import WeightVersionSpan as VersionSpan
 from flatwire_wire.steps import FinishReason
@@ -31,6 +33,7 @@ class Generation:
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (set on a stream's last chunk)
     # int32 [tokens, layers, top_k]: the experts each token was routed to (return_routed_experts; last chunk)
     routed_experts: np.ndarray | None = None
+    top_p: Nuclei | None = None  # each token's nucleus (return_top_p_token_ids)
 
 
 def generation(response: GenerateResponse) -> Generation:
@@ -43,7 +46,7 @@ def generation(response: GenerateResponse) -> Generation:
     return Generation(response.rid, response.tokens, response.text, response.output_logprobs(),
                       response.prompt_logprobs(), finish, matched, response.prompt_tokens,
                       response.completion_tokens, response.weight_version, response.weight_versions,
-                      response.cached_tokens, _routed_experts(response))
+                      response.cached_tokens, _routed_experts(response), response.top_p())
 
 
 def _routed_experts(response: GenerateResponse) -> np.ndarray | None:
@@ -74,7 +77,8 @@ class ChunkStream:
         last = self.chunks[-1]
         output = Logprobs.concatenate([c.output for c in self.chunks if c.output is not None])
         prompt = next((c.prompt for c in self.chunks if c.prompt is not None), None)
+        nuclei = [c.top_p for c in self.chunks if c.top_p is not None]
         return Generation(last.rid, np.concatenate([c.token_ids for c in self.chunks]),
                           "".join(c.text for c in self.chunks), output, prompt, last.finish_reason, last.matched_stop,
                           last.prompt_tokens, last.completion_tokens, last.weight_version, last.weight_versions,
-                          last.cached_tokens, last.routed_experts)
+                          last.cached_tokens, last.routed_experts, Nuclei.concatenate(nuclei) if nuclei else None)

@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect
 
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient, RequestError
-from services.gateway.http import generate, lora, native, openai_chat, openai_completions, rollout, vllm_rl
+from services.gateway.http import generate, loads, lora, native, openai_chat, openai_completions, rollout, vllm_rl
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import (
@@ -50,6 +50,7 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
     app.include_router(native.router)
+    app.include_router(loads.router)
     app.include_router(rollout.router)
     app.include_router(vllm_rl.router)
     app.include_router(lora.router)
@@ -90,13 +91,6 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
     async def metrics(request: Request) -> Response:
         registry = gateway_of(request).metrics
         return Response(registry.render(), media_type=registry.content_type)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        gateway = gateway_of(request)
-        return Response(orjson.dumps({"object": "list", "data": [native.model_card(gateway),
-                                                                 *await native.adapter_cards(gateway)]}),
-                        media_type="application/json")
 
     # Body size and read timeout, for every route (inside the API key check: nothing unauthenticated is read).
     app.add_middleware(RequestLimits, max_body_bytes=config.max_request_mb * 1024 * 1024,

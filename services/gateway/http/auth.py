@@ -19,7 +19,8 @@ ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tens
                          "/continue_generation", "/update_weight_version", "/flush_cache",
                          "/init_weights_update_group", "/update_weights_from_distributed",
                          "/destroy_weights_update_group", "/release_memory_occupation",
-                         "/resume_memory_occupation",
+                         "/resume_memory_occupation", "/begin_weight_update", "/end_weight_update",
+                         "/weights_checker", "/post_process_weights",
                          # vLLM's (http/vllm_rl.py)
                          "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
                          "/reset_prefix_cache",

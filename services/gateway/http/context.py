@@ -21,6 +21,10 @@ from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
 from services.gateway.reply import Output
 from services.gateway.token_table import TokenTable
 
+# What smg (sglang-router's successor) writes as a /generate body's `model` when its client named none (its
+# UNKNOWN_MODEL_ID): the request asks for no model in particular.
+ROUTER_UNNAMED_MODEL = "unknown"
+
 
 @dataclass
 class Gateway:
@@ -41,6 +45,16 @@ class Gateway:
     @cached_property
     def table(self) -> TokenTable:
         return TokenTable(self.engine.tokenizer, self.limits.vocab_size)
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names the served model answers to, as GET /v1/models lists them."""
+        return [self.engine.model_name]
+
+    def model_named(self, name: str) -> str | None:
+        """What a request's `model` selects, by any name /v1/models lists: the served model (its name); None when
+        nothing served is called so. The one lookup of a model name, on every route."""
+        return self.engine.model_name if name in self.model_names else None
 
     def warm_up(self) -> None:
         """Build what the first requests would otherwise build (seconds of CPU for a 250k vocabulary): the

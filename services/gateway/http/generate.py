@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from services.gateway.http.accept import prefers
-from services.gateway.http.context import Gateway, gateway_of
+from services.gateway.http.context import ROUTER_UNNAMED_MODEL, Gateway, gateway_of
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.http.openapi import request_body
@@ -21,6 +21,7 @@ from services.gateway.protocol.parse import InvalidRequest, is_id_lists
 from services.gateway.protocol.sglang import GenerateRequest
 from services.gateway.render import packed as packed_format
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
+from services.gateway.render.top_p import CumulativeTopP, top_p_meta_info
 from services.gateway.reply import Output, Reply
 from services.gateway.routing import routing_key
 
@@ -37,6 +38,7 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter()
     gateway.metrics.requests.labels(ENDPOINT).inc()
     req = await parse_body_off_loop(GenerateRequest, await request.body(), gateway.limits)
+    _check_model(gateway, req.model)
     packed = prefers(request.headers.get("accept"), packed_format.MEDIA_TYPE)
     if packed and req.returns_list:
         raise InvalidRequest(req.prompt_field if req.is_batch else "sampling_params.n",
@@ -62,6 +64,14 @@ async def generate(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    """SGLang ignores /generate's `model`; here it selects (Gateway.model_named), and absent, null or a router's
+    placeholder for none is the served model."""
+    if model not in (None, ROUTER_UNNAMED_MODEL) and gateway.model_named(model) is None:
+        raise InvalidRequest("model", f"model: this server serves {', '.join(map(repr, gateway.model_names))}, "
+                                      f"not {model!r}")
+
+
 async def _inputs(gateway: Gateway, req: GenerateRequest) -> list[GenerateInput]:
     prompts = req.prompts()
     if is_id_lists(prompts):  # input_ids (text prompts are strings, and a batch is never empty)
@@ -83,7 +93,8 @@ def _logprob_meta(gateway: Gateway, req: GenerateRequest, part: Output, prompt_s
 
 def _body(gateway: Gateway, req: GenerateRequest, result: Reply) -> dict:
     whole = result.whole
-    meta = base_meta_info(result) | _logprob_meta(gateway, req, whole)
+    meta = base_meta_info(result) | _logprob_meta(gateway, req, whole) | \
+        top_p_meta_info(whole.top_p, req.return_flat_raw_top_logprobs_b64)
     if whole.output is not None:  # it asked for logprobs
         meta["output_token_logprobs_length"] = result.completion_tokens  # SGLang's, which RL clients read
     return {"text": whole.text, "output_ids": whole.token_ids, "meta_info": meta}
@@ -98,7 +109,9 @@ class _StreamState:
     with the first reply and are repeated as they are. Flat top-k arrays are the
     exception: each event carries only its own rows (`output_top_logprobs_offset` is
     the index of the first), and the flat prompt arrays come once, in the first event,
-    so that a long stream's bytes stay those of the non-streamed response.
+    so that a long stream's bytes stay those of the non-streamed response. The top-p
+    replay nuclei follow the same rule: cumulative JSON lists, or each event's own in
+    base64 (with `top_p_token_start`, the index of its first token).
     """
 
     def __init__(self, wants_logprob: bool):
@@ -106,6 +119,8 @@ class _StreamState:
         self.prompt_fields: dict = {}
         self.output_items: dict[str, bytearray] = {}  # each output list's elements so far, as JSON: "e1,e2,..."
         self.rows_sent = 0  # flat output rows sent in earlier events
+        self.top_p = CumulativeTopP()
+        self.top_p_sent = 0  # tokens whose nuclei earlier events sent
 
     def payload(self, gateway: Gateway, req: GenerateRequest, reply: Reply) -> dict:
         incremental = gateway.config.incremental_streaming_output
@@ -134,11 +149,21 @@ class _StreamState:
             self.rows_sent += len(new.output.token_logprobs)
         for key, items in self.output_items.items():  # an event without new rows (an abort's last) repeats them
             meta.setdefault(key, orjson.Fragment(b"[" + items + b"]"))
-        meta |= self.prompt_fields
+        meta |= self.prompt_fields | self._top_p(req, new, incremental)
         if self.wants_logprob:
             meta["output_token_logprobs_length"] = reply.completion_tokens  # all told, in both modes (as SGLang)
         shown = new if incremental else reply.whole
         return {"text": shown.text, "output_ids": shown.token_ids, "meta_info": meta}
+
+
+    def _top_p(self, req: GenerateRequest, new: Output, incremental: bool) -> dict:
+        """The nuclei fields of an event: so far (SGLang's cumulative lists), or its own (incremental, base64)."""
+        if new.top_p is None:
+            return {}
+        if incremental or req.return_flat_raw_top_logprobs_b64:
+            start, self.top_p_sent = self.top_p_sent, self.top_p_sent + new.top_p.tokens
+            return top_p_meta_info(new.top_p, req.return_flat_raw_top_logprobs_b64, start)
+        return self.top_p.add(new.top_p)
 
 
 async def _events(gateway: Gateway, req: GenerateRequest, gens: Generations):

@@ -1,7 +1,7 @@
-"""SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models/{model}.
+"""SGLang's native endpoints besides /generate, and OpenAI's GET /v1/models (/{model}).
 
 /get_model_info (/model_info), /get_server_info (/server_info), /flush_cache, /health_generate,
-/tokenize and /detokenize (also under /v1/), /version. Shapes as SGLang 0.5.x sends them
+/tokenize and /detokenize (also under /v1/). Shapes as SGLang 0.5.x sends them
 (sglang/srt/entrypoints/http_server.py, openai/serving_tokenize.py). /abort_request and the other
 rollout-control routes are in rollout.py.
 """
@@ -15,7 +15,7 @@ from contextlib import aclosing
 import orjson
 from fastapi import APIRouter, Request, Response
 from flatwire_wire.control import SGLANG_FLUSH
-from flatwire_wire.scheduler import LogprobParams, SamplingParams, SchedulerStats
+from flatwire_wire.scheduler import LogprobParams, ModelInfo, SamplingParams, SchedulerStats
 from flatwire_wire.steps import DetokenizeParams, FinishReason
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -40,7 +40,7 @@ FLUSH_CACHE_NOTE = "(When there are running or waiting requests, the operation w
 
 
 @functools.cache  # reading the installed metadata takes most of a ms
-def _version() -> str:
+def flatwire_version() -> str:
     try:
         return importlib.metadata.version("flatwire")
     except importlib.metadata.PackageNotFoundError:
@@ -52,7 +52,7 @@ def _json(data, status: int = 200) -> Response:
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:
-    if model is not None and model != gateway.engine.model_name:
+    if model is not None and gateway.model_named(model) is None:
         raise InvalidRequest("model", f"model: this server serves {gateway.engine.model_name!r}, not {model!r}",
                              status=404, code="model_not_found")
 
@@ -60,15 +60,15 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 # -- models ----------------------------------------------------------------------------------------------
 
 
-def model_card(gateway: Gateway, adapter: str | None = None) -> dict:
-    """The served model, or a LoRA adapter of it, as OpenAI's model object with vLLM's `root` and `parent` (the
-    adapter's base model; the base model has none): GET /v1/models lists them, GET /v1/models/{model} returns one.
-    `root` is the model's own name: where a checkpoint or an adapter lies on the schedulers' machine is not
-    disclosed."""
-    name = gateway.engine.model_name
-    card = {"id": adapter or name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
-            "root": adapter or name, "max_model_len": gateway.limits.max_context}
-    return card | {"parent": name} if adapter else card
+def model_card(gateway: Gateway, name: str, adapter: bool = False) -> dict:
+    """The served model under `name`, or its LoRA adapter `name`, as OpenAI's model object (GET /v1/models lists one
+    per name and adapter, GET /v1/models/{model} returns it), with vLLM's `root` and, for an adapter, `parent` (the
+    served model). An adapter's `root` is its own name: where it lies on the schedulers' machine is not disclosed.
+    owned_by is the server's name, as vLLM's and SGLang's say theirs."""
+    served = gateway.engine.model_name
+    card = {"id": name, "object": "model", "created": gateway.created, "owned_by": "flatwire",
+            "root": name if adapter else served, "max_model_len": gateway.limits.max_context}
+    return card | {"parent": served} if adapter else card
 
 
 async def adapter_cards(gateway: Gateway) -> list[dict]:
@@ -76,14 +76,21 @@ async def adapter_cards(gateway: Gateway) -> list[dict]:
     info = gateway.engine.model_info
     if info is None or not info.max_loras_per_batch:
         return []
-    return [model_card(gateway, adapter.name) for adapter in await adapters(gateway.engine.schedulers)]
+    return [model_card(gateway, adapter.name, adapter=True) for adapter in await adapters(gateway.engine.schedulers)]
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    gateway = gateway_of(request)
+    return _json({"object": "list", "data": [*(model_card(gateway, name) for name in gateway.model_names),
+                                             *await adapter_cards(gateway)]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
     gateway = gateway_of(request)
-    if model == gateway.engine.model_name:
-        return _json(model_card(gateway))
+    if gateway.model_named(model) is not None:
+        return _json(model_card(gateway, model))
     if card := next((card for card in await adapter_cards(gateway) if card["id"] == model), None):
         return _json(card)
     return error_response(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -115,7 +122,7 @@ async def server_info(request: Request) -> Response:
     assert info is not None  # fetched when the pipeline starts, before the server listens
     name = engine.model_name
     return _json({
-        "version": _version(),
+        "version": flatwire_version(),
         "model_path": name,
         "tokenizer_path": name,
         "served_model_name": name,
@@ -150,14 +157,41 @@ async def server_info(request: Request) -> Response:
         "max_batch_size": config.max_batch_size,
         "max_outstanding_requests": engine.admission_limit,
         "disable_radix_cache": not info.prefix_cache,
-        "logprobs_mode": info.logprobs_mode.api_name,
+        "logprobs_mode": info.logprobs_mode.api_name,  # the OpenAI routes' default (the scheduler's --logprobs-mode)
+        # /generate's and the public gRPC API's default: raw_logprobs (true) or SGLang's sglang_logprobs
+        "return_original_logprob": config.return_original_logprob,
         "routing_policy": config.routing_policy.value,
         "gateway_id": engine.owner,  # this gateway process's (one of several behind one port: --reuse-port)
         # Its token table and per-format pieces are built (a thread at startup that shares the CPU until then).
         "renderers_ready": gateway.renderers_ready,
         "speculative_algorithm": None,
         "internal_states": [{"avg_spec_accept_length": None}],
+        **sglang_server_args(info, len(engine.schedulers.replicas)),
     })
+
+
+def sglang_server_args(info: ModelInfo, replicas: int) -> dict:
+    """SGLang's ServerArgs that slime and miles compare with what they would have launched when they attach to a
+    running engine (--rollout-external: slime/backends/sglang_utils/sglang_engine.py, and miles' of that name), each
+    with flatwire's true value. Each scheduler replica is one process on one device (one node, no tensor, pipeline
+    or expert parallelism), as SGLang's data-parallel ranks are; a setting flatwire has no such thing for is
+    SGLang's default only where that default is true here (no LoRA, no prefill/decode disaggregation, no indexer
+    top-k)."""
+    return {
+        "nnodes": 1, "node_rank": 0,
+        "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": replicas,
+        # The device the (first) replica computes on; SGLang's 0 on a CPU, as SGLang itself reports it there.
+        "base_gpu_id": int(info.device.partition(":")[2] or 0), "gpu_id_step": 1,
+        # release_memory_occupation frees the model's memory (SGLang needs --enable-memory-saver for that).
+        "enable_memory_saver": info.releases_memory,
+        "enable_return_routed_experts": info.return_routed_experts,
+        "enable_return_indexer_topk": False,
+        "enable_lora": False,
+        "load_format": info.load_format,
+        "disaggregation_mode": "null",
+        "encoder_only": False,
+        "enable_metrics": True,  # /metrics is always served
+    }
 
 
 def _kv_memory(stats: SchedulerStats | None) -> dict | None:
@@ -167,11 +201,6 @@ def _kv_memory(stats: SchedulerStats | None) -> dict | None:
             "pages_cached": stats.kv_pages_cached, "tokens_used": stats.kv_tokens_used,
             "running": stats.running, "waiting": stats.waiting, "prefill_tokens": stats.prefill_tokens,
             "cached_prompt_tokens": stats.cached_prompt_tokens, "retractions": stats.retractions}
-
-
-@router.get("/version")
-async def version() -> Response:
-    return _json({"version": _version()})
 
 
 # -- cache and health ------------------------------------------------------------------------------------

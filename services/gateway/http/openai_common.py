@@ -7,13 +7,15 @@ from services.gateway.http.context import Gateway
 from services.gateway.http.meta_info import base_meta_info
 from services.gateway.protocol.openai import OpenAIRequest
 from services.gateway.render.sglang_meta import LogprobFormat, logprob_meta_info
+from services.gateway.render.top_p import top_p_meta_info
 from services.gateway.reply import Reply
 
 
 def check_model(gateway: Gateway, req: OpenAIRequest) -> None:
-    """The served model or, when the schedulers serve LoRA adapters, one of them (OpenAIRequest.choose_model)."""
+    """The served model (by any name /v1/models lists) or, when the schedulers serve LoRA adapters, one of them
+    (OpenAIRequest.choose_model)."""
     info = gateway.engine.model_info
-    req.choose_model(gateway.engine.model_name, bool(info and info.max_loras_per_batch))
+    req.choose_model(gateway.model_names, bool(info and info.max_loras_per_batch))
 
 
 def response_id(prefix: str) -> str:
@@ -50,15 +52,18 @@ def _meta_format(req: OpenAIRequest) -> LogprobFormat:
 
 
 def choice_meta_info(gateway: Gateway, req: OpenAIRequest, result: Reply) -> dict:
-    """SGLang's meta_info of one choice; with the flat flag, the output candidates live here."""
-    return base_meta_info(result) | logprob_meta_info(result.whole, _meta_format(req), gateway.table)
+    """SGLang's meta_info of one choice; with the flat flag, the output candidates live here, and with top-p
+    replay the nuclei."""
+    whole = result.whole
+    return base_meta_info(result) | logprob_meta_info(whole, _meta_format(req), gateway.table) | \
+        top_p_meta_info(whole.top_p, req.return_flat_raw_top_logprobs_b64)
 
 
 class StreamedMetaInfo:
     """With return_meta_info, the meta_info of each choice's stream chunks: a chunk's own output logprob
-    fields (the flat arrays hold its rows only; output_top_logprobs_offset is the index of the first), and
-    SGLang's meta_info (id, finish reason, token counts, latency) with the last. Concatenated, a choice's
-    arrays are the non-streamed response's."""
+    fields (the flat arrays hold its rows only; output_top_logprobs_offset is the index of the first) and
+    nuclei (top_p_token_start, the index of the first), and SGLang's meta_info (id, finish reason, token
+    counts, latency) with the last. Concatenated, a choice's arrays are the non-streamed response's."""
 
     def __init__(self, gateway: Gateway, req: OpenAIRequest, choices: int):
         self.gateway, self.req = gateway, req
@@ -72,6 +77,7 @@ class StreamedMetaInfo:
                                                      prompt_side=False)
         if new.output is not None and self.req.return_flat_raw_output_top_logprobs:
             meta["output_top_logprobs_offset"] = self.rows_sent[index]
+        meta |= top_p_meta_info(new.top_p, self.req.return_flat_raw_top_logprobs_b64, self.rows_sent[index])
         self.rows_sent[index] += len(new.token_ids)
         return meta
 

@@ -1,42 +1,57 @@
-"""SGLang's rollout-control routes, for RL trainers: weight updates (from disk, or broadcast over a trainer's
-torch.distributed group), pause and continue, abort, weight_version, releasing and resuming memory.
+"""SGLang's rollout-control routes, for RL trainers: weight updates (from disk, broadcast over a trainer's
+torch.distributed group, or shared by a colocated trainer), miles' weight-update session, pause and continue,
+abort, weight_version, releasing and resuming memory, slime's weights_checker and post_process_weights.
 
 Each call goes to every scheduler replica (SchedulerPool.control) and is answered in SGLang's shape
 (sglang/srt/entrypoints/http_server.py) plus `replicas`: each replica's own reply, by address.
 They are admin routes (http/auth.py: --admin-api-key when set); /abort_request by rid is not.
-What each does in a scheduler is in services/scheduler/engine/rollout.py.
+What each does in a scheduler is in services/scheduler/engine/rollout.py and rollout_calls.py.
 
-/update_weights_from_tensor is refused: SGLang's payload, `serialized_named_tensors`, is pickled
-(torch's MultiprocessingSerializer), and unpickling a request body runs whatever code it names. The
-same update goes as safetensors bytes over the public gRPC API (Generation/PushWeights), or as a
-checkpoint on disk (/update_weights_from_disk).
+/update_weights_from_tensor's `serialized_named_tensors` are torch pickles (SGLang's MultiprocessingSerializer,
+base64): the gateway decodes the base64 and forwards the bytes unread; each scheduler reads its rank's entry with
+a restricted unpickler (services/scheduler/model/tensor_payload.py). A remote trainer pushes safetensors bytes
+over the public gRPC API instead (Generation/PushWeights).
 """
 
+import base64
+import binascii
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Response
 from flatwire_wire import control
+from flatwire_wire import scheduler as internal
 from flatwire_wire.control import PauseMode
 from flatwire_wire.public import ControlResponse
 from flatwire_wire.scheduler import SchedulerClient
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from services.gateway.http.auth import require_admin
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
 from services.gateway.http.guards import parse_body_off_loop
 from services.gateway.http.openapi import request_body
+from services.gateway.protocol.parse import InvalidRequest
 from services.gateway.rollout import InitWeightsUpdateGroupInput, control_response, init_weights_update_group
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
 PAUSE_MODES = {"abort": PauseMode.ABORT, "in_place": PauseMode.IN_PLACE, "retract": PauseMode.RETRACT}
-NO_PICKLE = ("update_weights_from_tensor is not supported: SGLang's serialized_named_tensors are pickled (torch's "
-             "MultiprocessingSerializer), and unpickling a request body runs whatever code it names. Push the "
-             "tensors as safetensors over gRPC instead (flatwire.v1.Generation/PushWeights; "
-             "flatwire_client.FlatwireClient.push_weights), or save a checkpoint and POST /update_weights_from_disk.")
+NO_POST_PROCESSING = ("Nothing to post-process: every served tensor keeps the checkpoint's layout (no quantized or "
+                      "repacked weights here), so the weights are always loadable and ready once updated.")
+
+
+def _selector(value: str) -> str:
+    """miles' selector: which of the served model ("target") and its draft model an update is for."""
+    if value == "draft":
+        raise ValueError("'draft': this server serves no draft model ('all' and 'target' are the served model)")
+    if value not in ("all", "target"):
+        raise ValueError(f"{value!r} is not one of 'all', 'target', 'draft'")
+    return value
+
+
+Selector = Annotated[str, AfterValidator(_selector)]
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
@@ -58,8 +73,8 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
 
 class UpdateWeightsFromDistributedRequest(BaseModel):
-    """SGLang's UpdateWeightsFromDistributedReqInput. The prefix cache is flushed on every weight change (KV of
-    older weights never serves a request), so flush_cache false flushes too."""
+    """SGLang's UpdateWeightsFromDistributedReqInput (with miles' selector). The prefix cache is flushed on every
+    weight change (KV of older weights never serves a request), so flush_cache false flushes too."""
 
     model_config = ConfigDict(extra="forbid")
     names: list[str]
@@ -71,6 +86,72 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     torch_empty_cache: Literal[False] = False
+    selector: Selector = "all"
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """SGLang's UpdateWeightsFromTensorReqInput (with miles' selector). serialized_named_tensors: one base64 torch
+    pickle per tensor-parallel rank. load_format None and "direct" are the same here (the names are the
+    checkpoint's, which the served model's parameters carry unfused); "flattened_bucket" is slime's, miles' and
+    NeMo-RL's. flush_cache false flushes too (as every weight change); disable_draft_model has no draft model to
+    leave out."""
+
+    model_config = ConfigDict(extra="forbid")
+    serialized_named_tensors: list[str]
+    load_format: Literal["direct", "flattened_bucket"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+    torch_empty_cache: Literal[False] = False
+    selector: Selector = "all"
+
+    def payloads(self) -> list[bytes]:
+        decoded = []
+        for i, text in enumerate(self.serialized_named_tensors):
+            try:
+                decoded.append(base64.b64decode(text, validate=True))
+            except binascii.Error as exc:
+                raise InvalidRequest(f"serialized_named_tensors[{i}]",
+                                     f"serialized_named_tensors[{i}]: not base64 ({exc})") from None
+        return decoded
+
+
+class BeginWeightUpdateRequest(BaseModel):
+    """miles' SGLang BeginWeightUpdateReqInput."""
+
+    model_config = ConfigDict(extra="forbid")
+    selector: Selector = "all"
+
+
+class EndWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_action(action: str) -> str:
+    if action not in internal.CHECK_WEIGHTS_ACTIONS:
+        raise ValueError(f"{action!r} is not one of {', '.join(internal.CHECK_WEIGHTS_ACTIONS)}"
+                         + (" (miles' checksum layout is its SGLang fork's own)" if action == "checksum" else ""))
+    return action
+
+
+class WeightsCheckerRequest(BaseModel):
+    """SGLang's CheckWeightsReqInput, with miles' fields. allow_quant_error: no weight is quantized here, so every
+    comparison is exact either way."""
+
+    model_config = ConfigDict(extra="forbid")
+    action: Annotated[str, AfterValidator(_check_action)] = "checksum"  # SGLang's default, refused by name
+    allow_quant_error: bool = False
+    selector: Selector = "all"
+    skip_tensor_list: list[str] | None = None
+
+
+class PostProcessWeightsRequest(BaseModel):
+    """SGLang's PostProcessWeightsReqInput (slime's quantized weights: Marlin repacking and back)."""
+
+    model_config = ConfigDict(extra="forbid")
+    restore_weights_before_load: bool = False
+    post_process_quantization: bool = False
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):
@@ -79,10 +160,11 @@ class DestroyWeightsUpdateGroupRequest(BaseModel):
 
 
 class MemoryOccupationRequest(BaseModel):
-    """SGLang's Release/ResumeMemoryOccupationReqInput: tags of weights, kv_cache; none: both."""
+    """SGLang's Release/ResumeMemoryOccupationReqInput: tags of weights, kv_cache, cuda_graph, weights_drafter;
+    none: all."""
 
     model_config = ConfigDict(extra="forbid")
-    tags: list[Literal["weights", "kv_cache"]] | None = None
+    tags: list[Literal["weights", "kv_cache", "cuda_graph", "weights_drafter"]] | None = None
 
 
 class PauseGenerationRequest(BaseModel):
@@ -213,9 +295,49 @@ async def resume_memory_occupation(request: Request) -> Response:
         control.ResumeMemoryOccupationRequest(tags=tags)))
 
 
-@router.post("/update_weights_from_tensor")
-async def update_weights_from_tensor() -> Response:
-    return error_response(501, NO_PICKLE, "serialized_named_tensors", code="not_implemented")
+@router.post("/update_weights_from_tensor", openapi_extra=request_body(UpdateWeightsFromTensorRequest))
+async def update_weights_from_tensor(request: Request) -> Response:
+    """{success, message} (SGLang's; 400 unless every replica updated), weight_version, replicas."""
+    gateway = gateway_of(request)
+    req = await _parse(UpdateWeightsFromTensorRequest, request, gateway)
+    message = internal.UpdateWeightsFromTensorRequest(
+        serialized_named_tensors=req.payloads(), load_format=req.load_format or "",
+        abort_all_requests=req.abort_all_requests, weight_version=req.weight_version)
+    response = await _everywhere(gateway, lambda client: client.update_weights_from_tensor(message))
+    return _success_body(response, weight_version=gateway.engine.schedulers.weight_version())
+
+
+@router.post("/begin_weight_update", openapi_extra=request_body(BeginWeightUpdateRequest))
+async def begin_weight_update(request: Request) -> Response:
+    """miles' session: the updates until /end_weight_update are staged, then swapped in together."""
+    gateway = gateway_of(request)
+    await _parse(BeginWeightUpdateRequest, request, gateway)
+    return _success_body(await _everywhere(gateway, lambda client: client.begin_weight_update()))
+
+
+@router.post("/end_weight_update", openapi_extra=request_body(EndWeightUpdateRequest))
+async def end_weight_update(request: Request) -> Response:
+    gateway = gateway_of(request)
+    await _parse(EndWeightUpdateRequest, request, gateway)
+    response = await _everywhere(gateway, lambda client: client.end_weight_update())
+    return _success_body(response, weight_version=gateway.engine.schedulers.weight_version())
+
+
+@router.post("/weights_checker", openapi_extra=request_body(WeightsCheckerRequest))
+async def weights_checker(request: Request) -> Response:
+    gateway = gateway_of(request)
+    req = await _parse(WeightsCheckerRequest, request, gateway)
+    message = internal.CheckWeightsRequest(action=req.action, skip_tensor_list=req.skip_tensor_list or [])
+    return _success_body(await _everywhere(gateway, lambda client: client.check_weights(message)))
+
+
+@router.post("/post_process_weights", openapi_extra=request_body(PostProcessWeightsRequest))
+async def post_process_weights(request: Request) -> Response:
+    """Answered here: no scheduler holds weights in a layout of their own (SGLang's, for an unquantized model, is
+    the same no-op)."""
+    gateway = gateway_of(request)
+    await _parse(PostProcessWeightsRequest, request, gateway)
+    return _json({"success": True, "message": NO_POST_PROCESSING})
 
 
 @router.post("/pause_generation", openapi_extra=request_body(PauseGenerationRequest))

@@ -208,6 +208,8 @@ async def sleep(request: Request, gateway: Gateway) -> Response:
 async def wake_up(request: Request, gateway: Gateway) -> Response:
     query = await _query(WakeUpQuery, request, gateway)
     tags = [tag for tag in query.tags if tag != SCHEDULING] if query.tags else list(MEMORY_TAGS)
+    if "kv_cache" in tags:  # vLLM's kv_cache is every allocation but the weights': the decode graphs' too
+        tags.append("cuda_graph")
     if tags:
         resume_tags = control.ResumeMemoryOccupationRequest(tags=tags)
         await _everywhere(gateway, lambda client: client.resume_memory_occupation(resume_tags))

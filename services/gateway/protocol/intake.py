@@ -32,6 +32,7 @@ class GenerateInput:
     routing_key: str | None = None  # the client's session key: its requests go to one replica (routing.py)
     return_routed_experts: bool = False  # a MoE scheduler's record of the experts each token went to
     routed_experts_start_len: int = 0
+    return_top_p_token_ids: bool = False  # top-p replay: each output token's nucleus
     lora_name: str = ""  # the LoRA adapter it runs on ("": the base model)
     cache_namespace: str = ""  # its prefix-cache namespace (cache_salt, extra_key; "": the shared one)
     # The scheduler's field names -> the client's (protocol.parse.rename_field), for a refusal that
@@ -53,6 +54,7 @@ class PromptRequest:
     rid: str | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    return_top_p_token_ids: bool = False
     lora_name: str = ""
     cache_namespace: str = ""
 
@@ -86,7 +88,8 @@ def generate_input(prompt: PromptRequest, prompt_ids: list[int], limits: ModelLi
     return GenerateInput(input_ids=prompt_ids, sampling=prompt.sampling.sampling(max_new, sample),
                          logprob=prompt.logprob, detokenize=prompt.detokenize, stream=prompt.stream, rid=prompt.rid,
                          return_routed_experts=prompt.return_routed_experts,
-                         routed_experts_start_len=prompt.routed_experts_start_len, lora_name=prompt.lora_name,
+                         routed_experts_start_len=prompt.routed_experts_start_len,
+                         return_top_p_token_ids=prompt.return_top_p_token_ids, lora_name=prompt.lora_name,
                          cache_namespace=prompt.cache_namespace, fields=prompt.fields)
 
 

@@ -33,6 +33,7 @@ from services.gateway.protocol.parse import (
 )
 from services.gateway.protocol.sampling import (
     CONSTRAINTS,
+    CustomParams,
     DetokenizeFields,
     MaxNewTokens,
     MinNewTokens,
@@ -87,6 +88,9 @@ def _no_other_constraint(value: ResponseFormat | None, info: ValidationInfo) -> 
     return value
 
 
+TOP_P_FIELD = "custom_params.return_top_p_token_ids"
+
+
 class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     """What chat and completions share."""
 
@@ -101,7 +105,6 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     # OpenAI's and SGLang's fields flatwire cannot honour yet: refused unless neutral.
     best_of: Annotated[int | None, unsupported(None, 1)] = None
     stop_regex: Annotated[Any, unsupported(None, [])] = None
-    custom_params: Annotated[Any, unsupported(None)] = None
     rid: Annotated[Any, unsupported(None)] = None
     ngram_corpus_id: Annotated[Any, unsupported(None)] = None
     return_cached_tokens_details: Annotated[bool | None, unsupported(None, False)] = None
@@ -111,7 +114,10 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     return_meta_info: bool = False
     return_flat_raw_output_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
-    logprobs_mode: LogprobsModeName | None = None  # flatwire's (vLLM's names): of the logprobs returned
+    # Of the logprobs returned (vLLM's names, and SGLang's); absent: the scheduler's --logprobs-mode, as vLLM's
+    logprobs_mode: LogprobsModeName | None = None
+    # SGLang's; top-p replay: each choice's meta_info.top_p_token_ids (CustomParams)
+    custom_params: CustomParams | None = None
     # vLLM's: the prompt's and each choice's token ids in the response, so that a trainer never retokenizes
     return_token_ids: bool = False
     # vLLM's: the prompt's logprobs, with this many top candidates per position (-1: the whole vocabulary), in its
@@ -133,20 +139,21 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
             raise ValueError("one adapter's name for the whole request (a list of one per prompt is /generate's)")
         return value
 
-    def choose_model(self, served: str, lora: bool) -> None:
-        """The model the request runs on: the served one, or a LoRA adapter of it (`lora`: the schedulers serve
-        adapters), which `model` names (vLLM's way: the adapter's own name; SGLang's: `<served>:<adapter>`) or
-        lora_path does beside the served model's name (SGLang's). Whether such an adapter is loaded, the scheduler
-        says (404 naming it)."""
+    def choose_model(self, names: list[str], lora: bool) -> None:
+        """The model the request runs on: the served one, by any of its `names`, or a LoRA adapter of it (`lora`:
+        the schedulers serve adapters), which `model` names (vLLM's way: the adapter's own name; SGLang's:
+        `<served>:<adapter>`) or lora_path does beside the served model's name (SGLang's). Whether such an adapter is
+        loaded, the scheduler says (404 naming it)."""
         model = self.model
-        if model == served:
+        base = next((name for name in names if model.startswith(name + ":")), None)
+        if model in names:
             adapter = ""
-        elif model.startswith(served + ":"):
-            adapter = model[len(served) + 1:]
+        elif base is not None:
+            adapter = model[len(base) + 1:]
         elif lora:
             adapter = model
         else:
-            raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves `{served}`",
+            raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves `{names[0]}`",
                                  status=404, code="model_not_found")
         path = self.lora_path if isinstance(self.lora_path, str) else ""  # a list is refused (_one_adapter)
         if adapter and path and path != adapter:
@@ -233,10 +240,16 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
         for flag in ("return_flat_raw_output_top_logprobs", "return_routed_experts"):  # they live in meta_info
             if getattr(self, flag) and not self.return_meta_info:
                 raise InvalidRequest(flag, f"{flag} requires return_meta_info")
+        if self.return_top_p_token_ids and not self.return_meta_info:
+            raise InvalidRequest(TOP_P_FIELD, f"{TOP_P_FIELD} requires return_meta_info (it lives in meta_info)")
         return self
 
     def detokenize(self, min_new_tokens: int) -> DetokenizeParams:
         return dataclasses.replace(super().detokenize(min_new_tokens), include_stop_str=self.include_stop_str_in_output)
+
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        return self.custom_params is not None and self.custom_params.return_top_p_token_ids
 
     @property
     def include_usage(self) -> bool:
@@ -257,7 +270,8 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     def scheduler_fields(self) -> dict[str, str]:
         """The scheduler's field names -> this request's (see pipeline.GenerateInput.fields)."""
         fields = {"sampling": "", "sampling.max_new_tokens": self.max_tokens_field, "lora_name": self._adapter_field,
-                  **{f"logprob.{f.name}": "logprobs" for f in dataclasses.fields(LogprobParams)}}
+                  **{f"logprob.{f.name}": "logprobs" for f in dataclasses.fields(LogprobParams)},
+                  "return_top_p_token_ids": TOP_P_FIELD}
         if self.response_format is not None and self.response_format.schema_text() is not None:
             fields["sampling.json_schema"] = "response_format"
         return fields
@@ -472,5 +486,6 @@ def prompt_request(req: ChatCompletionRequest | CompletionRequest) -> PromptRequ
     return PromptRequest(sampling=req, max_new_tokens=req.requested_max_tokens, default_max_new_tokens=None,
                          detokenize=req.detokenize(req.min_new_tokens), logprob=req.logprob(),
                          fields=req.scheduler_fields(), stream=req.stream,
-                         return_routed_experts=req.return_routed_experts, lora_name=req.adapter,
+                         return_routed_experts=req.return_routed_experts,
+                         return_top_p_token_ids=req.return_top_p_token_ids, lora_name=req.adapter,
                          cache_namespace=req.cache_namespace())

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 M = TypeVar("M", bound=BaseModel)
-# A request's `logprobs_mode` (vLLM's names; absent: the scheduler's --logprobs-mode).
-LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]
+# A request's `logprobs_mode` (vLLM's names and SGLang's; absent: its API's default, ModelLimits.sglang_logprobs on
+# /generate and the public gRPC API, the scheduler's --logprobs-mode on the OpenAI routes).
+LogprobsModeName = Literal["raw_logprobs", "processed_logprobs", "sglang_logprobs"]
 
 
 class RequestModel(BaseModel):
@@ -68,6 +69,9 @@ class ModelLimits:
     max_stop_strings: int = 32
     max_stop_length: int = 256  # characters
     max_logprob_elements: int = 4 * 1024 * 1024  # positions x (top-k + ids), over a request's generations
+    # The output logprobs of a /generate or public gRPC request that names no logprobs_mode: SGLang's, or the
+    # model's own with the gateway's --return-original-logprob.
+    sglang_logprobs: LogprobsMode = LogprobsMode.SGLANG
 
 
 def model_limits(model_info, config) -> ModelLimits:
@@ -76,7 +80,8 @@ def model_limits(model_info, config) -> ModelLimits:
     return ModelLimits(vocab_size=model_info.vocab_size, max_context=model_info.max_context,
                        max_top_logprobs=model_info.max_top_logprobs, max_batch_size=config.max_batch_size,
                        max_stop_strings=config.max_stop_strings, max_stop_length=config.max_stop_length,
-                       max_logprob_elements=config.max_logprob_elements)
+                       max_logprob_elements=config.max_logprob_elements,
+                       sglang_logprobs=LogprobsMode.RAW if config.return_original_logprob else LogprobsMode.SGLANG)
 
 
 def limits_of(info: ValidationInfo) -> ModelLimits:
@@ -192,5 +197,6 @@ def parse_data(model: type[M], data: dict, limits: ModelLimits) -> M:
         raise InvalidRequest(param, f"{param}: {message}" if param else message) from None
 
 
-def logprobs_mode(name: LogprobsModeName | None) -> LogprobsMode:
-    return LogprobsMode.UNSPECIFIED if name is None else LogprobsMode.named(name)
+def logprobs_mode(name: LogprobsModeName | None, default: LogprobsMode = LogprobsMode.UNSPECIFIED) -> LogprobsMode:
+    """The mode a request names; `default` when it names none."""
+    return default if name is None else LogprobsMode.named(name)

@@ -23,6 +23,7 @@ from services.gateway.protocol.parse import (
     ModelLimits,
     check_token_ids,
     check_top_k,
+    limits_of,
     parse_data,
 )
 from services.gateway.protocol.sampling import DetokenizeFields, SamplingParamsFields
@@ -54,9 +55,10 @@ class PublicGenerateRequest(DetokenizeFields):
     logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
     token_ids_logprob: TokenIds = Field(default_factory=list)
     stream: bool = False
-    logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # the scheduler's --logprobs-mode
+    logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # /generate's default (ModelLimits.sglang_logprobs)
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0, le=INT32_MAX)
+    return_top_p_token_ids: bool = False
 
     @classmethod
     def of(cls, request: public.GenerateRequest, limits: ModelLimits) -> "PublicGenerateRequest":
@@ -69,9 +71,11 @@ class PublicGenerateRequest(DetokenizeFields):
         return check_top_k("top_logprobs_num", value, info)
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "PublicGenerateRequest":
+    def _one_prompt(self, info: ValidationInfo) -> "PublicGenerateRequest":
         if (self.text is None) == (self.input_ids is None):
             raise InvalidRequest("text", "exactly one of text and input_ids must be given")
+        if self.logprobs_mode is LogprobsMode.UNSPECIFIED:  # the API's default, as /generate's
+            self.logprobs_mode = limits_of(info).sglang_logprobs
         return self
 
     @property
@@ -92,7 +96,8 @@ class PublicGenerateRequest(DetokenizeFields):
                              detokenize=self.detokenize(self.sampling.min_new_tokens), logprob=self.logprob(),
                              fields={"input_ids": self.prompt_field, "logprob": ""}, stream=self.stream,
                              return_routed_experts=self.return_routed_experts,
-                             routed_experts_start_len=self.routed_experts_start_len)
+                             routed_experts_start_len=self.routed_experts_start_len,
+                             return_top_p_token_ids=self.return_top_p_token_ids)
 
 
 def _given(message: Any) -> dict:

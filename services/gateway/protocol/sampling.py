@@ -191,6 +191,21 @@ class SamplingParamsFields(SamplingFields):
         return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
 
 
+class CustomParams(RequestModel):
+    """SGLang's `custom_params`: the arguments of a custom logit processor, which flatwire has not (refused by
+    name), and the key slime's SGLang reads there: top-p replay, each output token's nucleus in meta_info."""
+
+    return_top_p_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        if isinstance(value, dict) and (others := sorted(set(value) - set(cls.model_fields), key=str)):
+            raise ValueError(f"{others[0]}: not supported (a custom logit processor's parameter, and this server "
+                             f"runs none); the one key honoured is return_top_p_token_ids")
+        return value
+
+
 class SGLangSamplingParams(SamplingParamsFields, DetokenizeFields):
     """SGLang's `sampling_params`: the sampling and detokenizing fields, max_new_tokens, and n."""
 
@@ -200,9 +215,13 @@ class SGLangSamplingParams(SamplingParamsFields, DetokenizeFields):
     stop_regex: Annotated[Any, unsupported(None, [])] = None
     structural_tag: Annotated[Any, unsupported(None)] = None
     beam_width: Annotated[Any, unsupported(None)] = None
-    custom_params: Annotated[Any, unsupported(None)] = None
+    custom_params: CustomParams | None = None  # top-p replay (CustomParams)
     watermark: Annotated[Any, unsupported(None)] = None
     stream_interval: Annotated[Any, unsupported(None)] = None  # per request; the server's --stream-interval
+
+    @property
+    def return_top_p_token_ids(self) -> bool:
+        return self.custom_params is not None and self.custom_params.return_top_p_token_ids
 
     @model_validator(mode="after")
     def _one_seed(self) -> "SGLangSamplingParams":

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from flatwire_wire.sampling import DEFAULT_SAMPLING, INT32_MAX
 from flatwire_wire.scheduler import LogprobParams
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from services.gateway.protocol.intake import PromptRequest
 from services.gateway.protocol.parse import (
@@ -17,12 +17,31 @@ from services.gateway.protocol.parse import (
     check_token_ids,
     check_top_k,
     is_id_lists,
+    limits_of,
     logprobs_mode,
 )
 from services.gateway.protocol.sampling import SGLangSamplingParams, unsupported
 
 MAX_RID_LENGTH = 256
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
+
+
+def no_media(value) -> bool:
+    """Whether a media field's value holds no item: null, "", or lists of those at any depth ([], a batch's
+    [[], []]), as SGLang's has_valid_data reads them; AReaL sends image_data [] with every prompt."""
+    if value is None or value == "":
+        return True
+    return isinstance(value, list) and all(no_media(item) for item in value)
+
+
+def _check_no_media(value):
+    if not no_media(value):
+        raise ValueError('not supported by this server yet (no media input); only an empty value is accepted: '
+                         'null, "" or [] (per prompt of a batch too)')
+    return value
+
+
+NoMedia = Annotated[Any, AfterValidator(_check_no_media)]
 
 
 class SGLangServerFields(RequestModel):
@@ -47,7 +66,7 @@ class SGLangServerFields(RequestModel):
     session_id: Annotated[Any, unsupported(None)] = None
     priority: Annotated[Any, unsupported(None)] = None
     custom_labels: Annotated[Any, unsupported(None, {})] = None
-    images_config: Annotated[Any, unsupported(None)] = None
+    images_config: Annotated[Any, unsupported(None, {})] = None
     max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     min_dynamic_patch: Annotated[Any, unsupported(None)] = None
     use_audio_in_video: Annotated[bool | None, unsupported(None, False)] = None
@@ -64,11 +83,11 @@ class SGLangGenerateFields(SGLangServerFields):
     """The rest of SGLang's GenerateReqInput that flatwire does not have (other modalities, disaggregation,
     entropy and sampling masks, thinking budgets, tracing): accepted at their neutral values only."""
 
-    video_data: Annotated[Any, unsupported(None)] = None
-    audio_data: Annotated[Any, unsupported(None)] = None
-    mm_hashes: Annotated[Any, unsupported(None)] = None
-    mm_content_hashes: Annotated[Any, unsupported(None)] = None
-    video_config: Annotated[Any, unsupported(None)] = None
+    video_data: NoMedia = None
+    audio_data: NoMedia = None
+    mm_hashes: NoMedia = None
+    mm_content_hashes: NoMedia = None
+    video_config: Annotated[Any, unsupported(None, {})] = None
     image_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     video_max_dynamic_patch: Annotated[Any, unsupported(None)] = None
     positional_embed_overrides: Annotated[Any, unsupported(None)] = None
@@ -98,7 +117,8 @@ class GenerateRequest(SGLangGenerateFields):
     logprob_start_len: Annotated[int, Field(ge=-1)] | list[Annotated[int, Field(ge=-1)]] = -1
     top_logprobs_num: Annotated[int, Field(ge=0)] | list[Annotated[int, Field(ge=0)]] = 0
     token_ids_logprob: list[int] | list[list[int]] | None = None
-    logprobs_mode: LogprobsModeName | None = None  # of the output logprobs (flatwire's; vLLM's names)
+    # Of the output logprobs (vLLM's names, and SGLang's); absent: SGLang's, or raw with --return-original-logprob.
+    logprobs_mode: LogprobsModeName | None = None
     return_text_in_logprobs: bool = False
     return_flat_raw_top_logprobs: bool = False  # prompt side as flat arrays instead of nested rows
     return_flat_raw_output_top_logprobs: bool = False  # output side likewise
@@ -110,11 +130,14 @@ class GenerateRequest(SGLangGenerateFields):
     # MoE routing replay (SGLang's): meta_info.routed_experts, from a scheduler with --enable-return-routed-experts.
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0, le=INT32_MAX)  # the first position whose routing is returned
-    image_data: Annotated[Any, unsupported(None)] = None
-    input_embeds: Annotated[Any, unsupported(None)] = None
-    modalities: Annotated[Any, unsupported(None)] = None
+    image_data: NoMedia = None
+    input_embeds: Annotated[Any, unsupported(None)] = None  # a prompt of its own: [] is an empty one, not none
+    modalities: NoMedia = None  # of the media items: none
     lora_id: Annotated[Any, unsupported(None)] = None
     log_metrics: Annotated[bool | None, unsupported(None, True)] = None  # this server's metrics count every request
+    # SGLang ignores it here; routers (smg, sglang-router) always send it: what it selects, http/context.py's
+    # Gateway.model_named (absent, null or smg's "unknown": the served model).
+    model: str | None = None
     routing_key: str | None = None  # SGLang's routing-key policy: routes as a session header does (routing.py)
     no_logs: bool = False  # flatwire logs no request's content, so this asks for what is so already
 
@@ -163,6 +186,8 @@ class GenerateRequest(SGLangGenerateFields):
         if isinstance(self.lora_path, list) and (not self.is_batch or len(self.lora_path) != self.batch_size):
             raise InvalidRequest("lora_path", f"lora_path: one adapter's name, or a list of one per prompt "
                                               f"({self.batch_size}{'' if self.is_batch else ': not a batch'})")
+        if self.logprobs_mode is None:  # this API's default, the server's
+            self.logprobs_mode = limits_of(info).sglang_logprobs.api_name  # type: ignore[assignment]
         if self.return_flat_raw_top_logprobs_b64 and not (
                 self.return_flat_raw_top_logprobs or self.return_flat_raw_output_top_logprobs):
             raise InvalidRequest("return_flat_raw_top_logprobs_b64", "return_flat_raw_top_logprobs_b64 requires "
@@ -252,7 +277,8 @@ class GenerateRequest(SGLangGenerateFields):
         per_prompt = {f"logprob.{name}": f"{name}[{i}]" for name in PER_PROMPT_FIELDS if self._is_per_prompt(name)}
         lora = f"lora_path[{i}]" if isinstance(self.lora_path, list) else "lora_path"
         return {"input_ids": self.prompt_field, "sampling": self.sampling_field(i), "logprob": "", "lora_name": lora,
-                **per_prompt}
+                **per_prompt,
+                "return_top_p_token_ids": f"{self.sampling_field(i)}.custom_params.return_top_p_token_ids"}
 
     def prompt(self, i: int) -> PromptRequest:
         """Prompt i, for the intake."""
@@ -263,6 +289,7 @@ class GenerateRequest(SGLangGenerateFields):
                              fields=self.scheduler_fields(i), stream=self.stream, rid=self.rid_for(i),
                              return_routed_experts=self.return_routed_experts,
                              routed_experts_start_len=self.routed_experts_start_len,
+                             return_top_p_token_ids=options.return_top_p_token_ids,
                              lora_name=self.lora_for(i), cache_namespace=self.cache_namespace())
 
     def lora_for(self, i: int) -> str:

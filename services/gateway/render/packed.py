@@ -21,6 +21,9 @@ def packed_response(reply: Reply, part: Output) -> GenerateResponse:
         weight_version=reply.weight_version or "",
         output=LogprobBlock.of_request(part.output) if part.output is not None else None,
         prompt=LogprobBlock.of_request(part.prompt) if part.prompt is not None else None)
+    if part.top_p is not None:
+        response.top_p_token_ids = part.top_p.token_ids.astype(I32, copy=False).tobytes()
+        response.top_p_token_offsets = part.top_p.offsets.astype(I32, copy=False).tobytes()
     if part.prompt is not None:
         response.prompt_token_ids = np.concatenate([part.prompt.null_token_ids, part.prompt.token_ids]).astype(
             I32, copy=False).tobytes()

@@ -1,8 +1,8 @@
 """Rollout-control commands for the engine thread (RL trainers): pause, continue, abort_all, weight updates,
-weight_version relabelling, flushing the prefix cache, releasing and resuming the model's memory, loading and
-unloading LoRA adapters (engine/lora_registry.py applies those two). They join the
-engine's inbox with new requests and aborts, so that the engine thread alone decides when each applies: always
-between two steps (engine.py says how)."""
+weight_version relabelling, flushing the prefix cache, releasing and resuming the model's memory, checking the
+weights, loading and unloading LoRA adapters (engine/lora_registry.py applies those two). They join the engine's
+inbox with new requests and aborts, so that the engine thread alone decides when each applies: always between two
+steps (engine.py says how)."""
 
 import concurrent.futures
 from dataclasses import dataclass, field
@@ -63,6 +63,12 @@ class ReleaseMemory(Control):
 @dataclass(kw_only=True)
 class ResumeMemory(Control):
     tags: list[str]
+
+
+@dataclass(kw_only=True)
+class CheckWeights(Control):
+    action: str  # SGLang's weights_checker: snapshot, reset_tensors, compare
+    skip: set[str]  # compare: names left out
 
 
 @dataclass(kw_only=True)

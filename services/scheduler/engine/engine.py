@@ -325,6 +325,7 @@ class Engine:
         self.stats = SchedulerStats(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting) + len(scheduler.compiling),
+            waiting_tokens=sum(r.length for r in scheduler.waiting) + sum(r.length for r in scheduler.compiling),
             kv_tokens_used=sum(r.kv.computed for r in scheduler.running),
             steps=self._step,
             finished=scheduler.finished_total,

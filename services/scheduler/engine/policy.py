@@ -243,21 +243,28 @@ class Scheduler:
     def update_from_output(self, batch: Batch, result: StepResult, out: Outgoing, behind: bool = False) -> None:
         """The step ran: each row's tokens have their KV (a prefill chunk's full pages go in the prefix cache), the
         prompt logprob rows it computed are gathered, and each sampled token is appended to its request's output
-        and pending entry (its logprob row to the entry's rows). Into `out`: the requests that ended, those with
-        an entry's worth of output due (`behind`: a subscriber has not taken the last message, output/pending.py),
-        and those whose prompt logprob rows are whole."""
+        and pending entry (its logprob row to the entry's rows, its nucleus with it). Into `out`: the requests that
+        ended, those with an entry's worth of output due (`behind`: a subscriber has not taken the last message,
+        output/pending.py), and those whose prompt logprob rows are whole."""
         for computed in batch.rows:
             self.kv.computed(computed.request, computed.end, commit=computed.end - computed.start > 1)
         out.prompts += _gather_prompt_rows(batch, result)
         with_rows, sources = [], []  # the pending entries that take a logprob row, and its row in the step's
+        replayed = 0  # the step's nuclei are its rows' whose request asked for top-p replay, in row order
         for row, (sampled, token) in enumerate(zip(batch.sampling, result.next_ids.tolist())):
             request = sampled.request
+            nucleus = None
+            if request.return_top_p_token_ids:
+                assert result.top_p is not None, "a step with a top-p replay request computes nuclei"
+                nucleus, replayed = result.top_p.of_token(replayed), replayed + 1
             if request.sampling.max_new_tokens == 0:  # its prefill gave the prompt's logprobs; the token is not output
                 out.end(request, self.finish(request, FinishReason.LENGTH))
                 continue
             request.append_output(token)
             pending = request.pending
             pending.add(token)
+            if nucleus is not None:
+                pending.add_nucleus(nucleus)
             if request.return_logprob:
                 with_rows.append(pending)
                 sources.append(row)

@@ -13,6 +13,8 @@ control.py, come through its inbox with new requests and aborts).
 - before weights or their version change, every held request's pending output ships, labelled with the version
   that produced it (StepMessage.weight_version): no entry straddles a change, so the gateway knows which weights
   made each token.
+- flush_cache is refused while requests hold KV or wait, but for those a pause retracted (miles' SGLang).
+- weights_checker (model/weight_checks.py): snapshot, reset to random values (no request held), compare.
 """
 
 import logging
@@ -24,6 +26,7 @@ from services.scheduler.engine.control import (
     ABORTING_PAUSES,
     WEIGHTS_RELEASED,
     AbortAll,
+    CheckWeights,
     Continue,
     Control,
     FlushCache,
@@ -36,8 +39,10 @@ from services.scheduler.engine.control import (
 )
 from services.scheduler.engine.policy import Scheduler
 from services.scheduler.model.occupation import MemoryOccupation
+from services.scheduler.model.weight_checks import WeightChecker
 from services.scheduler.model.weights import WeightsRefused
 from services.scheduler.output.step_output import Outgoing
+from services.scheduler.request import RequestStatus
 from services.scheduler.step import StepRunner
 
 log = logging.getLogger(__name__)
@@ -56,6 +61,7 @@ class RolloutControl:
         self.scheduler = scheduler
         self.runner = runner
         self.occupation = occupation
+        self.checker = WeightChecker(occupation.weights) if occupation is not None else None  # weights_checker
         self._ship = ship
         self._changed = changed
         self.weight_version = DEFAULT_WEIGHT_VERSION
@@ -138,18 +144,48 @@ class RolloutControl:
                 self._set_version(command.version, out)
                 return self._reply(f"Weight version updated to {command.version}.", aborted_requests=aborted)
             case FlushCache(reset_running_requests=None):
-                if scheduler.requests:  # as SGLang: their KV may be cached yet
-                    return self._refused(
-                        f"Cache not flushed: {len(scheduler.requests)} requests are running or waiting.")
+                # As SGLang, refused while requests run or wait (their KV may be cached yet), but for requests a pause
+                # retracted (miles' SGLang: pause in retract mode, then flush): they hold no KV, and prefill again.
+                holding = [request for request in scheduler.requests
+                           if not (self.paused and request.status is RequestStatus.RETRACTED)]
+                if holding:
+                    return self._refused(f"Cache not flushed: {len(holding)} requests are running or waiting"
+                                         + (" (those a pause retracted do not count)." if self.paused else "."))
                 scheduler.kv.flush()
                 return self._reply("Cache flushed.")
             case FlushCache(reset_running_requests=bool(reset_running)):
                 return self._reset_prefix_cache(reset_running)
+            case CheckWeights():
+                return self._check_weights(command)
             case ReleaseMemory(tags=tags, weights=weights):
                 return self._release(tags, weights)
             case ResumeMemory(tags=tags):
                 return self._resume(tags)
         raise TypeError(f"unknown control command {command!r}")
+
+    def _check_weights(self, command: CheckWeights) -> ControlReply:
+        if self.occupation is None or self.checker is None:
+            return self._refused("Weights not checked: --engine synthetic has no weights.")
+        if "weights" in self.occupation.released:
+            return self._refused("Weights not checked: they are released; resume_memory_occupation first.")
+        checker = self.checker
+        try:
+            match command.action:
+                case "snapshot":
+                    return self._reply(checker.snapshot())
+                case "compare":
+                    return self._reply(checker.compare(command.skip))
+                case "reset_tensors":
+                    if self.scheduler.requests:
+                        return self._refused(f"Weights not reset: {len(self.scheduler.requests)} requests are "
+                                             "running or waiting; pause_generation (abort) first.")
+                    message = checker.reset_tensors()
+                    self.scheduler.kv.flush()  # no KV of the old weights serves a request
+                    self.occupation.randomized()
+                    return self._reply(message)
+        except WeightsRefused as exc:
+            return self._refused(str(exc))
+        raise ValueError(f"unknown weights_checker action {command.action!r}")  # the RPC checked it
 
     def _reset_prefix_cache(self, reset_running: bool) -> ControlReply:
         """vLLM's reset_prefix_cache: the running requests hold KV in use, so it is refused while they run unless

@@ -1,7 +1,7 @@
 """One model step for a scheduled batch: forward over every row's tokens, then for the rows that sample the
-logits, their adjustments and masks, the draw and the logprob rows, and for prefill rows the prompt's logprob
-rows; one host copy. Launched (`launch_step`: the device's work queued, on CUDA) and then waited for
-(`LaunchedStep.result`), so that the engine can do other host work in between."""
+logits, their adjustments and masks, the draw, the logprob rows and the top-p replay nuclei, and for prefill rows
+the prompt's logprob rows; one host copy. Launched (`launch_step`: the device's work queued, on CUDA) and then
+waited for (`LaunchedStep.result`), so that the engine can do other host work in between."""
 
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,9 +49,9 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         """Waits for the copy; advances the constrained rows' grammars by their tokens (the next step's masks)."""
-        host_ids, host_output, host_prompt = self.copy.wait()
+        host_ids, host_output, host_prompt, host_nuclei = self.copy.wait()
         accept_tokens(self.constrained, host_ids)
-        return StepResult(next_ids=host_ids, output=host_output, prompt=host_prompt)
+        return StepResult(next_ids=host_ids, output=host_output, prompt=host_prompt, top_p=host_nuclei)
 
 
 def launch_step(runner: Model, batch: Batch, chunk_rows: int) -> LaunchedStep:
@@ -66,7 +66,7 @@ def launch_step(runner: Model, batch: Batch, chunk_rows: int) -> LaunchedStep:
         last = torch.from_numpy(first[sampling] + counts[sampling] - 1).to(runner.device)
         choice = runner.sampler.choose(runner.logits(hidden[last]), [rows[i].request for i in sampling])
         prompt = _prompt_logprobs(runner, hidden, rows, first, chunk_rows)
-        return LaunchedStep(copy_to_host(choice.tokens, choice.output, prompt), choice.constrained)
+        return LaunchedStep(copy_to_host(choice.tokens, choice.output, prompt, choice.nuclei), choice.constrained)
 
 
 def _prompt_logprobs(runner: Model, hidden: torch.Tensor, rows: list[BatchRow], first: np.ndarray,

@@ -1,12 +1,16 @@
 """Giving the model's memory back to a trainer colocated with the engine, and taking it again: SGLang's
-release_memory_occupation / resume_memory_occupation (vLLM's sleep / wake_up), with its tags `weights` and
-`kv_cache`.
+release_memory_occupation / resume_memory_occupation (vLLM's sleep / wake_up), with its tags `weights`,
+`kv_cache`, `cuda_graph` and `weights_drafter`.
 
 Released KV memory is freed (its pages held nothing: release needs an idle engine) and reallocated on resume.
 Released weights are copied to the host when the model is on CUDA and copied back on resume. On CPU there is
 no lower tier: they are dropped, and resume reads them again from the checkpoint they came from; weights that
 came from a push or a broadcast are not on disk, so resume leaves zeros and the engine refuses requests until
-an update brings every tensor (RL trainers resume, then update, as SGLang expects).
+an update brings every tensor (RL trainers resume, then update, as SGLang expects). Released decode graphs
+(`cuda_graph`, with --enable-cuda-graph) are dropped, their memory with them, and captured again when next used
+once resumed. Each tag stays released until resumed by name (or by a resume of all): a trainer that released
+everything resumes `cuda_graph` with `kv_cache`, as slime does. `weights_drafter` (a draft model's weights) and
+`cuda_graph` without decode graphs name memory this scheduler does not hold: nothing to release.
 
 vLLM's sleep levels ask for more or less (WeightsRelease): level 1 (OFFLOAD) promises the same weights back, so
 on CPU the tensors that no checkpoint holds are kept (nothing of theirs is freed); level 2 (DISCARD) keeps
@@ -29,11 +33,14 @@ log = logging.getLogger(__name__)
 class MemoryOccupation:
     """What of the model's memory is released now; engine thread only."""
 
-    def __init__(self, kv: KVPool, weights: ServedWeights, device: torch.device, model_dir: Path | None):
-        """`model_dir`: the checkpoint the weights were read from (None: random, --load-format dummy)."""
+    def __init__(self, kv: KVPool, weights: ServedWeights, device: torch.device, model_dir: Path | None,
+                 graphs: bool = False):
+        """`model_dir`: the checkpoint the weights were read from (None: random, --load-format dummy); `graphs`:
+        the runner captures decode graphs (--enable-cuda-graph)."""
         self.kv = kv
         self.weights = weights
         self.device = device
+        self.held = {"weights", "kv_cache", *(("cuda_graph",) if graphs else ())}  # the tags of memory held here
         self.released: set[str] = set()
         self.awaiting_update = False  # resumed weights are zeros until an update brings them all
         self.source: Path | None = model_dir  # the checkpoint on disk that holds the served weights, if one does
@@ -61,6 +68,7 @@ class MemoryOccupation:
         return None
 
     def release(self, tags: list[str], weights: WeightsRelease = WeightsRelease.UNSPECIFIED) -> str:
+        """Release `tags`; the caller has the runner forget its decode graphs (they read the memory released)."""
         done = []
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.kv.release()
@@ -69,11 +77,15 @@ class MemoryOccupation:
         if "weights" in tags and "weights" not in self.released:
             done.append(f"weights ({self._release_weights(weights)})")
             self.released.add("weights")
+        if "cuda_graph" in tags and "cuda_graph" in self.held and "cuda_graph" not in self.released:
+            self.released.add("cuda_graph")  # forgotten by the runner: their memory goes with them
+            done.append("cuda_graph")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
             trim_now()  # glibc keeps freed heap pages otherwise
-        return f"released {', '.join(done)}" if done else "nothing to release: already released"
+        said = f"released {', '.join(done)}" if done else "nothing to release: already released"
+        return said + self._not_held(tags)
 
     def resume(self, tags: list[str]) -> str:
         done = []
@@ -84,13 +96,25 @@ class MemoryOccupation:
             self.kv.resume()
             done.append("kv_cache")
             self.released.discard("kv_cache")
-        return f"resumed {', '.join(done)}" if done else "nothing to resume: not released"
+        if "cuda_graph" in tags and "cuda_graph" in self.released:
+            done.append("cuda_graph (captured again when next used)")
+            self.released.discard("cuda_graph")
+        return (f"resumed {', '.join(done)}" if done else "nothing to resume: not released") + self._not_held(tags)
+
+    def _not_held(self, tags: list[str]) -> str:
+        missing = [tag for tag in tags if tag not in self.held]
+        return f" ({', '.join(missing)}: none held here)" if missing else ""
 
     def updated(self, staged: StagedWeights) -> None:
         """`staged` was swapped in."""
-        self.source = staged.source  # a push or a broadcast (even of every tensor) is on no disk
+        if staged.pairs:  # an update of no tensor (a trainer's filler for a rank with none) changed nothing
+            self.source = staged.source  # a push or a broadcast (even of every tensor) is on no disk
         if staged.complete:
             self.awaiting_update = False
+
+    def randomized(self) -> None:
+        """The weights were reset to random values (weights_checker): on no disk, so resumed as zeros."""
+        self.source = None
 
     def _release_weights(self, weights: WeightsRelease) -> str:
         """Free the weights' memory; what is kept of them for resume (WeightsRelease), said."""

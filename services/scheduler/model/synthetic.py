@@ -12,7 +12,8 @@ English paragraph encoded with the model's tokenizer, and is never an eos id:
 requests run to max_new_tokens. Nothing else in its sampling parameters changes that:
 temperature, top-p/k/min-p, penalties, logit_bias and a structured-output constraint
 (validated and compiled as for the model, then not applied) are ignored. Logprobs are
-cheap constants: the chosen token is always the best of a fixed, descending top-k row.
+cheap constants: the chosen token is always the best of a fixed, descending top-k row; a
+top-p replay nucleus is the chosen token alone (its draw is a greedy one).
 """
 
 import json
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.nucleus import Nuclei
 
 from services.common.tokenizer import load_tokenizer
 from services.scheduler.kv.pool import DEFAULT_CPU_TOKENS
@@ -103,6 +105,8 @@ class SyntheticRunner:
         chosen = self.text[where]
         result = StepResult(next_ids=self.candidates[chosen],
                             prompt=[self._prompt_rows(row) for row in batch.rows if len(row.prompt_positions)])
+        if replayed := [i for i, r in enumerate(rows) if r.return_top_p_token_ids]:
+            result.top_p = Nuclei.of_sizes(np.ones(len(replayed), np.int32), result.next_ids[replayed])
         if any(r.return_logprob for r in rows):
             k = max(r.top_logprobs_num for r in rows)
             m = max(len(r.token_ids_logprob) for r in rows)

@@ -56,7 +56,8 @@ class StagedWeights:
                 served.data = new
 
 
-def _listed(items: list[str]) -> str:
+def listed(items: list[str]) -> str:
+    """The first SHOWN items, and how many more."""
     more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
     return ", ".join(items[:SHOWN]) + more
 
@@ -93,7 +94,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     if not files:
         pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         raise WeightsRefused(f"{path}: no safetensors weights" + (
-            f" (only {_listed(pickled)}: pickled checkpoints are not loaded, they could run code; save with "
+            f" (only {listed(pickled)}: pickled checkpoints are not loaded, they could run code; save with "
             "safe_serialization)" if pickled else ""))
     return files
 
@@ -154,9 +155,17 @@ class ServedWeights:
             raise WeightsRefused(f"the pushed bytes are not a safetensors file: {exc}") from None
         if not tensors:
             raise WeightsRefused("the pushed safetensors file holds no tensors")
+        return self.stage_copies(tensors, f"{len(tensors)} pushed tensors ({len(data)} bytes)")
+
+    def stage_copies(self, tensors: dict[str, torch.Tensor], description: str) -> StagedWeights:
+        """Tensors someone else owns (any subset of the model's, possibly none), checked and copied into staged
+        ones."""
         self._check_tensors({name: (list(t.shape), t.is_floating_point()) for name, t in tensors.items()},
                             complete=False)
-        return self._stage(tensors, f"{len(tensors)} pushed tensors ({len(data)} bytes)")
+        staged = self._stage(tensors, description)
+        if any(tensor.is_cuda for tensor in tensors.values()):
+            torch.cuda.synchronize()  # the copies are done before the caller answers, and the sender reuses its memory
+        return staged
 
     def receive_buffer(self, name: str, dtype: torch.dtype, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Room for a broadcast tensor: its served parameter's twin when the dtype and shape are the served ones
@@ -181,7 +190,7 @@ class ServedWeights:
                        if self._config.get(key) != theirs.get(key)]
         if differences:
             raise WeightsRefused(f"{path}: a different architecture or config than the served model's: "
-                                 f"{_listed(differences)}")
+                                 f"{listed(differences)}")
         eos = _generation_eos(path)
         if eos is not None and eos != self._eos_token_ids:
             raise WeightsRefused(f"{path}: generation_config.json's eos_token_id {eos} differs from the served "
@@ -201,23 +210,34 @@ class ServedWeights:
         `complete`, every served tensor provided."""
         unknown = sorted(set(kinds) - set(self._tensors))
         if unknown:
-            raise WeightsRefused(f"tensors the served model does not have: {_listed(unknown)}")
+            raise WeightsRefused(f"tensors the served model does not have: {listed(unknown)}")
         shapes = [f"{name} {list(self._tensors[name].shape)} served, {shape} given"
                   for name, (shape, _) in sorted(kinds.items()) if list(self._tensors[name].shape) != shape]
         if shapes:
-            raise WeightsRefused(f"tensor shapes differ from the served model's: {_listed(shapes)}")
+            raise WeightsRefused(f"tensor shapes differ from the served model's: {listed(shapes)}")
         kind = [name for name, (_, floating) in sorted(kinds.items())
                 if self._tensors[name].is_floating_point() != floating]
         if kind:
             raise WeightsRefused(f"tensors of the wrong kind (integer for floating point, or the reverse): "
-                                 f"{_listed(kind)}")
+                                 f"{listed(kind)}")
         missing = [names[0] for names in self._names_per_tensor if not any(name in kinds for name in names)]
         if complete and missing:
-            raise WeightsRefused(f"the checkpoint lacks tensors of the served model: {_listed(missing)}")
+            raise WeightsRefused(f"the checkpoint lacks tensors of the served model: {listed(missing)}")
+
+    def merged(self, first: StagedWeights, then: StagedWeights, description: str) -> StagedWeights:
+        """`then` staged over `first`, as one update: where both replace a tensor, `then`'s copy (the first's is let
+        go now)."""
+        latest = {id(served): (served, new) for served, new in first.pairs + then.pairs}
+        complete = all(id(tensor) in latest for tensor in self.unique_tensors())
+        return StagedWeights(list(latest.values()), description, complete, then.source if then.complete else None)
 
     def unique_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the model once (a tied one has several names)."""
-        return [self._tensors[names[0]] for names in self._names_per_tensor]
+        return [tensor for _, tensor in self.named_unique()]
+
+    def named_unique(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the model once, under its first name."""
+        return [(names[0], self._tensors[names[0]]) for names in self._names_per_tensor]
 
     def _stage(self, tensors: dict[str, torch.Tensor], description: str, received: bool = False,
                source: Path | None = None) -> StagedWeights:

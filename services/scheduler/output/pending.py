@@ -16,10 +16,14 @@ that the per-request work of a step is Python bookkeeping only: one step's rows 
 per array and store (PendingStores.put), and the rows that ship come out the same way (shipped_block). No step's
 host arrays outlive the step (the model may reuse them). A request takes a lane with its first row after a ship
 and gives it back when the entry ships: lanes are held only by output that waits.
+
+A request with top-p replay keeps its tokens' nuclei (flatwire_wire.nucleus) as their sizes and the ids' bytes,
+copied out of the step's host arrays as each token comes: a nucleus's size is known only once its token is drawn.
 """
 
 import numpy as np
-from flatwire_wire.logprobs import LogprobBlock, LogprobRows
+from flatwire_wire.logprobs import I32, LogprobBlock, LogprobRows
+from flatwire_wire.nucleus import NucleusBlock
 
 FIRST_LANES = 16  # a store doubles when its lanes run out (and keeps its size: at most the peak of waiting output)
 
@@ -48,10 +52,10 @@ class PendingRows:
 
 class PendingOutput:
     def __init__(self, interval: int, widths: tuple[int, int] | None, first_interval: int | None = None,
-                 lane: int | None = None):
+                 lane: int | None = None, top_p: bool = False):
         """`widths`: (k, m) of its logprob rows; None without logprobs; `first_interval`: tokens of its first
         entry (1 to `interval`; `interval` when None); `lane`: most tokens an entry holds, while the subscribers
-        are behind (at least `interval`; `interval` when None)."""
+        are behind (at least `interval`; `interval` when None); `top_p`: its tokens' nuclei ship with them."""
         self.interval = interval
         self.lane = max(lane or interval, interval)
         self.widths = widths
@@ -60,6 +64,9 @@ class PendingOutput:
         self.token_ids: list[int] = []
         self.store: PendingRows | None = None  # whose lane holds its rows (from its first row after a ship)
         self.first_row = 0  # of that lane
+        self.top_p = top_p
+        self.nucleus_sizes: list[int] = []  # per pending token, with top_p
+        self.nucleus_ids = bytearray()  # <i4, their ids
 
     @property
     def count(self) -> int:
@@ -72,13 +79,20 @@ class PendingOutput:
         return len(self.token_ids) >= (self.lane if held_back else self._due_at)
 
     def add(self, token: int) -> None:
-        """A new token (its logprob row, if it has one, comes through PendingStores.put)."""
+        """A new token (its logprob row, if it has one, comes through PendingStores.put; its nucleus through
+        add_nucleus)."""
         self.token_ids.append(token)
+
+    def add_nucleus(self, ids: np.ndarray) -> None:
+        """The latest token's nucleus (int32 ids, a view of the step's host arrays: copied)."""
+        self.nucleus_sizes.append(len(ids))
+        self.nucleus_ids += ids.tobytes()
 
     def shipped(self) -> None:
         """Its entry was built: start the next one."""
         self.first_position += len(self.token_ids)
         self.token_ids = []
+        self.nucleus_sizes, self.nucleus_ids = [], bytearray()
         self._due_at = self.interval
         self.release_lane()
 
@@ -153,6 +167,14 @@ def shipped_block(pending: list[PendingOutput]) -> tuple[list[int], LogprobBlock
                 first = pending[i].first_row
                 pieces.append(tuple(view[first:first + count] for view in views))
     return order, LogprobBlock.of_pieces(rows, topk, id_counts, pieces)
+
+
+def shipped_nuclei(pending: list[PendingOutput]) -> NucleusBlock:
+    """The nuclei of `pending`'s tokens, in that order (none for an output without top-p replay)."""
+    replayed = [output for output in pending if output.top_p]
+    return NucleusBlock.of_pieces([len(output.token_ids) if output.top_p else 0 for output in pending],
+                                  [(np.array(output.nucleus_sizes, dtype=I32).tobytes(), bytes(output.nucleus_ids))
+                                   for output in replayed])
 
 
 def _by_store(pending: list[PendingOutput]) -> list[tuple[PendingRows | None, list[int] | None]]:

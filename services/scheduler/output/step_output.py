@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from flatwire_wire.logprobs import LogprobBlock, LogprobRows
 from flatwire_wire.steps import Finish, RequestStart, StepMessage
 
-from services.scheduler.output.pending import shipped_block
+from services.scheduler.output.pending import shipped_block, shipped_nuclei
 from services.scheduler.request import Request
 
 NO_ROWS: LogprobRows = LogprobRows.allocate(0, 0, 0)  # the part of a request without logprobs in a block
@@ -41,6 +41,8 @@ def step_message(step: int, new: list[Request], shipping: list[Request], prompt_
     if any(r.return_logprob for r in shipping):
         order, output = shipped_block([r.pending for r in shipping])
         shipping = [shipping[i] for i in order]
+    top_p = shipped_nuclei([r.pending for r in shipping]) if any(r.return_top_p_token_ids for r in shipping) \
+        else None
     prompt = None
     if prompt_requests:
         prompt = LogprobBlock.of_rows([r.prompt_logprobs or NO_ROWS for r in prompt_requests],
@@ -58,6 +60,7 @@ def step_message(step: int, new: list[Request], shipping: list[Request], prompt_
         prompt_rids=[r.rid for r in prompt_requests],
         prompt=prompt,
         finished=finished,
+        top_p=top_p,
     )
     for request in shipping:
         request.pending.shipped()

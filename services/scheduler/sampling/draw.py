@@ -40,29 +40,37 @@ def put(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+Head = tuple[torch.Tensor, torch.Tensor]  # Draw.head
+
+
 @dataclass
 class Draw:
     """A step's sampled tokens, and the distribution the sampled rows drew them from."""
 
     tokens: torch.Tensor  # [B] next token per row
     probs: torch.Tensor | None  # [len(params.rows), V] the sampled rows' filtered probabilities, not normalized
+    scaled: torch.Tensor | None  # [len(params.rows), V] their logits divided by the temperature, before the cut
+    # When every sampled row has a top-p: the ids of each one's NUCLEUS_HEAD most likely tokens after its top-k
+    # ([len(params.rows), head], top-p's own), and whether they hold every token it kept ([len(params.rows)] bool)
+    head: "Head | None" = None
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> Draw:
     """Next token per row of float32 logits [B, V]; rows not in params.rows are greedy."""
     tokens = logits.argmax(dim=-1)
     if not params.rows:
-        return Draw(tokens, None)
+        return Draw(tokens, None, None)
     rows = put(params.rows, torch.long, logits.device)
     temperature = put(params.temperature, torch.float32, logits.device)
-    probs = torch.softmax(logits[rows] / temperature.unsqueeze(1), dim=-1)
+    scaled = logits[rows] / temperature.unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)
     probs = _keep_top_k(probs, params.top_k)
-    probs = _keep_top_p(probs, params.top_p)
+    probs, head = _keep_top_p(probs, params.top_p)
     if any(min_p > 0 for min_p in params.min_p):
         floor = put(params.min_p, torch.float32, probs.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     tokens[rows] = (probs / _exponential_noise(params.generators, probs)).argmax(dim=-1)
-    return Draw(tokens, probs)
+    return Draw(tokens, probs, scaled, head)
 
 
 def _exponential_noise(generators: list[torch.Generator | None], like: torch.Tensor) -> torch.Tensor:
@@ -93,16 +101,52 @@ def _keep_top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return probs.masked_fill(probs < _threshold(rows, kth, probs), 0.0)
 
 
-def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> tuple[torch.Tensor, Head | None]:
+    """The probabilities cut by each row's top-p, and (Draw.head) the ids of the head it looked at, when it looked
+    at a head and every row has a top-p."""
     rows = [i for i, p in enumerate(top_p) if p < 1]
     if not rows:
-        return probs
+        return probs, None
     candidates = probs[rows]
     limit = put([top_p[i] for i in rows], torch.float32, probs.device).unsqueeze(1) * candidates.sum(-1, keepdim=True)
     # A real model's nucleus is usually small: sort only the head when it holds enough mass.
-    ordered = candidates.topk(min(NUCLEUS_HEAD, candidates.shape[-1]), dim=-1).values
-    if not bool((ordered.sum(dim=-1, keepdim=True) >= limit).all()):
+    ordered, ids = candidates.topk(min(NUCLEUS_HEAD, candidates.shape[-1]), dim=-1)
+    head_held = bool((ordered.sum(dim=-1, keepdim=True) >= limit).all())
+    if not head_held:
         ordered = candidates.sort(dim=-1, descending=True).values
     mass_before = ordered.cumsum(dim=-1) - ordered
     kept = (mass_before < limit).sum(dim=-1, keepdim=True).clamp_min(1)
-    return probs.masked_fill(probs < _threshold(rows, ordered.gather(1, kept - 1), probs), 0.0)
+    threshold = ordered.gather(1, kept - 1)
+    cut = probs.masked_fill(probs < _threshold(rows, threshold, probs), 0.0)
+    if not head_held or len(rows) < len(top_p):
+        return cut, None
+    # Every token the cut kept is in the head, unless one past it ties the threshold (or the head is everything).
+    return cut, (ids, (ordered[:, -1] < threshold[:, 0]) | (ids.shape[1] == probs.shape[1]))
+
+
+def nuclei(draw: Draw, params: SamplingBatch, rows: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p replay: the nucleus each of the step's `rows` drew its token from, as (sizes [len(rows)] int32, ids
+    [sum(sizes)] int32, row after row, ascending): a sampled row's, the tokens its cut left a probability (what
+    top-k, top-p and min-p kept, less any whose probability underflowed to 0: it could not be drawn); a greedy
+    row's, its token alone. Read from top-p's head when it holds them all (a peaked distribution's: a few
+    thousand entries), else in a pass over the rows' probabilities. On CUDA, sizing the ids waits for the device."""
+    sampled_at = {row: i for i, row in enumerate(params.rows)}
+    device = draw.tokens.device
+    if all(row in sampled_at for row in rows):
+        assert draw.probs is not None  # params.rows were sampled
+        of_draw = put([sampled_at[row] for row in rows], torch.long, device)
+        if draw.head is not None and bool(draw.head[1][of_draw].all()):
+            ids = draw.head[0][of_draw].sort(dim=-1).values
+            kept = draw.probs[of_draw.unsqueeze(1), ids] > 0  # the head's entries only
+            return kept.sum(dim=1, dtype=torch.int32), ids[kept].to(torch.int32)
+        every = len(rows) == len(params.rows) and all(sampled_at[row] == j for j, row in enumerate(rows))
+        kept = (draw.probs if every else draw.probs[of_draw]) > 0
+    else:
+        kept = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+        greedy = [j for j, row in enumerate(rows) if row not in sampled_at]
+        kept[put(greedy, torch.long, device), draw.tokens[put([rows[j] for j in greedy], torch.long, device)]] = True
+        if sampled := [j for j, row in enumerate(rows) if row in sampled_at]:
+            assert draw.probs is not None
+            kept[put(sampled, torch.long, device)] = \
+                draw.probs[put([sampled_at[rows[j]] for j in sampled], torch.long, device)] > 0
+    return kept.sum(dim=1, dtype=torch.int32), kept.nonzero()[:, 1].to(torch.int32)

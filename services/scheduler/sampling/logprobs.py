@@ -1,16 +1,23 @@
 """Logprob rows of a step's tokens, on the model's device.
 
-Logprobs are float32 log-softmax of the raw logits: the model's distribution before
-temperature, top-p, top-k or min-p (vLLM's default, `raw_logprobs`); a request in
-`processed_logprobs` mode gets those of the distribution its token was drawn from
-(ProcessedRows): what RL trainers need for the importance ratio.
+A prompt row is float32 log-softmax of the raw logits (no prompt token is sampled). An output row is of the
+distribution its request's LogprobsMode names (resolved at submit: RAW, SGLANG or PROCESSED):
+
+- RAW: of the model's logits, before every adjustment, mask and sampling transform (vLLM's raw_logprobs).
+- SGLANG: of the logits the sampler drew from (after logit_bias, penalties, min_new_tokens and the grammar's mask)
+  divided by the temperature, before top-k, top-p and min-p cut them: SGLang's. A greedy row's are at temperature
+  1, as SGLang samples greedy rows (top-k 1 at temperature 1).
+- PROCESSED: of the distribution its token was drawn from, renormalized over what the cut kept (ProcessedRows): the
+  importance ratio's denominator; what a request with top-p replay gets in SGLANG mode, as SGLang's replay does.
+
+Top-k rows are of the same distribution as the token's logprob, in its order.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from flatwire_wire.logprobs import LogprobRows
+from flatwire_wire.logprobs import LogprobRows, LogprobsMode
 
 from services.scheduler.sampling.draw import Draw, SamplingBatch, put
 
@@ -24,7 +31,6 @@ class ProcessedRows:
     rows: list[int]  # of the step's sampling rows
     draw: Draw
     params: SamplingBatch
-    adjusted: torch.Tensor  # [B, V] the logits drawn from: they order the top-k, the undrawable ones too
 
     def logprobs_at(self, columns: torch.Tensor) -> torch.Tensor:
         """[len(rows), c]: the log-probability of each row's distribution at `columns` [len(rows), c]."""
@@ -44,29 +50,62 @@ class ProcessedRows:
         return out
 
 
-def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor,
-                 processed: ProcessedRows | None = None) -> LogprobRows[torch.Tensor]:
-    """Logprob of `tokens` [R], top-k, and logprobs of `ids` [R, n] under float32 logits [R, V], or for the
-    `processed` rows under the distribution they were sampled from."""
-    if processed is None:
-        return _raw_rows(logits, tokens, k, ids)
-    rows = len(tokens)
-    raw = sorted(set(range(rows)) - set(processed.rows))
-    if not raw:
-        return _processed_rows(processed, processed.adjusted, tokens, k, ids)
-    at, raw_at = (put(side, torch.long, logits.device) for side in (processed.rows, raw))
-    parts = [(at, _processed_rows(processed, processed.adjusted[at], tokens[at], k, ids[at])),
-             (raw_at, _raw_rows(logits[raw_at], tokens[raw_at], k, ids[raw_at]))]
-    merged = LogprobRows(tokens.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, k),
-                         tokens.new_empty(rows, k), logits.new_empty(rows, ids.shape[1]))
-    for where, part in parts:
-        for field, values in zip(merged.arrays, part.arrays):
-            field[where] = values
-    return merged
+@dataclass
+class StepDistributions:
+    """What a step's output rows are computed from."""
+
+    logits: torch.Tensor  # [B, V] float32, the model's
+    adjusted: torch.Tensor  # [B, V] what the sampler drew from: after the adjustments and masks (`logits` if none)
+    draw: Draw
+    params: SamplingBatch
+
+    def output_rows(self, modes: list[LogprobsMode], k: int, ids: torch.Tensor) -> LogprobRows[torch.Tensor]:
+        """Row i: the logprob of the token drawn, the top-k and the logprobs of `ids[i]` under the distribution
+        modes[i] names (RAW, SGLANG or PROCESSED)."""
+        tokens, sampled_at = self.draw.tokens, {row: i for i, row in enumerate(self.params.rows)}
+        rows = {mode: [i for i, m in enumerate(modes) if m is mode] for mode in LogprobsMode}
+        scaled = [i for i in rows[LogprobsMode.SGLANG] if i in sampled_at]
+        greedy = [i for i in rows[LogprobsMode.SGLANG] if i not in sampled_at]
+        parts = []  # (its rows, their logprob rows)
+        if rows[LogprobsMode.RAW]:
+            at = rows[LogprobsMode.RAW]
+            parts.append((at, logprob_rows(self._of(self.logits, at), self._of(tokens, at), k, self._of(ids, at))))
+        if greedy:
+            parts.append((greedy, logprob_rows(self._of(self.adjusted, greedy), self._of(tokens, greedy), k,
+                                            self._of(ids, greedy))))
+        if scaled:
+            assert self.draw.scaled is not None  # params.rows were sampled
+            of_draw = [sampled_at[i] for i in scaled]
+            scaled_logits = self.draw.scaled if of_draw == list(range(len(self.params.rows))) else \
+                self.draw.scaled[put(of_draw, torch.long, tokens.device)]
+            parts.append((scaled, logprob_rows(scaled_logits, self._of(tokens, scaled), k, self._of(ids, scaled))))
+        if rows[LogprobsMode.PROCESSED]:
+            at = rows[LogprobsMode.PROCESSED]
+            processed = ProcessedRows(at, self.draw, self.params)
+            parts.append((at, _processed_rows(processed, self._of(self.adjusted, at), self._of(tokens, at), k,
+                                              self._of(ids, at))))
+        if len(parts) == 1:  # one distribution for every row, in order
+            return parts[0][1]
+        merged = LogprobRows(tokens.new_empty(len(modes), dtype=torch.float32),
+                             self.logits.new_empty(len(modes), k), tokens.new_empty(len(modes), k),
+                             self.logits.new_empty(len(modes), ids.shape[1]))
+        for where, part in parts:
+            index = put(where, torch.long, tokens.device)
+            for field, values in zip(merged.arrays, part.arrays):
+                field[index] = values
+        return merged
+
+    @staticmethod
+    def _of(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`tensor`'s `rows` (itself when they are all of them, in order: no copy of a [B, V] tensor)."""
+        if rows == list(range(tensor.shape[0])):
+            return tensor
+        return tensor[put(rows, torch.long, tensor.device)]
 
 
-def _raw_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor) -> LogprobRows[torch.Tensor]:
-    """log-softmax at the columns returned only: logit - logsumexp, never a [R, V] tensor of logprobs."""
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int, ids: torch.Tensor) -> LogprobRows[torch.Tensor]:
+    """Logprob of `tokens` [R], top-k, and logprobs of `ids` [R, n] under float32 logits [R, V]: log-softmax at the
+    columns returned only (logit - logsumexp), never a [R, V] tensor of logprobs."""
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
     values, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], tokens.new_empty(len(tokens), 0))
     return LogprobRows(

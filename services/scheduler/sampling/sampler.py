@@ -2,8 +2,8 @@
 
 For each row, in order: the request's logit adjustments (logit_adjust.py: logit_bias, penalties, min_new_tokens),
 its grammar's mask (grammar.py: structured output), then the draw (draw.py: temperature, top-k, top-p, min-p,
-the exponential race); the output logprob rows (logprobs.py) are of the raw logits, or of the distribution drawn
-from for a request in processed mode.
+the exponential race); the output logprob rows (logprobs.py) are of the distribution each request's LogprobsMode
+names, and a request with top-p replay gets the nucleus its token was drawn from (draw.nuclei).
 
 The penalties need each request's tokens so far: they live per request slot (SlotPenalties). A slot's state
 names the request it counts and how many of its tokens it holds, so a request that takes a slot anew (a new
@@ -18,10 +18,10 @@ import torch
 from flatwire_wire.logprobs import LogprobRows
 
 from services.scheduler.request import Request
-from services.scheduler.sampling.draw import Draw, SamplingBatch, sample
+from services.scheduler.sampling.draw import Draw, SamplingBatch, nuclei, sample
 from services.scheduler.sampling.grammar import ConstrainedRow, TokenMask
 from services.scheduler.sampling.logit_adjust import AdjustedRow, SlotPenalties, adjust_logits
-from services.scheduler.sampling.logprobs import ProcessedRows, logprob_rows
+from services.scheduler.sampling.logprobs import StepDistributions
 
 
 @dataclass
@@ -31,11 +31,14 @@ class Choice:
     tokens: torch.Tensor  # [B] next token per row
     output: LogprobRows[torch.Tensor] | None  # their logprob rows, when one of them asked
     constrained: list[ConstrainedRow]  # rows whose grammar advances by its token once it is on the host
+    # Top-p replay: the nuclei (sizes, ids) of the rows whose request asked (draw.nuclei), in row order
+    nuclei: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.device = device
+        self.vocab_size = vocab_size
         self.penalties = SlotPenalties(num_slots, vocab_size, device)
         self.token_mask = TokenMask(num_slots, vocab_size, device)
         self._counted: list[tuple[Request, int] | None] = [None] * num_slots  # per slot: whose tokens, how many
@@ -48,11 +51,12 @@ class Sampler:
         draw, adjusted = self._draw(logits, requests, params, constrained)
         output = None
         if any(r.return_logprob for r in requests):
-            processed = [i for i, r in enumerate(requests) if r.processed_logprobs]
-            output = logprob_rows(logits, draw.tokens, max(r.top_logprobs_num for r in requests),
-                                  _padded_ids(requests, self.device),
-                                  ProcessedRows(processed, draw, params, adjusted) if processed else None)
-        return Choice(draw.tokens, output, constrained)
+            output = StepDistributions(logits, adjusted, draw, params).output_rows(
+                [r.logprobs_mode for r in requests], max(r.top_logprobs_num for r in requests),
+                _padded_ids(requests, self.device))
+        replayed = [i for i, r in enumerate(requests) if r.return_top_p_token_ids]
+        return Choice(draw.tokens, output, constrained,
+                      nuclei(draw, params, replayed, self.vocab_size) if replayed else None)
 
     def _draw(self, logits: torch.Tensor, requests: list[Request], params: SamplingBatch,
               constrained: list[ConstrainedRow]) -> tuple[Draw, torch.Tensor]:

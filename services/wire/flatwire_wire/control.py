@@ -92,7 +92,9 @@ class UpdateWeightVersionRequest:
 
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
-MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's tags of the memory a scheduler releases
+# SGLang's tags of the memory a scheduler releases (sglang/srt/constants.py), in the order a resume takes them back:
+# the captured decode graphs, and a draft model's weights, of which none is served here.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph", "weights_drafter")
 
 
 @twin(scheduler_pb2.InitWeightsUpdateGroupRequest, generate_pb2.InitWeightsUpdateGroupRequest)

@@ -2,7 +2,7 @@
 
 A logprob *row* is what one token position carries: the logprob of the token there, the top-k (values
 best first, and their ids) and the logprobs of the ids the request asked for. Logprobs are float32
-log-probabilities of the distribution LogprobsMode names (the raw model's by default); -inf is a valid value.
+log-probabilities of the distribution LogprobsMode names; -inf is a valid value.
 Rows travel as:
 
 - LogprobRows: rows of one width (k, m) as arrays of any array library: on the scheduler's device
@@ -34,11 +34,13 @@ A = TypeVar("A")  # an array type: numpy.ndarray on the host, torch.Tensor on a 
 
 
 class LogprobsMode(enum.IntEnum):
-    """Which distribution output logprobs are of (arrays.proto); JSON names them as vLLM does."""
+    """Which distribution output logprobs are of (arrays.proto documents each); JSON names them as vLLM does, and
+    SGLang's `sglang_logprobs`."""
 
-    UNSPECIFIED = arrays_pb2.LOGPROBS_MODE_UNSPECIFIED  # the scheduler's --logprobs-mode
+    UNSPECIFIED = arrays_pb2.LOGPROBS_MODE_UNSPECIFIED  # the API's default (arrays.proto)
     RAW = arrays_pb2.LOGPROBS_MODE_RAW  # the model's logits
     PROCESSED = arrays_pb2.LOGPROBS_MODE_PROCESSED  # what the sampler drew from (after every transform)
+    SGLANG = arrays_pb2.LOGPROBS_MODE_SGLANG  # the adjusted logits at the temperature, before the cut (SGLang's)
 
     @property
     def api_name(self) -> str:
@@ -46,15 +48,16 @@ class LogprobsMode(enum.IntEnum):
 
     @classmethod
     def named(cls, name: str) -> "LogprobsMode":
-        """The mode JSON calls `name` (raw_logprobs, processed_logprobs); ValueError for any other."""
+        """The mode JSON calls `name` (MODE_NAMES); ValueError for any other."""
         for mode, mode_name in _MODE_NAMES.items():
             if name == mode_name and mode is not cls.UNSPECIFIED:
                 return mode
-        raise ValueError(f"unknown logprobs mode {name!r}: expected raw_logprobs or processed_logprobs")
+        raise ValueError(f"unknown logprobs mode {name!r}: expected one of {', '.join(MODE_NAMES)}")
 
 
 _MODE_NAMES = {LogprobsMode.UNSPECIFIED: "", LogprobsMode.RAW: "raw_logprobs",
-               LogprobsMode.PROCESSED: "processed_logprobs"}
+               LogprobsMode.PROCESSED: "processed_logprobs", LogprobsMode.SGLANG: "sglang_logprobs"}
+MODE_NAMES = tuple(name for name in _MODE_NAMES.values() if name)  # what a request or a flag may name
 
 
 @dataclass

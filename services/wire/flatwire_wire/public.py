@@ -19,6 +19,7 @@ from flatwire_wire.control import (
     WeightsChunk,
 )
 from flatwire_wire.logprobs import I32, LogprobBlock, LogprobsMode, RequestLogprobs, decode_block, write_block
+from flatwire_wire.nucleus import Nuclei
 from flatwire_wire.pb import arrays_pb2, generate_pb2
 from flatwire_wire.rpc import ServiceSpec, messages_of
 from flatwire_wire.steps import FinishReason
@@ -64,6 +65,7 @@ class GenerateRequest:
     logprobs_mode: LogprobsMode = LogprobsMode.UNSPECIFIED  # of the output logprobs; UNSPECIFIED: the server's
     return_routed_experts: bool = False  # MoE: the experts each token was routed to, on the last chunk
     routed_experts_start_len: int = 0  # the first position whose routing is returned
+    return_top_p_token_ids: bool = False  # top-p replay: each token's nucleus (GenerateResponse.top_p)
 
 
 @twin(generate_pb2.WeightVersionSpan)
@@ -98,6 +100,8 @@ class GenerateResponse:
     routed_experts: bytes = b""  # <i4 [tokens, layers, top_k], with return_routed_experts, on the last chunk
     routed_experts_shape: list[int] = field(default_factory=list)
     prompt_token_ids: bytes = b""  # <i4: the tokens `prompt` is for (its null prefix's, then a row's each)
+    top_p_token_ids: bytes = b""  # <i4, with return_top_p_token_ids: this chunk's tokens' nuclei, flat (nucleus.py)
+    top_p_token_offsets: bytes = b""  # <i4: the chunk's tokens + 1 offsets into top_p_token_ids, from 0
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "GenerateResponse":
@@ -113,7 +117,8 @@ class GenerateResponse:
                    weight_version=m.weight_version,
                    weight_versions=[WeightVersionSpan(s.version, s.start, s.end) for s in m.weight_versions],
                    cached_tokens=m.cached_tokens, routed_experts=m.routed_experts,
-                   routed_experts_shape=list(m.routed_experts_shape), prompt_token_ids=m.prompt_token_ids)
+                   routed_experts_shape=list(m.routed_experts_shape), prompt_token_ids=m.prompt_token_ids,
+                   top_p_token_ids=m.top_p_token_ids, top_p_token_offsets=m.top_p_token_offsets)
 
     def to_bytes(self) -> bytes:
         message = generate_pb2.GenerateResponsePacked(
@@ -122,6 +127,7 @@ class GenerateResponse:
             completion_tokens=self.completion_tokens, weight_version=self.weight_version,
             cached_tokens=self.cached_tokens, routed_experts=self.routed_experts,
             routed_experts_shape=self.routed_experts_shape, prompt_token_ids=self.prompt_token_ids,
+            top_p_token_ids=self.top_p_token_ids, top_p_token_offsets=self.top_p_token_offsets,
             weight_versions=[generate_pb2.WeightVersionSpan(version=s.version, start=s.start, end=s.end)
                              for s in self.weight_versions])
         if self.output is not None:
@@ -133,6 +139,12 @@ class GenerateResponse:
     @property
     def tokens(self) -> np.ndarray:
         return np.frombuffer(self.token_ids, I32)
+
+    def top_p(self) -> Nuclei | None:
+        """The nucleus of each token of this chunk; None when the request did not ask for them."""
+        if not self.top_p_token_offsets:
+            return None
+        return Nuclei(np.frombuffer(self.top_p_token_offsets, I32), np.frombuffer(self.top_p_token_ids, I32))
 
     def output_logprobs(self) -> RequestLogprobs | None:
         return self.output.request_logprobs(0, self.tokens) if self.output is not None and len(self.output) else None

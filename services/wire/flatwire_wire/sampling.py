@@ -152,5 +152,11 @@ class SamplingOptions:
         """Whether it takes the most likely token (a temperature below GREEDY_BELOW_TEMPERATURE, as SGLang)."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    @property
+    def cuts(self) -> bool:
+        """Whether its draw keeps only part of the vocabulary (top-p, top-k or min-p), or takes one token (greedy): a
+        nucleus (top-p replay) smaller than the vocabulary."""
+        return self.greedy or self.top_p < 1 or self.top_k != TOP_K_NO_LIMIT or self.min_p > 0
+
 
 DEFAULT_SAMPLING = SamplingOptions()  # a request that sets no option

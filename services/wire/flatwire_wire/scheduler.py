@@ -90,6 +90,7 @@ class TokenizedRequest:
     stream_interval: int = 0  # output tokens per entry; 0: the scheduler's --output-interval
     return_routed_experts: bool = False  # MoE: the experts of each token, with the Finish
     routed_experts_start_len: int = 0  # from this sequence position on
+    return_top_p_token_ids: bool = False  # top-p replay: each output token's nucleus, in StepOutput.top_p
     lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
     cache_namespace: str = ""  # its prefix-cache namespace (cache_salt); "": the shared one
 
@@ -146,6 +147,9 @@ class ModelInfo:
     kv_layers: str = ""  # what the model's layers keep
     state_bytes_per_request: int = 0  # linear-attention state one request holds (0: no such layers)
     state_checkpoints: int = 0  # of that state, which the prefix cache may keep
+    return_routed_experts: bool = False  # it records MoE routing (--enable-return-routed-experts)
+    releases_memory: bool = False  # release_memory_occupation frees its model memory (not --engine synthetic)
+    load_format: str = ""  # --load-format
     max_loras_per_batch: int = 0  # --enable-lora: adapters one step runs (0: LoRA off)
     lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)  # loaded now
 
@@ -168,6 +172,40 @@ class SchedulerStats:
     retractions: int = 0
     paused: bool = False
     memory_released: list[str] = field(default_factory=list)
+    waiting_tokens: int = 0  # the waiting requests' sequences (prompt and output so far), to prefill
+
+
+# -- colocated trainers (internal calls only: the gateway's HTTP routes forward them) ------------------------------
+
+@twin(scheduler_pb2.UpdateWeightsFromTensorRequest)
+@dataclass
+class UpdateWeightsFromTensorRequest:
+    serialized_named_tensors: list[bytes] = field(default_factory=list)  # rank i reads entry i: torch's pickle
+    load_format: str = ""  # "", "direct" or "flattened_bucket"
+    abort_all_requests: bool = False
+    weight_version: str | None = None  # set on success; None: the version stays
+
+
+@twin(scheduler_pb2.BeginWeightUpdateRequest)
+@dataclass
+class BeginWeightUpdateRequest:
+    pass
+
+
+@twin(scheduler_pb2.EndWeightUpdateRequest)
+@dataclass
+class EndWeightUpdateRequest:
+    pass
+
+
+CHECK_WEIGHTS_ACTIONS = ("snapshot", "reset_tensors", "compare")  # SGLang's weights_checker actions
+
+
+@twin(scheduler_pb2.CheckWeightsRequest)
+@dataclass
+class CheckWeightsRequest:
+    action: str  # of CHECK_WEIGHTS_ACTIONS
+    skip_tensor_list: list[str] = field(default_factory=list)  # compare: names left out
 
 
 SCHEDULER = ServiceSpec(
@@ -182,6 +220,10 @@ SCHEDULER = ServiceSpec(
            "UpdateWeightVersion": (UpdateWeightVersionRequest, ControlReply),
            "FlushCache": (FlushCacheRequest, ControlReply),
            **{rpc: (request, ControlReply) for rpc, request in RL_CONTROL.items()},
+           "UpdateWeightsFromTensor": (UpdateWeightsFromTensorRequest, ControlReply),
+           "BeginWeightUpdate": (BeginWeightUpdateRequest, ControlReply),
+           "EndWeightUpdate": (EndWeightUpdateRequest, ControlReply),
+           "CheckWeights": (CheckWeightsRequest, ControlReply),
            "LoadLoraAdapter": (LoadLoraAdapterRequest, LoraAdapterReply),
            "UnloadLoraAdapter": (UnloadLoraAdapterRequest, LoraAdapterReply)})
 
@@ -210,6 +252,11 @@ class SchedulerServicer(Protocol):
     async def release_memory_occupation(self, request: ReleaseMemoryOccupationRequest, context: Any
                                        ) -> ControlReply: ...
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest, context: Any) -> ControlReply: ...
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest, context: Any
+                                         ) -> ControlReply: ...
+    async def begin_weight_update(self, request: BeginWeightUpdateRequest, context: Any) -> ControlReply: ...
+    async def end_weight_update(self, request: EndWeightUpdateRequest, context: Any) -> ControlReply: ...
+    async def check_weights(self, request: CheckWeightsRequest, context: Any) -> ControlReply: ...
     async def load_lora_adapter(self, request: LoadLoraAdapterRequest, context: Any) -> LoraAdapterReply: ...
     async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest, context: Any) -> LoraAdapterReply: ...
 
@@ -297,6 +344,18 @@ class SchedulerClient:
 
     async def resume_memory_occupation(self, request: ResumeMemoryOccupationRequest) -> ControlReply:
         return await self._calls["ResumeMemoryOccupation"](request)
+
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> ControlReply:
+        return await self._calls["UpdateWeightsFromTensor"](request)
+
+    async def begin_weight_update(self) -> ControlReply:
+        return await self._calls["BeginWeightUpdate"](BeginWeightUpdateRequest())
+
+    async def end_weight_update(self) -> ControlReply:
+        return await self._calls["EndWeightUpdate"](EndWeightUpdateRequest())
+
+    async def check_weights(self, request: CheckWeightsRequest) -> ControlReply:
+        return await self._calls["CheckWeights"](request)
 
     async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> LoraAdapterReply:
         return await self._calls["LoadLoraAdapter"](request)

@@ -3,7 +3,8 @@ positions of a request's entries (docs/architecture.md, wire rules 1, 4 and 5).
 
 An *entry* is a run of one request's consecutive output tokens: entry i of a StepMessage carries counts[i]
 tokens of request rids[i], from its output position positions[i] on, at token_ids[starts[i]:starts[i] +
-counts[i]], and (when the request asked for logprobs) request i of the `output` block: its rows.
+counts[i]], and (when the request asked for logprobs) request i of the `output` block: its rows; (when it asked for
+top-p replay) request i of the `top_p` block: its tokens' nuclei.
 """
 
 import enum
@@ -16,6 +17,7 @@ import numpy as np
 from flatwire_wire.codec import from_proto, to_proto, twin
 from flatwire_wire.lazy import lazy
 from flatwire_wire.logprobs import LogprobBlock, decode_block, write_block
+from flatwire_wire.nucleus import NucleusBlock, decode_nucleus_block, write_nucleus_block
 from flatwire_wire.pb import arrays_pb2, scheduler_pb2
 
 
@@ -111,9 +113,10 @@ class StepMessage:
                  token_ids: Sequence[int] = (), output: LogprobBlock | None = None, prompt_rids: Sequence[str] = (),
                  prompt: LogprobBlock | None = None, finished: Sequence[Finish] = (), texts: Sequence[str] = (),
                  positions: Sequence[int] = (), resumed: Sequence[RequestResume] = (), counts: Sequence[int] = (),
-                 weight_version: str = "", made_at_unix_us: int = 0):
+                 weight_version: str = "", made_at_unix_us: int = 0, top_p: NucleusBlock | None = None):
         """Fields as scheduler.proto's StepOutput; entry i (of rids, positions, counts, texts) carries counts[i]
-        tokens from output position positions[i] on, and its rows are request i of `output`."""
+        tokens from output position positions[i] on, its rows are request i of `output` and its nuclei request i
+        of `top_p`."""
         self._message = scheduler_pb2.StepOutput(
             step=step, started=[to_proto(s) for s in started], rids=rids, token_ids=token_ids, prompt_rids=prompt_rids,
             finished=[to_proto(f) for f in finished], texts=texts, positions=positions,
@@ -123,9 +126,11 @@ class StepMessage:
             write_block(self._message.output, output)
         if prompt is not None:
             write_block(self._message.prompt, prompt)
+        if top_p is not None:
+            write_nucleus_block(self._message.top_p, top_p)
         # Kept as given: no conversion back when they are read.
         self.__dict__.update(started=list(started), finished=list(finished), resumed=list(resumed), output=output,
-                             prompt=prompt)
+                             prompt=prompt, top_p=top_p)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepMessage":
@@ -141,7 +146,7 @@ class StepMessage:
               finished: Sequence[Finish], texts: Sequence[str]) -> "StepMessage":
         """The message cut down to entries `keep` and prompt rows `keep_prompt` (in their order), with `texts` for
         the kept entries and the given starts and finishes: the part of a step one gateway gets. The logprob
-        blocks are byte-sliced, and copied whole when every entry is kept."""
+        and nucleus blocks are byte-sliced, and copied whole when every entry is kept."""
         m = self._message
         every = keep == list(range(len(m.rids)))
         sliced = scheduler_pb2.StepOutput(
@@ -158,6 +163,11 @@ class StepMessage:
                 sliced.output.CopyFrom(m.output)
             else:
                 write_block(sliced.output, self.output.select(keep))  # type: ignore[union-attr]
+        if keep and m.HasField("top_p"):
+            if every:
+                sliced.top_p.CopyFrom(m.top_p)
+            else:
+                write_nucleus_block(sliced.top_p, self.top_p.select(keep))  # type: ignore[union-attr]
         if keep_prompt and m.HasField("prompt"):
             write_block(sliced.prompt, self.prompt.select(keep_prompt))  # type: ignore[union-attr]
         message = StepMessage._of(sliced)
@@ -225,6 +235,11 @@ class StepMessage:
         return decode_block(self._message.output) if self._message.HasField("output") else None
 
     @lazy
+    def top_p(self) -> NucleusBlock | None:
+        """Request i: entry i's nuclei; None when no entry's request asked for top-p replay."""
+        return decode_nucleus_block(self._message.top_p) if self._message.HasField("top_p") else None
+
+    @lazy
     def prompt(self) -> LogprobBlock | None:
         return decode_block(self._message.prompt) if self._message.HasField("prompt") else None
 
@@ -262,7 +277,7 @@ class StepMessage:
 
 # StepMessage's, which its test checks
 STEP_FIELDS = ("step", "started", "rids", "token_ids", "output", "prompt_rids", "prompt", "finished", "texts",
-               "positions", "resumed", "counts", "weight_version", "made_at_unix_us")
+               "positions", "resumed", "counts", "weight_version", "made_at_unix_us", "top_p")
 
 
 def decode_step(data: bytes) -> StepMessage:

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66latwire/v1/arrays.proto\x12\x0b\x66latwire.v1\"\xab\x01\n\x10LogprobBlockView\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x13\n\x0bnull_prefix\x18\x02 \x03(\r\x12\x16\n\x0etoken_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04topk\x18\x04 \x03(\r\x12\x13\n\x0btopk_values\x18\x05 \x03(\x02\x12\x10\n\x08topk_ids\x18\x06 \x03(\x0f\x12\x11\n\tid_counts\x18\x07 \x03(\r\x12\x14\n\x0cids_logprobs\x18\x08 \x03(\x02\"\xa7\x01\n\x0cLogprobBlock\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x13\n\x0bnull_prefix\x18\x02 \x03(\r\x12\x16\n\x0etoken_logprobs\x18\x03 \x01(\x0c\x12\x0c\n\x04topk\x18\x04 \x03(\r\x12\x13\n\x0btopk_values\x18\x05 \x01(\x0c\x12\x10\n\x08topk_ids\x18\x06 \x01(\x0c\x12\x11\n\tid_counts\x18\x07 \x03(\r\x12\x14\n\x0cids_logprobs\x18\x08 \x01(\x0c*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x02*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66latwire/v1/arrays.proto\x12\x0b\x66latwire.v1\"\xab\x01\n\x10LogprobBlockView\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x13\n\x0bnull_prefix\x18\x02 \x03(\r\x12\x16\n\x0etoken_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04topk\x18\x04 \x03(\r\x12\x13\n\x0btopk_values\x18\x05 \x03(\x02\x12\x10\n\x08topk_ids\x18\x06 \x03(\x0f\x12\x11\n\tid_counts\x18\x07 \x03(\r\x12\x14\n\x0cids_logprobs\x18\x08 \x03(\x02\"\xa7\x01\n\x0cLogprobBlock\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x13\n\x0bnull_prefix\x18\x02 \x03(\r\x12\x16\n\x0etoken_logprobs\x18\x03 \x01(\x0c\x12\x0c\n\x04topk\x18\x04 \x03(\r\x12\x13\n\x0btopk_values\x18\x05 \x01(\x0c\x12\x10\n\x08topk_ids\x18\x06 \x01(\x0c\x12\x11\n\tid_counts\x18\x07 \x03(\r\x12\x14\n\x0cids_logprobs\x18\x08 \x01(\x0c\"@\n\x0cNucleusBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\r\n\x05sizes\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c*{\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x02\x12\x18\n\x14LOGPROBS_MODE_SGLANG\x10\x03*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flatwire.v1.arrays_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGPROBSMODE']._serialized_start=385
-  _globals['_LOGPROBSMODE']._serialized_end=482
-  _globals['_FINISHREASON']._serialized_start=485
-  _globals['_FINISHREASON']._serialized_end=667
+  _globals['_LOGPROBSMODE']._serialized_start=451
+  _globals['_LOGPROBSMODE']._serialized_end=574
+  _globals['_FINISHREASON']._serialized_start=577
+  _globals['_FINISHREASON']._serialized_end=759
   _globals['_LOGPROBBLOCKVIEW']._serialized_start=42
   _globals['_LOGPROBBLOCKVIEW']._serialized_end=213
   _globals['_LOGPROBBLOCK']._serialized_start=216
   _globals['_LOGPROBBLOCK']._serialized_end=383
+  _globals['_NUCLEUSBLOCK']._serialized_start=385
+  _globals['_NUCLEUSBLOCK']._serialized_end=449
 # @@protoc_insertion_point(module_scope)

@@ -12,6 +12,7 @@ class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOGPROBS_MODE_UNSPECIFIED: _ClassVar[LogprobsMode]
     LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
     LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_SGLANG: _ClassVar[LogprobsMode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 LOGPROBS_MODE_UNSPECIFIED: LogprobsMode
 LOGPROBS_MODE_RAW: LogprobsMode
 LOGPROBS_MODE_PROCESSED: LogprobsMode
+LOGPROBS_MODE_SGLANG: LogprobsMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
@@ -70,3 +72,13 @@ class LogprobBlock(_message.Message):
     id_counts: _containers.RepeatedScalarFieldContainer[int]
     ids_logprobs: bytes
     def __init__(self, rows: _Optional[_Iterable[int]] = ..., null_prefix: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[bytes] = ..., topk: _Optional[_Iterable[int]] = ..., topk_values: _Optional[bytes] = ..., topk_ids: _Optional[bytes] = ..., id_counts: _Optional[_Iterable[int]] = ..., ids_logprobs: _Optional[bytes] = ...) -> None: ...
+
+class NucleusBlock(_message.Message):
+    __slots__ = ("tokens", "sizes", "token_ids")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    sizes: bytes
+    token_ids: bytes
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., sizes: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...

@@ -78,7 +78,7 @@ class WeightVersionSpan(_message.Message):
     def __init__(self, version: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "input_ids", "sampling", "return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob", "stop", "skip_special_tokens", "no_stop_trim", "stream", "logprobs_mode", "return_routed_experts", "routed_experts_start_len")
+    __slots__ = ("text", "input_ids", "sampling", "return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob", "stop", "skip_special_tokens", "no_stop_trim", "stream", "logprobs_mode", "return_routed_experts", "routed_experts_start_len", "return_top_p_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOP_P_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -107,10 +108,11 @@ class GenerateRequest(_message.Message):
     logprobs_mode: _arrays_pb2.LogprobsMode
     return_routed_experts: bool
     routed_experts_start_len: int
-    def __init__(self, text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., stream: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ...) -> None: ...
+    return_top_p_token_ids: bool
+    def __init__(self, text: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., stream: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_start_len: _Optional[int] = ..., return_top_p_token_ids: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape", "prompt_token_ids")
+    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape", "prompt_token_ids", "top_p_token_ids", "top_p_token_offsets")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,8 @@ class GenerateResponse(_message.Message):
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -143,10 +147,12 @@ class GenerateResponse(_message.Message):
     routed_experts: _containers.RepeatedScalarFieldContainer[int]
     routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[_Iterable[int]] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    top_p_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_p_token_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlockView, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[_Iterable[int]] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_p_token_ids: _Optional[_Iterable[int]] = ..., top_p_token_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponsePacked(_message.Message):
-    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape", "prompt_token_ids")
+    __slots__ = ("rid", "token_ids", "text", "output", "prompt", "finish_reason", "matched_token", "matched_stop", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions", "cached_tokens", "routed_experts", "routed_experts_shape", "prompt_token_ids", "top_p_token_ids", "top_p_token_offsets")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +169,8 @@ class GenerateResponsePacked(_message.Message):
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_ids: bytes
     text: str
@@ -179,7 +187,9 @@ class GenerateResponsePacked(_message.Message):
     routed_experts: bytes
     routed_experts_shape: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: bytes
-    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[bytes] = ...) -> None: ...
+    top_p_token_ids: bytes
+    top_p_token_offsets: bytes
+    def __init__(self, rid: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., output: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., prompt: _Optional[_Union[_arrays_pb2.LogprobBlock, _Mapping]] = ..., finish_reason: _Optional[_Union[_arrays_pb2.FinishReason, str]] = ..., matched_token: _Optional[int] = ..., matched_stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., weight_versions: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., routed_experts: _Optional[bytes] = ..., routed_experts_shape: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[bytes] = ..., top_p_token_ids: _Optional[bytes] = ..., top_p_token_offsets: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "logit_bias", "json_schema", "regex", "ebnf")

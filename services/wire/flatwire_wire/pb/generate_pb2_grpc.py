@@ -187,7 +187,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FlushCache(self, request, context):
-        """Empty every replica's prefix cache; refused while requests run or wait (SGLang's /flush_cache).
+        """Empty every replica's prefix cache; refused while requests run or wait (SGLang's /flush_cache), but for
+        requests a pause retracted (miles' SGLang).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -128,6 +128,26 @@ class SchedulerStub:
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.SerializeToString,
                 response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromTensor = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/UpdateWeightsFromTensor',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.BeginWeightUpdate = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/BeginWeightUpdate',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.BeginWeightUpdateRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.EndWeightUpdate = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/EndWeightUpdate',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.EndWeightUpdateRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
+        self.CheckWeights = channel.unary_unary(
+                '/flatwire.internal.v1.Scheduler/CheckWeights',
+                request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.CheckWeightsRequest.SerializeToString,
+                response_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+                _registered_method=True)
         self.LoadLoraAdapter = channel.unary_unary(
                 '/flatwire.internal.v1.Scheduler/LoadLoraAdapter',
                 request_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
@@ -229,7 +249,8 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FlushCache(self, request, context):
-        """Empty the prefix cache; refused (success false) while requests run or wait, as SGLang's flush_cache
+        """Empty the prefix cache; refused (success false) while requests run or wait, as SGLang's flush_cache,
+        except requests retracted by a pause, which hold no KV (miles' SGLang: pause retract, then flush)
         (FlushCacheRequest says what vLLM's reset_prefix_cache does instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -264,6 +285,37 @@ class SchedulerServicer:
 
     def ResumeMemoryOccupation(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromTensor(self, request, context):
+        """Tensors a trainer on the same machine shares (SGLang's update_weights_from_tensor): torch's pickles of
+        shared-memory or CUDA IPC handles, read by a restricted unpickler; an internal call only (the public API's
+        PushWeights carries the tensors themselves).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginWeightUpdate(self, request, context):
+        """miles' weight-update session: the updates made between Begin and End are checked and staged as they
+        come, and swapped in together at End.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndWeightUpdate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckWeights(self, request, context):
+        """SGLang's weights_checker: snapshot the served weights, reset them to random values, or compare them with
+        the snapshot.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -374,6 +426,26 @@ def add_SchedulerServicer_to_server(servicer, server):
             'ResumeMemoryOccupation': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeMemoryOccupation,
                     request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'UpdateWeightsFromTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromTensor,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightsFromTensorRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'BeginWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWeightUpdate,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.BeginWeightUpdateRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'EndWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndWeightUpdate,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.EndWeightUpdateRequest.FromString,
+                    response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
+            ),
+            'CheckWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckWeights,
+                    request_deserializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.CheckWeightsRequest.FromString,
                     response_serializer=flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.SerializeToString,
             ),
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
@@ -876,6 +948,114 @@ class Scheduler:
             target,
             '/flatwire.internal.v1.Scheduler/ResumeMemoryOccupation',
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ResumeMemoryOccupationRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/UpdateWeightsFromTensor',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/BeginWeightUpdate',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.BeginWeightUpdateRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/EndWeightUpdate',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.EndWeightUpdateRequest.SerializeToString,
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flatwire.internal.v1.Scheduler/CheckWeights',
+            flatwire_dot_internal_dot_v1_dot_scheduler__pb2.CheckWeightsRequest.SerializeToString,
             flatwire_dot_internal_dot_v1_dot_scheduler__pb2.ControlReply.FromString,
             options,
             channel_credentials,
