@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from flatwire_client import FlatwireClient, HttpClient
-from transformers import AutoModelForCausalLM
 
 from harness.http import generate, stream_events
 from tests.gateway.bodies import SERVED
@@ -35,12 +34,6 @@ LOGPROB_TOL = 2e-3  # flatwire's logprobs against transformers' (the project's b
 # tokens closer than these to a cut may fall either side of it.
 MASS_TOL = 1e-3
 RELATIVE_TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def reference_model(model_dir):
-    """The default checkpoint, the session stack's, in transformers, float32."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def prompt_ids(seed: int, length: int = 12) -> list[int]:
