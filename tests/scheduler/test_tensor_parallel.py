@@ -3,6 +3,8 @@ transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does
 model, through chunked prefill, a prefix-cache hit and a mixed batch; a trainer's weight sync reaches both ranks
 (world_size 3: the trainer and two ranks), as do memory release, resume and a disk update; a rank killed takes the
 scheduler down as one unit.
+
+Only the CPU (gloo) path runs here: NCCL on several GPUs has not run in this project.
 """
 
 import signal
@@ -15,7 +17,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from flatwire_client import FlatwireClient
 from flatwire_wire.scheduler import LogprobParams, SamplingParams
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from harness.checkpoints import moe_checkpoint, perturbed_checkpoint
@@ -23,6 +27,7 @@ from harness.procs import start_service
 from harness.scheduler_client import SchedulerClient
 from harness.stack import running
 from harness.trainer_process import Trainer
+from tests.scheduler import framework_calls as frameworks
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "admin-tp"
@@ -122,6 +127,36 @@ def test_a_trainer_syncs_weights_into_both_ranks(http, small_model_dir, tmp_path
     assert http.post("/release_memory_occupation", json={"tags": ["weights"]}).json()["success"]
     assert http.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()["success"]
     check_generated(generate(http, PROMPTS[3]), PROMPTS[3], reference(small_model_dir, PROMPTS[3]))
+
+
+def send(http, calls: list[frameworks.Call]) -> None:
+    """Each call answered 200, and success where its answer is JSON (/flush_cache's is text)."""
+    for call in calls:
+        reply = http.get(call.path) if call.method == "GET" else http.post(call.path, json=call.body)
+        assert reply.status_code == 200, (call.path, reply.text)
+        if reply.headers["content-type"] == "application/json":
+            assert reply.json().get("success", True), (call.path, reply.text)
+
+
+def test_pushed_and_colocated_weights_reach_both_ranks(stack, http, small_model_dir, tmp_path):
+    """A safetensors push (the public gRPC API) and verl's colocated update with one entry per rank, then a
+    weight-update session of two such updates swapped in at its end, as one (each rank stages every part in
+    order)."""
+    first = perturbed_checkpoint(small_model_dir, tmp_path / "first", 41, (".layers.1.",))
+    second = perturbed_checkpoint(small_model_dir, tmp_path / "second", 43, (".layers.2.", ".layers.3."))
+    with FlatwireClient(stack.grpc_address, admin_api_key=ADMIN_KEY) as client:
+        assert client.push_weights(load_file(first / "model.safetensors")).success
+    check_generated(generate(http, PROMPTS[1]), PROMPTS[1], reference(first, PROMPTS[1]))
+
+    send(http, frameworks.verl_update(list(load_file(second / "model.safetensors").items()), tp_size=2))
+    check_generated(generate(http, PROMPTS[2]), PROMPTS[2], reference(second, PROMPTS[2]))
+
+    named = list(load_file(small_model_dir / "model.safetensors").items())
+    send(http, [frameworks.Call("POST", "/begin_weight_update", {}),
+                *frameworks.verl_update(named[:len(named) // 2], tp_size=2),
+                *frameworks.verl_update(named[len(named) // 2:], tp_size=2),
+                frameworks.Call("POST", "/end_weight_update", {})])
+    check_generated(generate(http, PROMPTS[0]), PROMPTS[0], reference(small_model_dir, PROMPTS[0]))
 
 
 def test_a_moe_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
