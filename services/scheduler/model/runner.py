@@ -8,6 +8,7 @@ leave between steps without padding, and share the pages of a common prefix.
 """
 
 import logging
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from services.scheduler.model.architecture import (
     route_layers,
     unused_tensors,
 )
-from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
+from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, PageTable, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
 from services.scheduler.model.kv_scales import read_kv_scales
 from services.scheduler.model.linear_attention import StateRows, state_rows
@@ -234,7 +235,7 @@ class ModelRunner:
         """A tensor-parallel rank's forward over the rows rank 0 told (no linear attention, no LoRA: refused)."""
         return self._forward_rows(call.tables, call.starts, call.ends, call.input_ids, call.positions, None)
 
-    def _forward_rows(self, tables: list[list[list[int]]] | list[list[np.ndarray]], starts: np.ndarray,
+    def _forward_rows(self, tables: Sequence[Sequence[PageTable]], starts: np.ndarray,
                       ends: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
                       states: StateRows | None) -> torch.Tensor:
         paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group,

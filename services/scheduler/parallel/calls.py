@@ -18,7 +18,7 @@ class Forward:
     """One step's rows (ModelRunner.forward): row i feeds positions [starts[i], ends[i]) whose KV lives in
     tables[g][i] (the pages its context reaches) in layer group g."""
 
-    tables: list[list[np.ndarray]]
+    tables: list[list[np.ndarray]]  # the pages of each group, each row
     starts: np.ndarray
     ends: np.ndarray
     input_ids: np.ndarray
