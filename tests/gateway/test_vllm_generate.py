@@ -1,8 +1,9 @@
 """vLLM's token-in/token-out route, POST /inference/v1/generate (issue 50), sent as its callers' sources send it:
 
 - SkyRL's RemoteInferenceClient (skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py at a95645):
-  _generate_single's payload (the sampling params get_vllm_sampling_params makes, in engine_utils.py), with the
-  X-Session-ID header, posted with aiohttp as _post does; and sample()'s Tinker payload (n, logprobs 0,
+  _generate_single's payload (the sampling params get_vllm_sampling_params makes, in
+  skyrl/backends/skyrl_train/inference_servers/engine_utils.py), with the X-Session-ID header, posted with aiohttp
+  as _post does; and sample()'s Tinker payload (n, logprobs 0,
   output_kind 2, prompt_logprobs), read as convert_vllm_prompt_logprobs (skyrl/backends/utils.py) reads it.
 - prime-rl's prefill_logprobs (prime_rl/utils/client.py at 559b44): the openai client's post to the route, read as
   it flattens prompt_logprobs (each position's first entry).

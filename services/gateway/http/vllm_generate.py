@@ -85,8 +85,8 @@ async def _events(req: InferenceGenerateRequest, gens: Generations, request_id: 
     async for i, reply in gens.merged():
         if not reply.new.token_ids and not reply.finished:
             continue
-        chunk = {"request_id": request_id, "output_mode": "tokens",
-                 "choices": [_choice(req, i, reply.new, reply.finish_name)]}
+        chunk: dict = {"request_id": request_id, "output_mode": "tokens",
+                       "choices": [_choice(req, i, reply.new, reply.finish_name)]}
         if not prompt_sent:
             chunk["prompt_token_ids"], prompt_sent = req.token_ids, True
         yield event(chunk)

@@ -1,8 +1,8 @@
-"""vLLM's token-in/token-out request, `POST /inference/v1/generate` (vLLM's
-vllm/entrypoints/scale_out/token_in_token_out/protocol.py, GenerateRequest, earlier under serve/disagg/): the prompt
-as `token_ids`, vLLM's engine SamplingParams as `sampling_params`, one prompt per request and n samples of it. SkyRL
-(skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py) and prime-rl (prime_rl/utils/client.py)
-send it.
+"""vLLM's token-in/token-out request, `POST /inference/v1/generate` (vLLM's GenerateRequest, in
+vllm/entrypoints/scale_out/token_in_token_out/protocol.py, earlier vllm/entrypoints/serve/disagg/protocol.py): the
+prompt as `token_ids`, vLLM's engine SamplingParams as `sampling_params`, one prompt per request and n samples of
+it. SkyRL (skyrl/backends/skyrl_train/inference_servers/remote_inference_client.py) and prime-rl
+(prime_rl/utils/client.py) send it.
 
 The sampling fields are the gateway's own (SamplingFields, DetokenizeFields) under vLLM's names and defaults
 (max_tokens absent or null: all that the context leaves, as vLLM's route; top_k 0: no limit; min_tokens). vLLM's
