@@ -13,6 +13,8 @@ Tokens are checked against /generate's greedy output and transformers' own, logp
 """
 
 import asyncio
+import json
+import re
 
 import aiohttp
 import httpx
@@ -22,6 +24,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.gateway.test_vllm_fields import ATOL, PROMPT_IDS, check_prompt_logprobs, reference_prompt_logprobs
+from tests.scheduler.test_structured_output import EBNF, EBNF_LANGUAGE, REGEX, SCHEMA
 
 ROUTE = "/inference/v1/generate"
 NEW_TOKENS = 8
@@ -181,6 +184,27 @@ def test_cache_salt_and_adapterless_model_names(http, served_model, greedy_refer
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
+def test_structured_outputs_constrain_the_tokens(http, tokenizer):
+    """vLLM's structured_outputs (regex, json schema, grammar) on the scheduler's grammar: the ids decode to the
+    constrained language; one the grammar cannot compile is refused naming structured_outputs."""
+    def ask(constraint: dict, seed: int = 1) -> dict:
+        reply = http.post(ROUTE, json={"token_ids": tokenizer.encode("Reply:"), "sampling_params": {
+            "max_tokens": 64, "temperature": 1.0, "seed": seed, "structured_outputs": constraint}})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    for seed in (1, 2):
+        choice = ask({"regex": REGEX}, seed)
+        assert choice["finish_reason"] == "stop" and re.fullmatch(REGEX, tokenizer.decode(choice["token_ids"],
+                                                                                         skip_special_tokens=True))
+    document = json.loads(tokenizer.decode(ask({"json": SCHEMA})["token_ids"], skip_special_tokens=True))
+    assert set(document) == {"a"} and isinstance(document["a"], int)
+    assert tokenizer.decode(ask({"grammar": EBNF})["token_ids"], skip_special_tokens=True) in EBNF_LANGUAGE
+    refused = http.post(ROUTE, json={"token_ids": PROMPT_IDS, "sampling_params": {"structured_outputs": {
+        "regex": "[a-"}}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampling_params.structured_outputs"
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"token_ids": []}, "token_ids"),
     ({"token_ids": [-1]}, "token_ids"),
@@ -188,7 +212,10 @@ def test_cache_salt_and_adapterless_model_names(http, served_model, greedy_refer
     ({"output_mode": "text"}, "output_mode"),
     ({"priority": 1}, "priority"),
     ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
-    ({"sampling_params": {"structured_outputs": {"regex": "[a-z]+"}}}, "sampling_params.structured_outputs"),
+    ({"sampling_params": {"structured_outputs": {"choice": ["a", "b"]}}}, "sampling_params.structured_outputs.choice"),
+    ({"sampling_params": {"structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}}},
+     "sampling_params.structured_outputs"),
+    ({"sampling_params": {"structured_outputs": {"regex": "a"}, "regex": "b"}}, "sampling_params.structured_outputs"),
     ({"sampling_params": {"allowed_token_ids": [1, 2]}}, "sampling_params.allowed_token_ids"),
     ({"sampling_params": {"logprob_token_ids": [1, 2]}}, "sampling_params.logprob_token_ids"),
     ({"sampling_params": {"bad_words": ["x"]}}, "sampling_params.bad_words"),

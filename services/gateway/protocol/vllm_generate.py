@@ -5,13 +5,15 @@ it. SkyRL (skyrl/backends/skyrl_train/inference_servers/remote_inference_client.
 (prime_rl/utils/client.py) send it.
 
 The sampling fields are the gateway's own (SamplingFields, DetokenizeFields) under vLLM's names and defaults
-(max_tokens absent or null: all that the context leaves, as vLLM's route; top_k 0: no limit; min_tokens). vLLM's
-fields flatwire cannot honour are accepted at their neutral values only and refused by name otherwise: multimodal
-features, the text output mode, structured outputs, allowed and bad words, logprobs of chosen ids, priority
-scheduling, disaggregation parameters.
+(max_tokens absent or null: all that the context leaves, as vLLM's route; top_k 0: no limit; min_tokens;
+structured_outputs: the scheduler's grammar). vLLM's fields flatwire cannot honour are accepted at their neutral
+values only and refused by name otherwise: multimodal features, the text output mode, structured outputs' choice
+and whitespace options, allowed and bad words, logprobs of chosen ids, priority scheduling, disaggregation
+parameters.
 """
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from flatwire_wire.scheduler import LogprobParams
@@ -44,6 +46,42 @@ LOGPROB_FIELDS = LogprobFields(top_k=f"{PARAMS}.logprobs", max_new_tokens=f"{PAR
 DELTA = 1  # vLLM's RequestOutputKind.DELTA
 
 
+class StructuredOutputs(RequestModel):
+    """vLLM's StructuredOutputsParams, one constraint of: json (a schema), regex, grammar (EBNF, as xgrammar reads
+    it, vLLM's default backend and the scheduler's), json_object (any object). The scheduler's grammar
+    (SamplingFields' json_schema, regex, ebnf) enforces it."""
+
+    json_: Annotated[str | dict | None, Field(alias="json")] = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    choice: Annotated[Any, unsupported(None)] = None
+    structural_tag: Annotated[Any, unsupported(None)] = None
+    disable_any_whitespace: Annotated[bool, unsupported(False)] = False
+    disable_additional_properties: Annotated[bool, unsupported(False)] = False
+    whitespace_pattern: Annotated[Any, unsupported(None)] = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutputs":
+        given = [name for name in ("json", "regex", "grammar", "json_object") if self.constraint_of(name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give one of json, regex, grammar and json_object (as vLLM), not {given or 'none'}")
+        return self
+
+    def constraint_of(self, name: str) -> str | dict | bool | None:
+        """What the constraint `name` asks (json_object false asks nothing)."""
+        value = self.json_ if name == "json" else getattr(self, name)
+        return None if value is False else value
+
+    def sampling_fields(self) -> dict[str, str]:
+        """The scheduler's constraint: SamplingFields' json_schema, regex or ebnf."""
+        if self.json_object:
+            return {"json_schema": '{"type": "object"}'}
+        if self.json_ is not None:
+            return {"json_schema": self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)}
+        return {"regex": self.regex} if self.regex is not None else {"ebnf": self.grammar or ""}
+
+
 def _no_limit_at_zero(value):
     """vLLM's top_k 0 (its default) and -1 both mean no limit; the gateway's rule takes -1 for it."""
     return -1 if value == 0 else value
@@ -62,12 +100,12 @@ class VllmSamplingParams(SamplingFields, DetokenizeFields):
     # The text is not returned here: it only decides whether stop strings can match (the method of that name is
     # DetokenizeFields', the detokenizer's options).
     detokenize_text: bool = Field(True, alias="detokenize")
+    structured_outputs: StructuredOutputs | None = None
     output_kind: Literal[0, 1, 2] = 0  # CUMULATIVE, DELTA, FINAL_ONLY: how a stream's chunks carry the output
     flat_logprobs: bool = False  # vLLM's in-process layout of the same logprobs
     skip_clone: bool = False  # vLLM's in-process copy of the params
     # vLLM's fields flatwire cannot honour yet: refused unless neutral.
     stream_interval: Annotated[Any, unsupported(None)] = None
-    structured_outputs: Annotated[Any, unsupported(None)] = None
     allowed_token_ids: Annotated[Any, unsupported(None)] = None
     bad_words: Annotated[Any, unsupported(None, [])] = None
     extra_args: Annotated[Any, unsupported(None, {})] = None
@@ -89,6 +127,9 @@ class VllmSamplingParams(SamplingFields, DetokenizeFields):
     def _vllm_rules(self) -> "VllmSamplingParams":
         if self.stop and not self.detokenize_text:
             raise InvalidRequest(f"{PARAMS}.stop", f"{PARAMS}.stop: stop strings need detokenize true (as vLLM's)")
+        if self.structured_outputs is not None and (given := self.constraint()):
+            raise InvalidRequest(f"{PARAMS}.structured_outputs", f"{PARAMS}.structured_outputs: not with "
+                                 f"{next(iter(given))} as well")
         if "min_new_tokens" in self.model_fields_set:
             raise InvalidRequest(f"{PARAMS}.min_new_tokens", f"{PARAMS}.min_new_tokens: vLLM's name is min_tokens")
         return self
@@ -168,7 +209,9 @@ class InferenceGenerateRequest(RequestModel):
                   "sampling.min_new_tokens": f"{PARAMS}.min_tokens", "input_ids": "token_ids",
                   "lora_name": "model",
                   **{f"logprob.{field.name}": f"{PARAMS}.logprobs" for field in dataclasses.fields(LogprobParams)}}
-        sampling = params.model_copy(update={"min_new_tokens": params.min_tokens})
+        constraint = params.structured_outputs.sampling_fields() if params.structured_outputs is not None else {}
+        fields |= {f"sampling.{name}": f"{PARAMS}.structured_outputs" for name in constraint}
+        sampling = params.model_copy(update={"min_new_tokens": params.min_tokens, **constraint})
         detokenize = dataclasses.replace(params.detokenize(params.min_tokens),
                                          include_stop_str=params.include_stop_str_in_output)
         return PromptRequest(sampling=sampling, max_new_tokens=params.max_tokens, default_max_new_tokens=None,
