@@ -173,6 +173,22 @@ def test_streamed_chunks_join_to_the_whole_output(stack, served_model, greedy_re
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == NEW_TOKENS
 
 
+def test_streamed_samples_are_the_whole_responses(stack, http):
+    """n=2, seeded: each sample's streamed ids join to that sample's ids in the whole (non-streamed) response."""
+    body = {"token_ids": PROMPT_IDS, "sampling_params": {"n": 2, "seed": 5, "temperature": 1.0,
+                                                         "max_tokens": NEW_TOKENS, "ignore_eos": True}}
+    whole = http.post(ROUTE, json=body).json()["choices"]
+    with httpx.Client(base_url=stack.http_url, timeout=120) as client, \
+            client.stream("POST", ROUTE, json={**body, "stream": True}) as r:
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for line in lines[:-1]:
+        for choice in orjson.loads(line)["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+    assert [streamed[0], streamed[1]] == [choice["token_ids"] for choice in whole]
+    assert streamed[0] != streamed[1]
+
+
 def test_cache_salt_and_adapterless_model_names(http, served_model, greedy_reference):
     """cache_salt runs in its own prefix-cache namespace (the same tokens come out); a model that is not served
     is vLLM's 404."""
