@@ -1,8 +1,8 @@
 """Tensor parallelism (--tp-size 2, gloo on these CPUs): a scheduler whose model is cut over two ranks gives
-transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does) on a dense model and a MoE
-model, through chunked prefill, a prefix-cache hit and a mixed batch; a trainer's weight sync reaches both ranks
-(world_size 3: the trainer and two ranks), as do memory release, resume and a disk update; a rank killed takes the
-scheduler down as one unit.
+transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does) on a dense model, a MoE model
+and a hybrid linear-attention one (Qwen3-Next), through chunked prefill, a prefix-cache hit and a mixed batch; a
+trainer's weight sync reaches both ranks (world_size 3: the trainer and two ranks), as do pushed and colocated
+updates, memory release, resume and a disk update; a rank killed takes the scheduler down as one unit.
 
 Only the CPU (gloo) path runs here: NCCL on several GPUs has not run in this project.
 """
@@ -22,7 +22,7 @@ from flatwire_wire.scheduler import SamplingParams
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.checkpoints import moe_checkpoint, perturbed_checkpoint
+from harness.checkpoints import moe_checkpoint, perturbed_checkpoint, qwen3_next_checkpoint
 from harness.procs import start_service
 from harness.scheduler_client import SchedulerClient
 from harness.stack import running
@@ -174,6 +174,22 @@ def test_a_moe_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
                 sequence = prompt + body["output_ids"][:-1]  # the last sampled token never went through the model
                 np.testing.assert_array_equal(np.sort(routed(body["meta_info"]), axis=-1),
                                               np.sort(router_choices(moe, sequence), axis=-1))
+
+
+def test_a_hybrid_linear_attention_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
+    """Qwen3-Next: its full-attention layer and experts cut, its Gated DeltaNet layers whole on each rank (as
+    transformers' plan keeps them), their states too; chunks of 5 tokens cross the state's page boundaries, and a
+    prompt again resumes from the prefix cache's state checkpoint."""
+    hybrid = qwen3_next_checkpoint(small_model_dir, tmp_path / "qwen3-next")
+    with running(hybrid, log_dir, scheduler_args=("--tp-size", "2", "--chunked-prefill-size", "5",
+                                                  "--page-size", "4")) as hybrid_stack:
+        hybrid_stack.wait_ready()
+        with httpx.Client(base_url=hybrid_stack.http_url, timeout=300) as hybrid_http:
+            for prompt in PROMPTS:
+                check_generated(generate(hybrid_http, prompt), prompt, reference(hybrid, prompt))
+            again = generate(hybrid_http, PROMPTS[2], -1)
+            assert again["meta_info"]["cached_tokens"] > 0
+            check_generated(again, PROMPTS[2], reference(hybrid, PROMPTS[2]), prompt_logprobs=False)
 
 
 # The client's stream reader ends with the scheduler's socket: UNAVAILABLE, raised in its thread, is the point here.
