@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from flatwire_client import FlatwireClient
-from flatwire_wire.scheduler import SamplingParams
+from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -159,6 +159,39 @@ def test_pushed_and_colocated_weights_reach_both_ranks(stack, http, small_model_
                 *frameworks.verl_update(named[len(named) // 2:], tp_size=2),
                 frameworks.Call("POST", "/end_weight_update", {})])
     check_generated(generate(http, PROMPTS[0]), PROMPTS[0], reference(small_model_dir, PROMPTS[0]))
+
+
+def test_penalties_grammars_seeds_and_retraction_behave_as_on_one_rank(small_model_dir, log_dir):
+    """The same requests on one rank and on two, in KV memory that makes the scheduler retract and resume some:
+    penalties, a regular expression, a seeded draw and greedy decoding, with their top-k rows (sampling is rank
+    0's alone either way; the logits it samples from come from both ranks)."""
+    options = ["--model", str(small_model_dir), "--max-total-tokens", "384", "--page-size", "16",
+               "--max-running-requests", "8", "--stream-coalesce-tokens", "1"]
+    logprob = LogprobParams(return_logprob=True, top_logprobs_num=K, logprob_start_len=-1)
+    requests = {
+        "penalties": SamplingParams(max_new_tokens=48, temperature=0, frequency_penalty=0.5, presence_penalty=0.3,
+                                    ignore_eos=True),
+        "regex": SamplingParams(max_new_tokens=24, temperature=0, regex="(ab|cd)+[0-9]{2}"),
+        "seeded": SamplingParams(max_new_tokens=48, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        **{f"greedy{i}": SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True) for i in range(3)},
+    }
+    outputs = []
+    for tp in ("1", "2"):
+        proc, address = start_service("scheduler", [*options, "--tp-size", tp], log_dir)
+        client = SchedulerClient(address)
+        try:
+            rids = {name: client.submit(input_ids=[(11 * n + 5 * i) % 4000 + 7 for i in range(40)],
+                                        sampling=sampling, logprob=logprob)
+                    for n, (name, sampling) in enumerate(requests.items())}
+            outputs.append({name: client.wait(rid) for name, rid in rids.items()})
+            assert client.stats().retractions > 0  # the memory was short: some were retracted and resumed
+        finally:
+            client.close()
+            proc.stop()
+    one, two = outputs
+    for name in requests:
+        assert one[name].token_ids == two[name].token_ids, name
+        assert np.allclose(one[name].topk()[0], two[name].topk()[0], atol=ATOL), name
 
 
 def test_a_moe_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
