@@ -91,7 +91,7 @@ def http(stack) -> httpx.Client:
 
 DURATIONS_KEY = "flatwire/work-unit-seconds"  # pytest's cache: how long each work unit took when it last ran
 # Modules whose tests share nothing of module scope (each starts what it needs): each test a work unit of its own.
-SPREAD = frozenset({"tests/deploy/test_launcher.py"})
+SPREAD = frozenset({"tests/deploy/test_launcher.py", "tests/scheduler/test_tensor_parallel_models.py"})
 _took: dict[str, float] = {}
 
 

@@ -1,15 +1,12 @@
-"""Tensor parallelism (--tp-size 2, gloo on these CPUs): a scheduler whose model is cut over two ranks gives
-transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does) on a dense model, a MoE model
-and a hybrid linear-attention one (Qwen3-Next), through chunked prefill, a prefix-cache hit and a mixed batch; a
-trainer's weight sync reaches both ranks (world_size 3: the trainer and two ranks), as do pushed and colocated
-updates, memory release, resume and a disk update; a rank killed takes the scheduler down as one unit.
+"""Tensor parallelism (--tp-size 2, gloo on these CPUs), on one stack: a scheduler whose model is cut over two
+ranks gives transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does) through chunked
+prefill, a prefix-cache hit and a mixed batch; a trainer's weight sync reaches both ranks (world_size 3: the
+trainer and two ranks), as do pushed and colocated updates, memory release, resume and a disk update. Other
+models, sampling, retraction and a killed rank: test_tensor_parallel_models.py.
 
 Only the CPU (gloo) path runs here: NCCL on several GPUs has not run in this project.
 """
 
-import signal
-import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,18 +15,13 @@ import numpy as np
 import pytest
 import torch
 from flatwire_client import FlatwireClient
-from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.checkpoints import moe_checkpoint, perturbed_checkpoint, qwen3_next_checkpoint
-from harness.procs import start_service
-from harness.scheduler_client import SchedulerClient
+from harness.checkpoints import perturbed_checkpoint
 from harness.stack import running
 from harness.trainer_process import Trainer
 from tests.scheduler import framework_calls as frameworks
-from tests.scheduler.test_routed_experts import reference as router_choices
-from tests.scheduler.test_routed_experts import routed
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "admin-tp"
@@ -159,90 +151,3 @@ def test_pushed_and_colocated_weights_reach_both_ranks(stack, http, small_model_
                 *frameworks.verl_update(named[len(named) // 2:], tp_size=2),
                 frameworks.Call("POST", "/end_weight_update", {})])
     check_generated(generate(http, PROMPTS[0]), PROMPTS[0], reference(small_model_dir, PROMPTS[0]))
-
-
-def test_penalties_grammars_seeds_and_retraction_behave_as_on_one_rank(small_model_dir, log_dir):
-    """The same requests on one rank and on two, in KV memory that makes the scheduler retract and resume some:
-    penalties, a regular expression, a seeded draw and greedy decoding, with their top-k rows (sampling is rank
-    0's alone either way; the logits it samples from come from both ranks)."""
-    options = ["--model", str(small_model_dir), "--max-total-tokens", "384", "--page-size", "16",
-               "--max-running-requests", "8", "--stream-coalesce-tokens", "1"]
-    logprob = LogprobParams(return_logprob=True, top_logprobs_num=K, logprob_start_len=-1)
-    requests = {
-        "penalties": SamplingParams(max_new_tokens=48, temperature=0, frequency_penalty=0.5, presence_penalty=0.3,
-                                    ignore_eos=True),
-        "regex": SamplingParams(max_new_tokens=24, temperature=0, regex="(ab|cd)+[0-9]{2}"),
-        "seeded": SamplingParams(max_new_tokens=48, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
-        **{f"greedy{i}": SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True) for i in range(3)},
-    }
-    outputs = []
-    for tp in ("1", "2"):
-        proc, address = start_service("scheduler", [*options, "--tp-size", tp], log_dir)
-        client = SchedulerClient(address)
-        try:
-            rids = {name: client.submit(input_ids=[(11 * n + 5 * i) % 4000 + 7 for i in range(40)],
-                                        sampling=sampling, logprob=logprob)
-                    for n, (name, sampling) in enumerate(requests.items())}
-            outputs.append({name: client.wait(rid) for name, rid in rids.items()})
-            assert client.stats().retractions > 0  # the memory was short: some were retracted and resumed
-        finally:
-            client.close()
-            proc.stop()
-    one, two = outputs
-    for name in requests:
-        assert one[name].token_ids == two[name].token_ids, name
-        assert np.allclose(one[name].topk()[0], two[name].topk()[0], atol=ATOL), name
-
-
-def test_a_moe_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
-    """Every expert's intermediate features cut over the ranks, the router whole on each: rank 0 records the
-    routed experts, as transformers' routers choose them."""
-    moe = moe_checkpoint(small_model_dir, tmp_path / "moe")
-    with running(moe, log_dir, scheduler_args=("--tp-size", "2", "--enable-return-routed-experts")) as moe_stack:
-        moe_stack.wait_ready()
-        with httpx.Client(base_url=moe_stack.http_url, timeout=300) as moe_http:
-            for prompt in PROMPTS:
-                body = generate(moe_http, prompt, return_routed_experts=True)
-                check_generated(body, prompt, reference(moe, prompt))
-                sequence = prompt + body["output_ids"][:-1]  # the last sampled token never went through the model
-                np.testing.assert_array_equal(np.sort(routed(body["meta_info"]), axis=-1),
-                                              np.sort(router_choices(moe, sequence), axis=-1))
-
-
-def test_a_hybrid_linear_attention_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
-    """Qwen3-Next: its full-attention layer and experts cut, its Gated DeltaNet layers whole on each rank (as
-    transformers' plan keeps them), their states too; chunks of 5 tokens cross the state's page boundaries, and a
-    prompt again resumes from the prefix cache's state checkpoint."""
-    hybrid = qwen3_next_checkpoint(small_model_dir, tmp_path / "qwen3-next")
-    with running(hybrid, log_dir, scheduler_args=("--tp-size", "2", "--chunked-prefill-size", "5",
-                                                  "--page-size", "4")) as hybrid_stack:
-        hybrid_stack.wait_ready()
-        with httpx.Client(base_url=hybrid_stack.http_url, timeout=300) as hybrid_http:
-            for prompt in PROMPTS:
-                check_generated(generate(hybrid_http, prompt), prompt, reference(hybrid, prompt))
-            again = generate(hybrid_http, PROMPTS[2], -1)
-            assert again["meta_info"]["cached_tokens"] > 0
-            check_generated(again, PROMPTS[2], reference(hybrid, PROMPTS[2]), prompt_logprobs=False)
-
-
-# The client's stream reader ends with the scheduler's socket: UNAVAILABLE, raised in its thread, is the point here.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_killed_rank_takes_the_scheduler_down(small_model_dir, log_dir):
-    proc, address = start_service("scheduler", ["--model", str(small_model_dir), "--tp-size", "2"], log_dir)
-    client = SchedulerClient(address)
-    try:
-        rid = client.submit(input_ids=PROMPTS[0], sampling=SamplingParams(max_new_tokens=4000, temperature=0,
-                                                                          ignore_eos=True))
-        client.wait_tokens(rid, 2)
-        children = subprocess.run(["pgrep", "-P", str(proc.proc.pid), "-f", "multiprocessing.spawn"],
-                                  capture_output=True, text=True).stdout.split()
-        ranks = [int(pid) for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(ranks) == 1, children
-        subprocess.run(["kill", f"-{signal.SIGKILL}", str(ranks[0])], check=True)
-        assert proc.proc.wait(timeout=30) == 1
-        assert "tp-rank-1 exited" in proc.log()
-        time.sleep(0.5)  # the stream's end reaches the client
-        assert client.requests[rid].finish is None  # never finished as if complete
-    finally:
-        client.close()
-        proc.stop()
