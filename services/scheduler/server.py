@@ -47,6 +47,7 @@ from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
 from services.scheduler.kv.manager import longest_sequence
 from services.scheduler.lora_calls import LoraCalls
 from services.scheduler.model.architecture import UnsupportedModel
+from services.scheduler.model.attention import BackendUnavailable
 from services.scheduler.model.lora_adapter import AdapterRefused
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
@@ -233,7 +234,7 @@ async def serve(config: SchedulerConfig) -> None:
             config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows,
             config.enable_return_routed_experts, config.attention_backend,
             config.cuda_graph_max_bs if config.enable_cuda_graph else 0, config.load_format, config.state_checkpoints,
-            config.kv_cache_dtype, config.lora_layers)
+            config.kv_cache_dtype, config.lora_layers, config.linear_attention_backend)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.info("interrupted")
     except SystemExit as exc:  # the engine failed
         code = exc.code
-    except (ModelNotFound, UnsupportedModel, AdapterRefused) as exc:  # a setup error, said in one line
+    except (ModelNotFound, UnsupportedModel, AdapterRefused, BackendUnavailable) as exc:  # a setup error, one line
         code = f"{prog or 'scheduler'}: {exc}"
     except Exception:  # a bug: said, then ended at once (a weight-group join may wait minutes for its trainer)
         log.exception("the scheduler failed")
