@@ -38,10 +38,25 @@ class StateRows:
     restore: list[int | None]  # where its state starts from: FRESH, a checkpoint slot, or None (its slot's)
     captures: list[tuple[int, int] | None]  # (tokens into the row, checkpoint slot): the state there is kept
 
-    @property
+    @functools.cached_property
     def decoding(self) -> list[int]:
         """Rows of one token that continue their state: one batched recurrent update."""
         return [i for i, count in enumerate(self.counts) if count == 1 and self.restore[i] is None]
+
+    @functools.cached_property
+    def prefill_waves(self) -> list[list[tuple[int, int, int]]]:
+        """The other rows as spans (row, first, end in the flat sequence), in at most two waves, each one kernel
+        call per layer: a row whose checkpoint falls inside it runs up to it in the first wave (its state is kept
+        there) and on from it in the second."""
+        first: list[tuple[int, int, int]] = []
+        second: list[tuple[int, int, int]] = []
+        for i in sorted(set(range(len(self.slots))) - set(self.decoding)):
+            start, count, capture = self.firsts[i], self.counts[i], self.captures[i]
+            cut = capture[0] if capture is not None and capture[0] < count else count
+            first.append((i, start, start + cut))
+            if cut < count:
+                second.append((i, start + cut, start + count))
+        return [wave for wave in (first, second) if wave]
 
 
 def is_gated_delta_net(module: nn.Module) -> bool:
@@ -67,21 +82,6 @@ def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     tokens = hidden.shape[0]
     return (self.in_proj_qkv(hidden), self.in_proj_z(hidden).view(tokens, -1, self.head_v_dim),
             self.in_proj_b(hidden), self.in_proj_a(hidden))
-
-
-def _prefill_waves(rows: StateRows) -> list[list[tuple[int, int, int]]]:
-    """The rows that are not decoding as spans (row, first, end in the flat sequence), in at most two waves, each
-    one kernel call per layer: a row whose checkpoint falls inside it runs up to it in the first wave (its state is
-    kept there) and on from it in the second."""
-    first: list[tuple[int, int, int]] = []
-    second: list[tuple[int, int, int]] = []
-    for i in sorted(set(range(len(rows.slots))) - set(rows.decoding)):
-        start, count, capture = rows.firsts[i], rows.counts[i], rows.captures[i]
-        cut = capture[0] if capture is not None and capture[0] < count else count
-        first.append((i, start, start + cut))
-        if cut < count:
-            second.append((i, start + cut, start + count))
-    return [wave for wave in (first, second) if wave]
 
 
 def gated_delta_net(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, paged_batch=None,
@@ -116,7 +116,7 @@ def gated_delta_net(self, hidden_states: torch.Tensor, cache=None, attention_mas
                                                  recurrent_states[slots])
         recurrent_states[slots] = state.to(recurrent_states.dtype)
         out[flat] = attended[:, 0].to(out.dtype)
-    for wave in _prefill_waves(rows):
+    for wave in rows.prefill_waves:
         slots = torch.tensor([rows.slots[i] for i, _, _ in wave], device=device)
         flat = torch.cat([torch.arange(start, end) for _, start, end in wave]).to(device)
         bounds = np.cumsum([0] + [end - start for _, start, end in wave]).tolist()
