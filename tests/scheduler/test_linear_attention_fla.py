@@ -157,3 +157,13 @@ def test_the_scheduler_refuses_the_flag_on_a_cpu_in_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("flatwire scheduler: --linear-attention-backend fla runs on CUDA, not cpu"), \
         done.stderr[-2000:]
+
+
+@needs_fla
+def test_the_device_check_runs_its_smoke_shapes(interpreted_fla):
+    """bench/gpu/linear_attention.py, prepared for a GPU, runs every part on tiny shapes in the interpreter: the fla
+    kernels within its bound of the torch rules."""
+    from bench.gpu.linear_attention import main
+
+    report = main(["--smoke"])
+    assert report.count("| yes |") == 4 and "NO" not in report, report
