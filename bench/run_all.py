@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["hop", "replay", "step_codec", "e2e", "capacity", "stop_waste", "stream", "weights", "sampling_costs",
               "prefix", "kv_capacity", "kv_families", "kv_dtype", "family_decode", "hybrid", "decode_context",
               "tool_calls", "capacity_workers", "capacity_parsers", "capacity_bursts", "http_framework",
-              "routed_experts", "lora"]
+              "routed_experts", "lora", "tensor_parallel"]
 PROFILED_STAGES = ["detokenize", "accumulate"]
 COMMAND = "python -m bench.run_all"
 GPU_RESULTS = ROOT / "bench" / "gpu" / "RESULTS.md"

@@ -108,6 +108,10 @@ class SchedulerConfig(ServiceConfig):
     max_loaded_loras: int = option(0, "LoRA adapters held in host memory at once (SGLang's; vLLM's --max-cpu-loras): "
                                    "loading one more unloads the least recently used one no request runs on and "
                                    "not pinned; 0: 4 x --max-loras-per-batch", aliases=("max_cpu_loras",))
+    tp_size: int = option(1, "tensor-parallel ranks (SGLang's flag; vLLM's --tensor-parallel-size): the model's "
+                          "heads, MLP and experts cut over N processes (one device each: cuda:0..N-1; gloo on CPU), "
+                          "each keeping its share of the KV heads; rank 0 serves and samples (parallel/)",
+                          aliases=("tensor_parallel_size",))
     max_waiting_requests: int = option(0, "requests accepted but not yet running (the waiting list); past it Submit "
                                        "answers RESOURCE_EXHAUSTED (HTTP 429 at the gateway); 0: max(4096, 8 x "
                                        "--max-running-requests), room for a gateway's largest batch")
@@ -122,8 +126,10 @@ class SchedulerConfig(ServiceConfig):
             raise ValueError(f"--device: expected auto, cpu or cuda[:N], not {self.device!r}")
         require_positive(self, ("max_running_requests", "max_prefill_tokens", "max_top_logprobs", "logits_chunk_rows",
                                 "output_interval", "stream_coalesce_tokens", "page_size", "cuda_graph_max_bs",
-                                "max_loras_per_batch", "max_lora_rank"))
+                                "max_loras_per_batch", "max_lora_rank", "tp_size"))
         self._check_lora()
+        if self.tp_size > 1 and (self.engine == "synthetic" or self.enable_lora or self.enable_cuda_graph):
+            raise ValueError("--tp-size: not with --engine synthetic, --enable-lora or --enable-cuda-graph (yet)")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 (off)")
         if self.max_total_tokens < 0:

@@ -89,8 +89,10 @@ class RolloutCalls:
         self._group_calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-group")
         self._updating = asyncio.Lock()  # one staged update at a time: memory for one more copy, applied in order
         self._session: WeightSession | None = None  # miles' begin_weight_update .. end_weight_update
-        # This process is tensor-parallel rank 0 of 1 (no --tp-size yet): a colocated trainer's entry i is rank i's.
-        self.tp_rank, self.tp_size = 0, 1
+        # This process is tensor-parallel rank 0 (--tp-size): a colocated trainer's entry i is rank i's; rank 0's
+        # is staged here and sent to the others (each keeps its cut of the full tensors).
+        self.tp_rank = 0
+        self.tp_size = weights.ranks.size if weights is not None and weights.ranks is not None else 1
 
     async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest, context) -> ControlReply:
         if self._weights_released():  # said before the checkpoint is read against weights that are not there

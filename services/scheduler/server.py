@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 from flatwire_wire.control import (
@@ -55,6 +56,8 @@ from services.scheduler.model.synthetic import SyntheticRunner
 from services.scheduler.model.weight_sync import WeightGroups
 from services.scheduler.model.weights import ServedWeights
 from services.scheduler.output.journal import StepJournal
+from services.scheduler.parallel.group import rank_device
+from services.scheduler.parallel.ranks import Ranks
 from services.scheduler.rollout_calls import RolloutCalls
 from services.scheduler.sampling.grammar import Grammars
 from services.scheduler.step import StepRunner
@@ -95,7 +98,7 @@ class SchedulerService(RolloutCalls, LoraCalls):
             state_checkpoints=runner.state_slots[1] if runner.state_slots else 0,
             return_routed_experts=self.limits.routed_experts, releases_memory=occupation is not None,
             load_format=config.load_format,
-            max_loras_per_batch=config.max_loras_per_batch if config.enable_lora else 0)
+            max_loras_per_batch=config.max_loras_per_batch if config.enable_lora else 0, tp_size=config.tp_size)
         self.config = config
         self.grammars = grammars
         self.journal = StepJournal(config.replay_window_s, config.replay_window_mb * 1024 * 1024)
@@ -104,7 +107,7 @@ class SchedulerService(RolloutCalls, LoraCalls):
         self._queues: tuple[asyncio.Queue, ...] = ()  # the same, for the engine thread to read
         self.engine = Engine(runner, config, publish=self._publish_threadsafe, wait_for_room=self._wait_for_room,
                              behind=self._behind, occupation=occupation)
-        RolloutCalls.__init__(self, weights, WeightGroups(runner.device, config.weights_sync_timeout_s)
+        RolloutCalls.__init__(self, weights, WeightGroups(runner.device, config.weights_sync_timeout_s, weights.ranks)
                               if weights else None)
 
     def _wait_for_room(self) -> None:
@@ -221,25 +224,39 @@ class SchedulerService(RolloutCalls, LoraCalls):
         return self.engine.stats
 
 
+def runner_arguments(config: SchedulerConfig, model_dir: Path) -> dict:
+    """ModelRunner's arguments of the config (every tensor-parallel rank's the same, but for the device)."""
+    return dict(model_dir=model_dir, device=rank_device(config.device, 0) if config.tp_size > 1 else config.device,
+                dtype=config.dtype, context_length=config.context_length, max_running=config.max_running_requests,
+                page_size=config.page_size, max_total_tokens=config.max_total_tokens,
+                mem_fraction_static=config.mem_fraction_static, logits_chunk_rows=config.logits_chunk_rows,
+                routed_experts=config.enable_return_routed_experts, attention_backend=config.attention_backend,
+                cuda_graph_max_bs=config.cuda_graph_max_bs if config.enable_cuda_graph else 0,
+                load_format=config.load_format, state_checkpoints=config.state_checkpoints,
+                kv_cache_dtype=config.kv_cache_dtype, lora=config.lora_layers,
+                linear_attention_backend=config.linear_attention_backend)
+
+
 async def serve(config: SchedulerConfig) -> None:
     resolve_internal_secret(config, log)
     model_dir = resolve_model(config.model, config.cache_dir)
     runner: StepRunner
+    ranks: Ranks | None = None
     if config.engine == "synthetic":
         runner = await asyncio.to_thread(SyntheticRunner, model_dir, config.context_length, config.max_top_logprobs,
                                          config.step_ms, config.page_size, config.max_total_tokens)
     else:
-        runner = await asyncio.to_thread(
-            ModelRunner, model_dir, config.device, config.dtype, config.context_length, config.max_running_requests,
-            config.page_size, config.max_total_tokens, config.mem_fraction_static, config.logits_chunk_rows,
-            config.enable_return_routed_experts, config.attention_backend,
-            config.cuda_graph_max_bs if config.enable_cuda_graph else 0, config.load_format, config.state_checkpoints,
-            config.kv_cache_dtype, config.lora_layers, config.linear_attention_backend)
+        arguments = runner_arguments(config, model_dir)
+        if config.tp_size > 1:
+            ranks = await asyncio.to_thread(Ranks.start, config.tp_size, arguments, config.log_level,
+                                            config.weights_sync_timeout_s)
+        runner = await asyncio.to_thread(ModelRunner, **arguments, ranks=ranks.group if ranks else None)
     if runner.device.type == "cpu":
         keep_big_blocks()  # each step's [batch, vocab] temporaries reuse the last step's memory
     # A Hub model by its id, any other by its directory's name, never its path (clients see it; the gateway's
     # --served-model-name wins).
-    weights = ServedWeights(runner.model, model_dir, runner.eos_token_ids) if isinstance(runner, ModelRunner) else None
+    weights = (ServedWeights(runner.model, model_dir, runner.eos_token_ids, runner.sharding,
+                             ranks.group if ranks else None) if isinstance(runner, ModelRunner) else None)
     grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids, cache_root(config.cache_dir))
     grammars.prepare()  # in the background: the first constrained request finds the vocabulary read
     service = SchedulerService(config, model_name(config.model, model_dir), runner, weights, grammars)
@@ -257,6 +274,8 @@ async def serve(config: SchedulerConfig) -> None:
     await stop_requested()
     log.info("stopping")
     await asyncio.to_thread(service.engine.stop)  # its last steps are queued before the end of the streams
+    if ranks is not None:
+        await asyncio.to_thread(ranks.stop)
     service.end_streams()
     await server.stop(grace=1.0)
     if service.engine.failure is not None:

@@ -118,6 +118,9 @@ def test_gpu_override_reserves_a_gpu_for_the_scheduler(services):
     assert set(override) == {"scheduler"}
     devices = override["scheduler"]["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in device["capabilities"] for device in devices)
+    # --tp-size N takes N GPUs: the reservation follows the variable the scheduler reads.
+    assert [device["count"] for device in devices] == ["${FLATWIRE_TP_SIZE:-1}"]
+    assert override["scheduler"]["environment"]["FLATWIRE_TP_SIZE"] == "${FLATWIRE_TP_SIZE:-1}"
     # Its own CUDA image: the base file's CPU image must not be overwritten by (or run) it.
     assert override["scheduler"]["build"]["args"]["TORCH_VARIANT"] == "cuda"
     assert override["scheduler"]["image"] != services["scheduler"]["image"]

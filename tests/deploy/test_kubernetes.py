@@ -291,8 +291,9 @@ def test_tls_overlay_gives_every_container_the_tls_secret(rendered):
 def test_gpu_overlay_gives_each_scheduler_a_gpu_and_the_cuda_image(rendered):
     gpu, cpu = containers(rendered["gpu"]), containers(rendered["cpu"])
     _, scheduler = gpu["scheduler"]
-    assert int(scheduler["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert int(scheduler["resources"]["limits"]["nvidia.com/gpu"]) == 1 == int(plain(scheduler, "FLATWIRE_TP_SIZE"))
     assert plain(scheduler, "FLATWIRE_DEVICE") == "cuda"
+    assert "/dev/shm" in [mount["mountPath"] for mount in scheduler["volumeMounts"]]  # NCCL's, with --tp-size
     assert scheduler["image"].split(":")[0].endswith("flatwire-cuda")
     for name in ("detokenizer", "gateway"):  # beside it and in front of it: the CPU image, no GPU
         _, container = gpu[name]

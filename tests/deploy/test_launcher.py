@@ -327,11 +327,11 @@ def test_given_options_go_to_the_services_that_have_them():
     assert parse_up([], "flatwire up") == (UpConfig(), {service: [] for service in SERVICES}, {})
 
 
-def test_up_takes_vllm_s_names_of_the_lora_options_and_passes_sglang_s():
+def test_up_takes_vllm_s_names_of_the_lora_and_parallel_options_and_passes_sglang_s():
     _, flags, _ = parse_up(["--enable-lora", "--max-loras", "3", "--lora-modules", "a=/x", "--max-cpu-loras", "6",
-                            "--max-lora-rank", "32"], "flatwire up")
+                            "--max-lora-rank", "32", "--tensor-parallel-size", "2"], "flatwire up")
     assert set(flags["scheduler"]) == {"--enable-lora=true", "--max-loras-per-batch=3", "--lora-paths=a=/x",
-                                       "--max-loaded-loras=6", "--max-lora-rank=32"}
+                                       "--max-loaded-loras=6", "--max-lora-rank=32", "--tp-size=2"}
     assert flags["gateway"] == flags["detokenizer"] == []
 
 

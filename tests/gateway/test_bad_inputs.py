@@ -19,6 +19,7 @@ from services.gateway.protocol.intake import GenerateInput
 from services.gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.protocol.parse import rename_field
 from services.gateway.protocol.sglang import GenerateRequest
+from services.gateway.protocol.vllm_generate import InferenceGenerateRequest
 from tests.gateway.bodies import CHAT, COMPLETION
 
 INT32_OVERFLOW = 2**31
@@ -244,7 +245,7 @@ def test_undecodable_payloads_are_invalid_argument_without_a_traceback(stack, lo
 
 @pytest.mark.parametrize(("path", "model"), [
     ("/generate", GenerateRequest), ("/v1/chat/completions", ChatCompletionRequest),
-    ("/v1/completions", CompletionRequest)])
+    ("/v1/completions", CompletionRequest), ("/inference/v1/generate", InferenceGenerateRequest)])
 def test_openapi_declares_request_bodies(http, path, model):
     document = http.get("/openapi.json").json()
     body = document["paths"][path]["post"]["requestBody"]

@@ -1,7 +1,8 @@
 """LoRA adapters through the whole pipeline (issue 50): SGLang's and vLLM's routes load and unload them (admin),
 `/generate` runs one by lora_path, the `openai` client by its name as the model (listed in /v1/models with vLLM's
 parent and root), and cache_salt isolates prefix-cache entries. Adapters are made by PEFT on the default model;
-greedy outputs are checked against PEFT's merge of each into the weights, run by transformers."""
+greedy outputs are checked against PEFT's merge of each into the weights, run by transformers. vLLM's token route,
+/inference/v1/generate, runs an adapter named as its model, as SkyRL sends it."""
 
 import base64
 import pickle
@@ -92,6 +93,20 @@ def test_the_openai_client_runs_an_adapter_named_as_the_model(client, greedy):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="nobody", prompt=PROMPT, max_tokens=2)
     assert missing.value.body["param"] == "model" and "`nobody` does not exist" in missing.value.body["message"]
+
+
+def test_vllm_token_route_runs_the_adapter_its_model_names(http, greedy):
+    """/inference/v1/generate as SkyRL's _generate_single sends it with LoRA (RemoteInferenceClient._resolve_model:
+    the adapter's name as `model`): the adapter's tokens; the base model's by its name; an adapter not loaded 404."""
+    base = http.get("/v1/models").json()["data"][0]["id"]
+    for model, expected in (("start", greedy["start"]), (base, greedy[None])):
+        reply = post(http, "/inference/v1/generate", {"model": model, "token_ids": PROMPT, "sampling_params": {
+            "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected and reply.json()["model"] == model
+    missing = post(http, "/inference/v1/generate", {"model": "nobody", "token_ids": PROMPT,
+                                                     "sampling_params": {"max_tokens": 2}})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
 def test_sglang_routes_load_and_unload_an_adapter_by_path(http, adapter_dirs, greedy):

@@ -61,15 +61,16 @@ def test_completions_prompt_logprobs_in_vllms_shape(openai_client, served_model,
     assert getattr(plain.choices[0], "prompt_logprobs", None) is None  # only when asked for
 
 
-def test_chat_prompt_logprobs_are_top_level_over_the_templated_prompt(openai_client, served_model, stack_reference_model,
-                                                                     tokenizer):
+def test_chat_prompt_logprobs_are_top_level_over_the_templated_prompt(openai_client, served_model,
+                                                                     stack_reference_model, tokenizer):
     """prime-rl's scoring request asks for 1; 0 gives the prompt tokens' own logprobs alone."""
     for k in (0, 1):
         reply = openai_client.chat.completions.create(
             model=served_model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=2,
             temperature=0, logprobs=True, top_logprobs=2, extra_body={"prompt_logprobs": k, "return_token_ids": True})
         ids = reply.prompt_token_ids
-        check_prompt_logprobs(reply.prompt_logprobs, ids, k, reference_prompt_logprobs(stack_reference_model, ids), tokenizer)
+        expected = reference_prompt_logprobs(stack_reference_model, ids)
+        check_prompt_logprobs(reply.prompt_logprobs, ids, k, expected, tokenizer)
         assert all(len(token.top_logprobs) == 2 for token in reply.choices[0].logprobs.content)
 
 

@@ -6,9 +6,6 @@ Greedy outputs are checked against transformers' generate on the weights the tra
 module (its weights change under the tests): two schedulers, a detokenizer, a gateway with an admin key.
 """
 
-import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from harness.checkpoints import perturbed_checkpoint
 from harness.procs import free_port
 from harness.stack import running
+from harness.trainer_process import Trainer
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "admin-rl-sync"
@@ -70,31 +68,9 @@ def served_greedy(http) -> list[list[int]]:
     return [list(output) for output in outputs]
 
 
-class Trainer:
-    """harness/trainer.py as a process: rank 0 of the group, broadcasting `checkpoint`."""
-
-    def __init__(self, checkpoint: Path, *options: str, group: str = "weight_update_group"):
-        self.port, self.group = free_port(), group
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.trainer", "--port", str(self.port),
-                                      "--world-size", str(1 + REPLICAS), "--checkpoint", str(checkpoint),
-                                      "--group-name", group, *options], stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.tensors = json.loads(self.proc.stdout.readline())  # names, dtypes, shapes
-
-    def join(self, http) -> dict:
-        reply = http.post("/init_weights_update_group", json={
-            "master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1, "world_size": 1 + REPLICAS,
-            "group_name": self.group, "backend": "gloo"})
-        assert reply.status_code == 200, reply.text
-        return reply.json()
-
-    def wait(self) -> int:
-        return self.proc.wait(timeout=120)
-
-
 def test_a_trainer_broadcasts_weights_to_every_replica(stack, http, model_dir, perturbed_dir):
     assert served_greedy(http) == [transformers_greedy(model_dir)]
-    trainer = Trainer(perturbed_dir)
+    trainer = Trainer(perturbed_dir, 1 + REPLICAS)
     joined = trainer.join(http)
     assert joined["success"] and sorted(r["message"].split(" as rank ")[1] for r in joined["replicas"].values()) == [
         "1 of 3", "2 of 3"]
@@ -107,7 +83,7 @@ def test_a_trainer_broadcasts_weights_to_every_replica(stack, http, model_dir, p
 
 def test_a_trainer_that_dies_mid_broadcast_leaves_the_old_weights(stack, http, model_dir, perturbed_dir):
     before = served_greedy(http)
-    trainer = Trainer(model_dir, "--die-after", "3", group="dying")
+    trainer = Trainer(model_dir, 1 + REPLICAS, "--die-after", "3", group="dying")
     trainer.join(http)
     started = time.monotonic()
     reply = http.post("/update_weights_from_distributed", json={**trainer.tensors, "group_name": "dying"})
@@ -121,7 +97,7 @@ def test_a_trainer_that_dies_mid_broadcast_leaves_the_old_weights(stack, http, m
 
 def test_a_flattened_bucket_in_another_dtype_is_cast_and_swapped_in(stack, model_dir, perturbed_dir):
     with FlatwireClient(stack.grpc_address, admin_api_key=ADMIN_KEY) as client:
-        trainer = Trainer(model_dir, "--bucket", "--dtype", "bfloat16", group="bucket")
+        trainer = Trainer(model_dir, 1 + REPLICAS, "--bucket", "--dtype", "bfloat16", group="bucket")
         joined = client.init_weights_update_group("127.0.0.1", trainer.port, 1, 1 + REPLICAS, "bucket", "gloo")
         assert joined.success, joined.message
         updated = client.update_weights_from_distributed(**trainer.tensors, group_name="bucket",
@@ -141,7 +117,7 @@ def test_a_flattened_bucket_in_another_dtype_is_cast_and_swapped_in(stack, model
 def test_a_float64_state_dict_is_received_whole(stack, http, model_dir):
     """Twice the served model's float32 bytes: received and cast (it was refused before the broadcast, so that
     the trainer's collective hung until it timed out)."""
-    trainer = Trainer(model_dir, "--dtype", "float64", group="wide")
+    trainer = Trainer(model_dir, 1 + REPLICAS, "--dtype", "float64", group="wide")
     assert trainer.join(http)["success"]
     reply = http.post("/update_weights_from_distributed", json={**trainer.tensors, "group_name": "wide"})
     assert reply.json()["success"], reply.text
@@ -152,7 +128,7 @@ def test_a_float64_state_dict_is_received_whole(stack, http, model_dir):
 
 def test_refused_updates_change_nothing(stack, http, model_dir):
     before = served_greedy(http)
-    trainer = Trainer(model_dir, group="checked")
+    trainer = Trainer(model_dir, 1 + REPLICAS, group="checked")
     trainer.join(http)
     wrong = {**trainer.tensors, "group_name": "checked"}
     wrong["names"] = ["model.no_such.weight", *wrong["names"][1:]]
@@ -267,7 +243,7 @@ def test_released_memory_is_given_back_and_resumed(stack, http, model_dir):
 
 
 def test_weights_from_a_broadcast_resume_as_zeros_until_the_next_update(stack, http, model_dir, perturbed_dir):
-    trainer = Trainer(perturbed_dir, group="cycle")
+    trainer = Trainer(perturbed_dir, 1 + REPLICAS, group="cycle")
     trainer.join(http)
     assert http.post("/update_weights_from_distributed", json={**trainer.tensors, "group_name": "cycle"}).json()[
         "success"]
@@ -277,7 +253,7 @@ def test_weights_from_a_broadcast_resume_as_zeros_until_the_next_update(stack, h
     assert resumed.json()["success"] and "zeros until the next update" in resumed.json()["message"]
     waiting = http.post("/generate", json={"input_ids": PROMPT})
     assert waiting.status_code == 503 and "update every tensor" in waiting.text
-    trainer = Trainer(perturbed_dir, group="cycle")  # the RL cycle: resume, then the trainer's new weights
+    trainer = Trainer(perturbed_dir, 1 + REPLICAS, group="cycle")  # the RL cycle: resume, then new weights
     http.post("/destroy_weights_update_group", json={"group_name": "cycle"})
     trainer.join(http)
     assert http.post("/update_weights_from_distributed", json={**trainer.tensors, "group_name": "cycle"}).json()[

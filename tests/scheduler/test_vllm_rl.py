@@ -1,4 +1,5 @@
 """vLLM's RL routes (issue 50): /pause, /resume, /is_paused, /sleep, /wake_up, /is_sleeping, /reset_prefix_cache,
+prime-rl's /update_weights and vLLM's /weight_info,
 driven as the frameworks' sources drive vLLM (each client below names the file it reproduces and sends what it
 sends, with the HTTP library it uses), and checked by what the server does: requests frozen, ended or finished,
 memory released and brought back, greedy outputs against transformers.
@@ -30,7 +31,8 @@ from tests.scheduler.test_rollout_control import Streaming, prompt, wait_until
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
 VLLM_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"),
-               ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache")]
+               ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache"),
+               ("POST", "/update_weights"), ("GET", "/weight_info")]
 
 
 class SkyRL:
@@ -102,6 +104,16 @@ class PrimeRL:
 
     def resume_engines(self) -> None:
         self._admin_post("/resume")
+
+    def update_weights(self, weight_dir: Path) -> None:
+        """update_weights without a LoRA name: pause, the NCCL_READY marker in weight_dir, /update_weights with the
+        directory (its vLLM server's own route: the filesystem worker loads it), resume whatever happened."""
+        self.pause_engines()
+        try:
+            (weight_dir / "NCCL_READY").touch()
+            self._admin_post("/update_weights", json={"weight_dir": weight_dir.as_posix()})
+        finally:
+            self.resume_engines()
 
 
 class TRL:
@@ -322,6 +334,24 @@ def test_prime_rl_pauses_in_place_around_its_weight_update(stack, http, model_di
     assert http.post("/update_weights_from_disk", json={"model_path": str(model_dir)}).json()["success"]
     prime.resume_engines()
     assert stream.result()["output_ids"] == references["served", 2]
+
+
+def test_prime_rl_filesystem_weight_update(stack, http, model_dir, perturbed_dir, references, tmp_path):
+    """prime-rl's update_weights (filesystem broadcast): the checkpoint it names is served after resume, and
+    /weight_info reports the version; vLLM's update_info is refused by name (its NCCL engine is not served)."""
+    prime = PrimeRL(stack.http_url + "/v1")
+    prime.update_weights(perturbed_dir)
+    assert not http.get("/is_paused").json()["is_paused"]
+    assert greedy(http, 3).json()["output_ids"] == references["perturbed", 3]
+    assert set(http.get("/weight_info").json()) == {"weight_version"}
+    missing = http.post("/update_weights", json={"weight_dir": str(tmp_path / "none")})
+    assert missing.status_code == 400 and "none" in missing.text
+    vllm_native = http.post("/update_weights", json={"update_info": {"names": ["lm_head.weight"],
+                                                                     "dtype_names": ["float32"], "shapes": [[1]]}})
+    assert vllm_native.status_code == 400 and vllm_native.json()["error"]["param"] == "update_info"
+    assert http.post("/update_weights", json={}).json()["error"]["param"] == "weight_dir"
+    prime.update_weights(model_dir)
+    assert greedy(http, 3).json()["output_ids"] == references["served", 3]
 
 
 def test_trl_async_grpo_client_pauses_and_resumes(stack, http):

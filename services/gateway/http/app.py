@@ -1,5 +1,5 @@
-"""The gateway's FastAPI app: SGLang /generate, OpenAI /v1/*, SGLang's and vLLM's rollout control, /health,
-/metrics."""
+"""The gateway's FastAPI app: SGLang /generate, OpenAI /v1/*, vLLM's /inference/v1/generate, SGLang's and vLLM's
+rollout control, /health, /metrics."""
 
 import asyncio
 import logging
@@ -12,7 +12,17 @@ from starlette.requests import ClientDisconnect
 
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient, RequestError
-from services.gateway.http import generate, loads, lora, native, openai_chat, openai_completions, rollout, vllm_rl
+from services.gateway.http import (
+    generate,
+    loads,
+    lora,
+    native,
+    openai_chat,
+    openai_completions,
+    rollout,
+    vllm_generate,
+    vllm_rl,
+)
 from services.gateway.http.auth import ApiKeyMiddleware
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import (
@@ -53,6 +63,7 @@ def create_app(engine: EngineClient, config: GatewayConfig) -> FastAPI:
     app.include_router(loads.router)
     app.include_router(rollout.router)
     app.include_router(vllm_rl.router)
+    app.include_router(vllm_generate.router)
     app.include_router(lora.router)
     add_request_schemas(app)  # the routes read raw bodies: declare them in /openapi.json
 

@@ -23,7 +23,7 @@ ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tens
                          "/weights_checker", "/post_process_weights",
                          # vLLM's (http/vllm_rl.py)
                          "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
-                         "/reset_prefix_cache",
+                         "/reset_prefix_cache", "/update_weights", "/weight_info",
                          # LoRA adapters, SGLang's and vLLM's (http/lora.py)
                          "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
                          "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

@@ -173,20 +173,20 @@ async def server_info(request: Request) -> Response:
 def sglang_server_args(info: ModelInfo, replicas: int) -> dict:
     """SGLang's ServerArgs that slime and miles compare with what they would have launched when they attach to a
     running engine (--rollout-external: slime/backends/sglang_utils/sglang_engine.py, and miles' of that name), each
-    with flatwire's true value. Each scheduler replica is one process on one device (one node, no tensor, pipeline
-    or expert parallelism), as SGLang's data-parallel ranks are; a setting flatwire has no such thing for is
-    SGLang's default only where that default is true here (no LoRA, no prefill/decode disaggregation, no indexer
+    with flatwire's true value. Each scheduler replica is one engine on one node, its model cut over --tp-size
+    devices (no pipeline or expert parallelism), as SGLang's data-parallel ranks are; a setting flatwire has no such
+    thing for is SGLang's default only where that default is true here (no prefill/decode disaggregation, no indexer
     top-k)."""
     return {
         "nnodes": 1, "node_rank": 0,
-        "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": replicas,
+        "tp_size": info.tp_size, "pp_size": 1, "ep_size": 1, "dp_size": replicas,
         # The device the (first) replica computes on; SGLang's 0 on a CPU, as SGLang itself reports it there.
         "base_gpu_id": int(info.device.partition(":")[2] or 0), "gpu_id_step": 1,
         # release_memory_occupation frees the model's memory (SGLang needs --enable-memory-saver for that).
         "enable_memory_saver": info.releases_memory,
         "enable_return_routed_experts": info.return_routed_experts,
         "enable_return_indexer_topk": False,
-        "enable_lora": False,
+        "enable_lora": info.max_loras_per_batch > 0,
         "load_format": info.load_format,
         "disaggregation_mode": "null",
         "encoder_only": False,

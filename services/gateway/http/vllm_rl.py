@@ -21,6 +21,10 @@ replica; there is no state of their own.
   body, as SkyRL's server takes it): {"success"}: false while requests run, unless reset_running_requests retracts
   them first (they are prefilled again). flatwire has no external (KV connector) cache: reset_external adds nothing.
 
+- POST /update_weights {"weight_dir"}: prime-rl's (its vLLM server's own route of that path): every replica loads
+  the checkpoint directory (SGLang's /update_weights_from_disk); {"status": "ok"}. vLLM's {"update_info"}, for its
+  weight-transfer engine, is refused by name (UpdateWeightsBody says why).  GET /weight_info: {"weight_version"}.
+
 The is_ routes answer for every replica (each one's state under `replicas`). A query parameter that vLLM's route
 does not take, or a body (but reset_prefix_cache's), is refused by name; a replica that refuses answers 400 with
 why, one that does not answer 503.
@@ -36,7 +40,7 @@ from flatwire_wire import control
 from flatwire_wire.control import MEMORY_TAGS, FlushCacheRequest, PauseMode, WeightsRelease
 from flatwire_wire.public import ControlResponse
 from flatwire_wire.scheduler import SchedulerClient, SchedulerStats
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.gateway.http.context import Gateway, gateway_of
 from services.gateway.http.errors import error_response
@@ -243,3 +247,46 @@ async def reset_prefix_cache(request: Request, gateway: Gateway) -> Response:
     return _json({"success": response.success, "message": response.message,
                   "replicas": {address: {"success": reply.success, "message": reply.message}
                                for address, reply in sorted(response.replicas.items())}})
+
+
+class UpdateWeightsBody(RequestModel):
+    """POST /update_weights: vLLM's takes {"update_info"} for its weight-transfer engine, which flatwire has not
+    (refused by name: its NCCL engine joins vLLM's own StatelessProcessGroup and PyNccl communicator, not a
+    torch.distributed group; its IPC engine passes CUDA handles); prime-rl's vLLM server (its own route of this path,
+    prime_rl/inference/vllm/server.py) takes {"weight_dir"}, a checkpoint directory every worker loads: here
+    SGLang's update from disk."""
+
+    weight_dir: str | None = Field(None, min_length=1)
+    update_info: typing.Any = None
+
+    @model_validator(mode="after")
+    def _weight_dir(self) -> "UpdateWeightsBody":
+        if self.update_info is not None:
+            raise InvalidRequest("update_info", "update_info: vLLM's weight-transfer engines are not served here "
+                                 "(its NCCL engine's trainer joins vLLM's own StatelessProcessGroup, not a "
+                                 "torch.distributed group); broadcast over one with /init_weights_update_group and "
+                                 "/update_weights_from_distributed, or give weight_dir, a checkpoint directory")
+        if self.weight_dir is None:
+            raise InvalidRequest("weight_dir", "weight_dir: required (a checkpoint directory to load)")
+        return self
+
+
+@router.post("/update_weights", openapi_extra=request_body(UpdateWeightsBody))
+@_answering
+async def update_weights(request: Request, gateway: Gateway) -> Response:
+    """prime-rl's filesystem weight update: {"status": "ok"} once every replica serves the checkpoint (400 with
+    why where one refused, as /update_weights_from_disk)."""
+    await _query(NoQuery, request, gateway, body=True)
+    body = parse_body(UpdateWeightsBody, await request.body() or b"{}", gateway.limits)
+    assert body.weight_dir is not None  # _weight_dir
+    load = control.UpdateWeightsFromDiskRequest(model_path=body.weight_dir)
+    await _everywhere(gateway, lambda client: client.update_weights_from_disk(load))
+    return _json({"status": "ok"})
+
+
+@router.get("/weight_info")
+@_answering
+async def weight_info(request: Request, gateway: Gateway) -> Response:
+    """vLLM's {"weight_version"}: the version the replicas serve (null before any was set)."""
+    await _query(NoQuery, request, gateway)
+    return _json({"weight_version": gateway.engine.schedulers.weight_version() or None})

@@ -27,6 +27,7 @@ from services.gateway.protocol.parse import (
     check_batch_size,
     check_token_ids,
     check_top_k,
+    check_vllm_top_k,
     is_token_ids,
     limits_of,
     logprobs_mode,
@@ -91,6 +92,20 @@ def _no_other_constraint(value: ResponseFormat | None, info: ValidationInfo) -> 
 TOP_P_FIELD = "custom_params.return_top_p_token_ids"
 
 
+def model_adapter(model: str, names: list[str], lora: bool) -> str:
+    """The LoRA adapter a request's `model` names ("": the served model, by any of its `names`): `<served>:<adapter>`
+    (SGLang's way) or, when the schedulers serve adapters (`lora`), the adapter's own name (vLLM's); else 404."""
+    base = next((name for name in names if model.startswith(name + ":")), None)
+    if model in names:
+        return ""
+    if base is not None:
+        return model[len(base) + 1:]
+    if lora:
+        return model
+    raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves `{names[0]}`",
+                         status=404, code="model_not_found")
+
+
 class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     """What chat and completions share."""
 
@@ -144,17 +159,7 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
         the schedulers serve adapters), which `model` names (vLLM's way: the adapter's own name; SGLang's:
         `<served>:<adapter>`) or lora_path does beside the served model's name (SGLang's). Whether such an adapter is
         loaded, the scheduler says (404 naming it)."""
-        model = self.model
-        base = next((name for name in names if model.startswith(name + ":")), None)
-        if model in names:
-            adapter = ""
-        elif base is not None:
-            adapter = model[len(base) + 1:]
-        elif lora:
-            adapter = model
-        else:
-            raise InvalidRequest("model", f"The model `{model}` does not exist; this server serves `{names[0]}`",
-                                 status=404, code="model_not_found")
+        adapter = model_adapter(self.model, names, lora)
         path = self.lora_path if isinstance(self.lora_path, str) else ""  # a list is refused (_one_adapter)
         if adapter and path and path != adapter:
             raise InvalidRequest("lora_path", f"lora_path: {path!r}, but model names the adapter {adapter!r}")
@@ -187,13 +192,7 @@ class OpenAIRequest(SamplingFields, DetokenizeFields, SGLangServerFields):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs_range(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value == -1:
-            vocab, limit = limits_of(info).vocab_size, limits_of(info).max_top_logprobs
-            if vocab > limit:
-                raise ValueError(f"-1 (the whole vocabulary: {vocab} per position) exceeds this server's maximum "
-                                 f"of {limit}")
-            return value
-        return value if value is None else check_top_k("prompt_logprobs", value, info)
+        return value if value is None else check_vllm_top_k("prompt_logprobs", value, info)
 
     @model_validator(mode="after")
     def _vllm_fields(self, info: ValidationInfo) -> "OpenAIRequest":

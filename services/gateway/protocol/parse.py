@@ -97,6 +97,18 @@ def check_top_k(name: str, k: int, info: ValidationInfo) -> int:
     return k
 
 
+def check_vllm_top_k(name: str, k: int, info: ValidationInfo) -> int:
+    """vLLM's logprobs and prompt_logprobs: a top-k, or -1 for the whole vocabulary (where the server's maximum
+    allows that many)."""
+    if k == -1:
+        vocab, limit = limits_of(info).vocab_size, limits_of(info).max_top_logprobs
+        if vocab > limit:
+            raise ValueError(f"-1 (the whole vocabulary: {vocab} per position) exceeds this server's maximum "
+                             f"of {limit}")
+        return k
+    return check_top_k(name, k, info)
+
+
 def check_batch_size(param: str, count: int, what: str, info: ValidationInfo) -> None:
     """Refuse a request of more than max_batch_size sub-requests; `what` says how they were counted."""
     limit = limits_of(info).max_batch_size

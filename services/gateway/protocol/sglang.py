@@ -73,10 +73,15 @@ class SGLangServerFields(RequestModel):
     return_prompt_token_ids: Annotated[bool | None, unsupported(None, False)] = None
 
     def cache_namespace(self) -> str:
-        """The prefix-cache namespace cache_salt and extra_key ask for ("": the shared one)."""
-        if not (self.cache_salt or self.extra_key):
-            return ""
-        return json.dumps([self.cache_salt or "", self.extra_key or ""])
+        return cache_namespace(self.cache_salt, self.extra_key)
+
+
+def cache_namespace(cache_salt: str | None, extra_key: str | None = None) -> str:
+    """The prefix-cache namespace vLLM's cache_salt and SGLang's extra_key ask for ("": the shared one): the same
+    on every route, so that requests share cached KV exactly when they give the same ones."""
+    if not (cache_salt or extra_key):
+        return ""
+    return json.dumps([cache_salt or "", extra_key or ""])
 
 
 class SGLangGenerateFields(SGLangServerFields):

@@ -168,6 +168,9 @@ class RolloutControl:
             return self._refused("Weights not checked: --engine synthetic has no weights.")
         if "weights" in self.occupation.released:
             return self._refused("Weights not checked: they are released; resume_memory_occupation first.")
+        if self.occupation.weights.ranks is not None:
+            return self._refused("Weights not checked: weights_checker sees rank 0's share alone, and --tp-size "
+                                 "cuts the model over several ranks.")
         checker = self.checker
         try:
             match command.action:

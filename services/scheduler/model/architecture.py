@@ -94,14 +94,18 @@ def check_supported(name: str, config) -> None:
                                    f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
 
 
-def layer_specs(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[LayerSpec]:
+def layer_specs(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                tp_size: int = 1) -> list[LayerSpec]:
     """What each decoder layer keeps: its pages (keys and values, a latent) stored in `kv_dtype` (--kv-cache-dtype;
     None: `dtype`), a linear-attention layer's state in `dtype` (as SGLang's --kv-cache-dtype leaves that state's
-    dtype alone: an 8-bit recurrent state would round again at every step)."""
+    dtype alone: an 8-bit recurrent state would round again at every step). With `tp_size` ranks, one rank's: its
+    share of the KV heads (parallel/sharding.py)."""
     check_supported(name, text_config)
     layers = int(text_config.num_hidden_layers)
     pages = kv_dtype or dtype
     if latent := getattr(text_config, "kv_lora_rank", None):  # DeepSeek V3, Kimi K2: model/mla.py
+        if tp_size > 1:
+            raise UnsupportedModel(f"{name}: multi-head latent attention is not sharded yet (--tp-size {tp_size})")
         return [MLASpec(int(latent), int(text_config.qk_rope_head_dim), pages)] * layers
     window = getattr(text_config, "sliding_window", None) or 0
     layer_types = list(getattr(text_config, "layer_types", None) or
@@ -114,13 +118,18 @@ def layer_specs(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtyp
     heads = int(text_config.num_attention_heads)
     head_dim = int(getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads)
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    if heads % tp_size or kv_heads % tp_size:
+        raise UnsupportedModel(f"{name}: --tp-size {tp_size} does not divide its {heads} attention heads and "
+                               f"{kv_heads} KV heads: each rank keeps whole heads")
     attention: dict[str, LayerSpec] = {
-        kind: AttentionSpec(kv_heads, head_dim, pages, window if kind == "sliding_attention" else 0)
+        kind: AttentionSpec(kv_heads // tp_size, head_dim, pages, window if kind == "sliding_attention" else 0)
         for kind in ("full_attention", "sliding_attention")}
     if "linear_attention" in layer_types:
         if getattr(text_config, "linear_num_key_heads", None) is None:
             raise UnsupportedModel(f"{name}: linear_attention layers that are not Gated DeltaNet (Qwen3.5's, "
                                    "Qwen3-Next's): the only linear attention this engine runs")
+        if tp_size > 1:
+            raise UnsupportedModel(f"{name}: linear-attention layers are not sharded yet (--tp-size {tp_size})")
         attention["linear_attention"] = gated_delta_spec(text_config, dtype)
     return [attention[kind] for kind in layer_types[:layers]]
 
@@ -134,9 +143,10 @@ def gated_delta_spec(text_config, dtype: torch.dtype) -> RecurrentSpec:
                          value_dim=value_dim, dtype=dtype)
 
 
-def layout_of(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> KVLayout:
-    """The model's decoder layers laid out by the memory they keep (layer_specs' dtypes)."""
-    return kv_layout(layer_specs(name, text_config, dtype, kv_dtype))
+def layout_of(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+              tp_size: int = 1) -> KVLayout:
+    """The model's decoder layers laid out by the memory they keep (layer_specs' dtypes and ranks)."""
+    return kv_layout(layer_specs(name, text_config, dtype, kv_dtype, tp_size))
 
 
 def route_layers(name: str, model: torch.nn.Module, layout: KVLayout, attention_backend: str,

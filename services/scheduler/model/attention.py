@@ -13,6 +13,7 @@ the layer's sliding window if it has one, with its attention sinks if it has the
 - triton (model/triton_attention.py): a paged kernel that reads the pages in place.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from services.scheduler.model.linear_attention import StateRows
 
 ATTENTION_NAME = "flatwire"
+PageTable = Sequence[int] | np.ndarray  # a row's pages in one layer group, in order
 BACKENDS = ("torch", "triton")
 
 
@@ -83,7 +85,7 @@ class PagedBatch:
     states: "StateRows | None" = None  # the rows' linear-attention state slots (model/linear_attention.py)
 
     @classmethod
-    def build(cls, pool: KVPool, tables: list[list[list[int]]], starts: np.ndarray, ends: np.ndarray,
+    def build(cls, pool: KVPool, tables: Sequence[Sequence[PageTable]], starts: np.ndarray, ends: np.ndarray,
               device: torch.device, backend: str = "torch", query_group: int = 1,
               states: "StateRows | None" = None) -> "PagedBatch":
         """Row i feeds positions [starts[i], ends[i]) of its request, whose KV lives in tables[g][i] in layer group

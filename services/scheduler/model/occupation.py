@@ -26,6 +26,7 @@ from flatwire_wire.control import MEMORY_TAGS, WeightsRelease
 from services.common.memory import trim_now
 from services.scheduler.kv.pool import KVPool
 from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
+from services.scheduler.parallel.calls import Release, Resume
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class MemoryOccupation:
         return None
 
     def release(self, tags: list[str], weights: WeightsRelease = WeightsRelease.UNSPECIFIED) -> str:
-        """Release `tags`; the caller has the runner forget its decode graphs (they read the memory released)."""
+        """Release `tags`, on every tensor-parallel rank; the caller has the runner forget its decode graphs (they
+        read the memory released)."""
+        if self.weights.ranks is not None:
+            self.weights.ranks.tell(Release(tuple(tags), weights))
         done = []
         if "kv_cache" in tags and "kv_cache" not in self.released:
             self.kv.release()
@@ -88,6 +92,8 @@ class MemoryOccupation:
         return said + self._not_held(tags)
 
     def resume(self, tags: list[str]) -> str:
+        if self.weights.ranks is not None:
+            self.weights.ranks.tell(Resume(tuple(tags)))
         done = []
         if "weights" in tags and "weights" in self.released:
             done.append(f"weights ({self._resume_weights()})")
@@ -151,7 +157,7 @@ class MemoryOccupation:
             for tensor, (shape, dtype) in zip(tensors, self._shapes):
                 tensor.data = torch.zeros(shape, dtype=dtype, device=self.device)
         if self.source is not None:
-            self.weights.read_checkpoint(str(self.source), "").install()
+            self.weights.read_checkpoint(str(self.source), "").install_here()  # each rank resumes its own
             return f"read again from {self.source}"
         self.awaiting_update = True
         return f"zeros until the next update: {self._zeros_because}"

@@ -8,6 +8,7 @@ off its page table when it ends. Dense layers (a MoE model's mlp_only_layers) ke
 """
 
 import re
+from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from services.scheduler.kv.pool import KVPool
+from services.scheduler.model.attention import PageTable
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -60,7 +62,7 @@ class ExpertRouting:
             self.kv.routed_experts[pages, offsets, layer] = output[2].to(torch.int32)
 
     @contextmanager
-    def recording(self, page_tables: list[list[int]], starts: np.ndarray, ends: np.ndarray):
+    def recording(self, page_tables: Sequence[PageTable], starts: np.ndarray, ends: np.ndarray):
         """While a forward runs over rows of these page tables, positions [start, end) each, in row order."""
         pages, offsets = _slots(self.kv.page_size, page_tables, starts, ends)
         device = self.kv.routed_experts.device
@@ -78,7 +80,7 @@ class ExpertRouting:
         return table[torch.from_numpy(pages).to(table.device), torch.from_numpy(offsets).to(table.device)].cpu().numpy()
 
 
-def _slots(page_size: int, page_tables: list[list[int]], starts: np.ndarray, ends: np.ndarray
+def _slots(page_size: int, page_tables: Sequence[PageTable], starts: np.ndarray, ends: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
     positions = [np.arange(start, end) for start, end in zip(starts.tolist(), ends.tolist())]
     pages = np.concatenate([np.asarray(table, dtype=np.int64)[p // page_size] if len(p) else p

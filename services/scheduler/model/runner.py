@@ -8,6 +8,7 @@ leave between steps without padding, and share the pages of a common prefix.
 """
 
 import logging
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,18 +30,21 @@ from services.scheduler.model.architecture import (
     route_layers,
     unused_tensors,
 )
-from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, check_backend
+from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, PageTable, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
 from services.scheduler.model.gated_delta_kernels import gated_delta_kernels
 from services.scheduler.model.kv_scales import read_kv_scales
 from services.scheduler.model.linear_attention import StateRows, state_rows
 from services.scheduler.model.lora import LoraLayers
 from services.scheduler.model.routed_experts import ExpertRouting, router_top_k
+from services.scheduler.parallel.calls import Forward
+from services.scheduler.parallel.sharding import Sharding
 from services.scheduler.sampling.sampler import Sampler
 from services.scheduler.step import Batch, StepResult
 
 if TYPE_CHECKING:
     from services.scheduler.model.cuda_graphs import DecodeGraphs
+    from services.scheduler.parallel.group import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +89,16 @@ class ModelRunner:
                  logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
                  cuda_graph_max_bs: int = 0, load_format: str = "auto", state_checkpoints: int = 0,
                  kv_cache_dtype: str = "auto", lora: tuple[frozenset[str], int, int] | None = None,
-                 linear_attention_backend: str = "torch"):
+                 ranks: "RankGroup | None" = None, linear_attention_backend: str = "torch"):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
         `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
         replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
         checkpoint's config alone), else the checkpoint's; `state_checkpoints`: a linear-attention model's state
         checkpoints for the prefix cache (0: `max_running`); `kv_cache_dtype`: what the KV pages store
         (kv/quantize.py: auto, fp8_e4m3, fp8_e5m2); `lora`: (target module names, adapters per step, largest rank)
-        of LoRA adapters to serve (model/lora.py), None: none; `linear_attention_backend`: what computes Gated
-        DeltaNet layers (model/gated_delta_kernels.py's BACKENDS)."""
+        of LoRA adapters to serve (model/lora.py), None: none; `ranks`: this process's tensor-parallel rank and the
+        others (parallel/): the model is cut into its share, and rank 0 tells the others each step's rows;
+        `linear_attention_backend`: what computes Gated DeltaNet layers (model/gated_delta_kernels.py's BACKENDS)."""
         self.logits_chunk_rows = logits_chunk_rows
         self.name = str(model_dir)
         self.device = pick_device(device)
@@ -103,7 +108,12 @@ class ModelRunner:
         text_config = config.get_text_config()
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
         kv_dtype = storage_dtype(kv_cache_dtype, self.dtype)
-        layout = layout_of(self.name, text_config, self.dtype, kv_dtype)  # before the weights: a refusal is quick
+        self.ranks = ranks
+        tp_size = ranks.size if ranks is not None else 1
+        if tp_size > 1 and (lora is not None or cuda_graph_max_bs):
+            raise ValueError(f"--tp-size {tp_size}: not with --enable-lora or --enable-cuda-graph yet")
+        # before the weights: a refusal is quick
+        layout = layout_of(self.name, text_config, self.dtype, kv_dtype, tp_size)
         groups = layout.groups
         if load_format == "dummy":  # random weights built on the device, the config alone (benchmarks)
             with self.device:
@@ -112,6 +122,10 @@ class ModelRunner:
             transformers_logging.disable_progress_bar()  # a bar of carriage returns in the service's log
             model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=self.dtype,
                                                          attn_implementation=ATTENTION_NAME)
+        self.sharding = None
+        if ranks is not None:  # cut before the move: a rank's device holds its share alone
+            self.sharding = Sharding.plan(self.name, model, ranks.rank, ranks.size)
+            self.sharding.apply(model, ranks.devices)
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         route_layers(self.name, self.model, layout, self.attention_backend, linear_kernels)
@@ -125,7 +139,7 @@ class ModelRunner:
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = eos_token_ids(self.model)
         self.max_context = min(context_length or model_max_context(text_config), model_max_context(text_config))
-        self.query_group = text_config.num_attention_heads // groups[0].spec.page_shape[0]
+        self.query_group = text_config.num_attention_heads // tp_size // groups[0].spec.page_shape[0]
         self.kv_windows = layout.windows
         self.state_slots = (max_running, state_checkpoints or max_running) if layout.states is not None else None
         self.state_bytes = layout.states.slot_bytes if layout.states is not None else 0
@@ -134,6 +148,8 @@ class ModelRunner:
         self.kv_token_bytes = per_token = token_bytes(groups)
         self.page_size = page_size
         self.num_pages = pool_pages(max_total_tokens, page_size, layout, self.device, mem_fraction_static, slots)
+        if ranks is not None:  # the page tables are rank 0's, the same on every rank
+            self.num_pages = ranks.agree_min(self.num_pages)
         scales = read_kv_scales(model_dir, layout.num_layers) if is_float8(kv_dtype) and load_format != "dummy" \
             else None
         self.kv = KVPool(layout, self.num_pages, page_size, self.device, state_slots=slots,
@@ -198,6 +214,12 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, tables[0])  # every row decodes: one token each
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)
         ends = np.array([row.end for row in batch.rows], dtype=np.int64)
+        if self.ranks is not None:  # rank 0: every rank runs the same rows on its share
+            needed = (-(-ends // self.page_size)).tolist()  # the pages each row's context reaches
+            call = Forward([[np.asarray(table[:count], dtype=np.int64) for table, count in zip(group, needed)]
+                            for group in tables], starts, ends, input_ids, positions)
+            self.ranks.tell(call)
+            return self.forward_rows(call)
         states = None
         if self.state_slots is not None:
             kvs = [row.request.kv for row in batch.rows]
@@ -211,8 +233,14 @@ class ModelRunner:
         finally:
             self.lora.finish()
 
-    def _forward_rows(self, tables: list[list[list[int]]], starts: np.ndarray, ends: np.ndarray,
-                      input_ids: np.ndarray, positions: np.ndarray, states: StateRows | None) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_rows(self, call: Forward) -> torch.Tensor:
+        """A tensor-parallel rank's forward over the rows rank 0 told (no linear attention, no LoRA: refused)."""
+        return self._forward_rows(call.tables, call.starts, call.ends, call.input_ids, call.positions, None)
+
+    def _forward_rows(self, tables: Sequence[Sequence[PageTable]], starts: np.ndarray,
+                      ends: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,
+                      states: StateRows | None) -> torch.Tensor:
         paged = PagedBatch.build(self.kv, tables, starts, ends, self.device, self.attention_backend, self.query_group,
                                  states)
         routing = self.expert_routing

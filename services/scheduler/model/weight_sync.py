@@ -7,13 +7,19 @@ rendezvous at master_address:master_port (the trainer, rank 0, hosts the store),
 the group's name, one process group of world_size ranks. A trainer's code therefore connects unchanged. Every
 call here blocks (a worker thread's), never the engine thread: the engine keeps stepping while tensors arrive,
 and swaps them in between two steps like any other update (weights.py).
+
+With --tp-size N the server's ranks are ranks rank_offset .. rank_offset + N - 1 of the trainer's group (SGLang's
+layout, world_size = 1 + N for one engine): rank 0 has every other rank join, receive and leave with it
+(parallel/group.py's weights channel), each receiving the full tensors and keeping its cut.
 """
 
+import itertools
 import logging
 import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +34,10 @@ from torch.distributed.distributed_c10d import (
 )
 
 from services.scheduler.model.weights import ServedWeights, StagedWeights, WeightsRefused
+from services.scheduler.parallel.calls import JoinGroup, LeaveGroup, Receive, Received
+
+if TYPE_CHECKING:
+    from services.scheduler.parallel.group import RankGroup
 
 log = logging.getLogger(__name__)
 FLATTENED_BUCKET = "flattened_bucket"
@@ -70,8 +80,11 @@ def _dtype(name: str) -> torch.dtype:
 class WeightGroups:
     """The update groups this scheduler has joined, by name."""
 
-    def __init__(self, device: torch.device, timeout_s: float):
+    def __init__(self, device: torch.device, timeout_s: float, ranks: "RankGroup | None" = None):
+        """`ranks`: on tensor-parallel rank 0, the other ranks, which join, receive and leave with it."""
         self.device = device
+        self.ranks = ranks
+        self._updates = itertools.count()  # ids of the updates the other ranks receive
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: dict[str, UpdateGroup] = {}
 
@@ -91,11 +104,12 @@ class WeightGroups:
             socket.getaddrinfo(request.master_address, request.master_port)
         except (socket.gaierror, UnicodeError) as exc:
             raise WeightsRefused(f"master_address: {request.master_address!r} does not resolve: {exc}") from None
-        if not 0 < request.rank_offset < request.world_size:
-            raise WeightsRefused(f"rank_offset: {request.rank_offset} is not a rank of a world of "
-                                 f"{request.world_size} besides the trainer's 0")
+        tp_size = self.ranks.size if self.ranks is not None else 1
+        if not 0 < request.rank_offset <= request.world_size - tp_size:
+            raise WeightsRefused(f"rank_offset: {request.rank_offset} and this scheduler's {tp_size} tensor-parallel "
+                                 f"rank(s) are not ranks of a world of {request.world_size} besides the trainer's 0")
         try:
-            group = _join(request, name, backend, self.timeout)
+            group = self._joined(request, name, backend)
         except (RuntimeError, ValueError, TimeoutError) as exc:  # c10d's errors are RuntimeErrors
             raise WeightsRefused(f"could not join group {name!r} at {request.master_address}:{request.master_port} "
                                  f"as rank {request.rank_offset} of {request.world_size}: {exc}") from None
@@ -105,12 +119,31 @@ class WeightGroups:
                  request.world_size)
         return f"joined group {name!r} ({backend}) as rank {request.rank_offset} of {request.world_size}"
 
+    def _joined(self, request: InitWeightsUpdateGroupRequest, name: str, backend: str) -> dist.ProcessGroup:
+        if self.ranks is None:
+            return _join(request, name, backend, self.timeout)
+        joined: list[dist.ProcessGroup] = []
+
+        def join() -> dist.ProcessGroup:
+            joined.append(_join(request, name, backend, self.timeout))
+            return joined[0]
+
+        try:
+            return self.ranks.ask(JoinGroup(request), join)
+        except WeightsRefused:
+            if joined:  # this rank joined, another did not: the group is no use
+                dist.destroy_process_group(joined[0])
+            raise
+
     def destroy(self, group_name: str) -> str:
         name = group_name or DEFAULT_GROUP
         group = self._groups.pop(name, None)
         if group is None:
             raise WeightsRefused(f"group_name: no group {name!r} (init_weights_update_group first)")
-        dist.destroy_process_group(group.group)
+        if self.ranks is None:
+            dist.destroy_process_group(group.group)
+        else:
+            self.ranks.ask(LeaveGroup(name), lambda: dist.destroy_process_group(group.group))
         return f"left group {name!r}"
 
     def receive(self, request: UpdateWeightsFromDistributedRequest, weights: ServedWeights) -> StagedWeights:
@@ -127,11 +160,18 @@ class WeightGroups:
                                  "model in float64: not a subset of its tensors")
         if not group.busy.acquire(blocking=False):
             raise WeightsRefused(f"group {name!r} is receiving another update")
+        update, part = None, None
         try:
-            tensors = self._broadcast(group, request.load_format, specs, weights)
+            if self.ranks is None:
+                tensors = self._broadcast(group, request.load_format, specs, weights)
+            else:
+                update = next(self._updates)
+                part = Received(update)
+                tensors = self.ranks.ask(Receive(update, request),
+                                         lambda: self._broadcast(group, request.load_format, specs, weights))
         finally:
             group.busy.release()
-        return weights.stage_received(tensors, f"{len(tensors)} tensors broadcast over group {name!r}")
+        return weights.stage_received(tensors, f"{len(tensors)} tensors broadcast over group {name!r}", part)
 
     def _specs(self, request: UpdateWeightsFromDistributedRequest) -> list[tuple[str, torch.dtype, torch.Size]]:
         if not (len(request.names) == len(request.dtypes) == len(request.shapes)):

@@ -8,7 +8,8 @@ vocabulary files and every tensor's name, shape and kind are checked against the
 and each tensor is copied into a new one of its parameter's dtype, device and layout. The engine
 thread then only points each parameter at its staged tensor (StagedWeights.install), between two
 steps: in-flight requests wait one step boundary, not the copy. The price is room for a second
-copy of the updated tensors while an update is staged.
+copy of the updated tensors while an update is staged. With --tp-size, each rank keeps its cut of every full
+tensor (parallel/sharding.py), and rank 0's install tells the others how to stage and install theirs.
 
 Only safetensors are read: a pickled checkpoint (.bin, .pt) could run code when loaded.
 """
@@ -16,12 +17,18 @@ Only safetensors are read: a pickled checkpoint (.bin, .pt) could run code when 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 
 from services.scheduler.model.architecture import load_config
+from services.scheduler.parallel.calls import FromDisk, FromSafetensors, FromTensors, Install, RankUpdate
+from services.scheduler.parallel.sharding import Sharding
+
+if TYPE_CHECKING:
+    from services.scheduler.parallel.group import RankGroup
 
 # Config keys that do not change what the weights mean: where the config was saved from, by which
 # version, and the dtype it was saved in (every tensor is cast to the served dtype).
@@ -48,9 +55,18 @@ class StagedWeights:
     description: str  # what was read, for the reply
     complete: bool = False  # it replaces every tensor of the model
     source: Path | None = None  # the checkpoint directory it was read from (None: pushed or broadcast)
+    # With --tp-size, rank 0's: how the other ranks stage their part of the same update, and those ranks.
+    parts: tuple[RankUpdate, ...] = ()
+    ranks: "RankGroup | None" = None
 
     def install(self) -> None:
-        """Engine thread, between steps: point every parameter at its new tensor (no copy)."""
+        """Engine thread, between steps: point every parameter at its new tensor (no copy), on every rank."""
+        if self.ranks is not None:
+            self.ranks.tell(Install(self.parts))
+        self.install_here()
+
+    def install_here(self) -> None:
+        """This rank's tensors alone (each rank resumes its own: model/occupation.py)."""
         with torch.no_grad():
             for served, new in self.pairs:
                 served.data = new
@@ -102,8 +118,15 @@ def _safetensors_files(path: Path) -> list[Path]:
 class ServedWeights:
     """The served model's tensors by checkpoint name, and what a replacement must match."""
 
-    def __init__(self, model: torch.nn.Module, model_dir: Path, eos_token_ids: list[int]):
+    def __init__(self, model: torch.nn.Module, model_dir: Path, eos_token_ids: list[int],
+                 sharding: Sharding | None = None, ranks: "RankGroup | None" = None):
+        """`sharding`: this tensor-parallel rank's cut of the tensors (each full tensor a replacement brings is cut
+        to it); `ranks`: on rank 0, the other ranks, which each update is installed on too."""
         self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.sharding = sharding
+        self.ranks = ranks
+        self._shapes = {name: sharding.full_shape(name, tensor.shape) if sharding else tensor.shape
+                        for name, tensor in self._tensors.items()}
         self.model_dir = model_dir
         self._config = _config_of(model_dir)
         self._eos_token_ids = eos_token_ids
@@ -113,10 +136,10 @@ class ServedWeights:
         for name, tensor in self._tensors.items():
             names.setdefault(id(tensor), []).append(name)
         self._names_per_tensor = list(names.values())
-        self.max_push_bytes = MAX_HEADER_BYTES + 4 * sum(self._tensors[n[0]].numel() for n in self._names_per_tensor)
+        self.max_push_bytes = MAX_HEADER_BYTES + 4 * sum(self._shapes[n[0]].numel() for n in self._names_per_tensor)
         # A broadcast's bound: every name (a trainer's state_dict carries a tied lm_head.weight beside the
         # embedding) in dtypes of up to 8 bytes (float64): what a trainer holds is received whole.
-        self.max_broadcast_bytes = 8 * sum(tensor.numel() for tensor in self._tensors.values())
+        self.max_broadcast_bytes = 8 * sum(shape.numel() for shape in self._shapes.values())
 
     # -- reading (a worker thread) -----------------------------------------------------------------------
 
@@ -145,7 +168,8 @@ class ServedWeights:
                     tensors.update((name, reader.get_tensor(name)) for name in reader.keys())
         except (OSError, SafetensorError) as exc:
             raise WeightsRefused(f"{path}: its safetensors do not read: {exc}") from None
-        return self._stage(tensors, f"{len(tensors)} tensors from {path}", source=path)
+        return self._stage(tensors, f"{len(tensors)} tensors from {path}", source=path,
+                           part=FromDisk(path, load_format))
 
     def read_safetensors(self, data: bytes) -> StagedWeights:
         """One safetensors file's bytes: any subset of the model's tensors, checked and staged."""
@@ -155,14 +179,17 @@ class ServedWeights:
             raise WeightsRefused(f"the pushed bytes are not a safetensors file: {exc}") from None
         if not tensors:
             raise WeightsRefused("the pushed safetensors file holds no tensors")
-        return self.stage_copies(tensors, f"{len(tensors)} pushed tensors ({len(data)} bytes)")
+        return self.stage_copies(tensors, f"{len(tensors)} pushed tensors ({len(data)} bytes)", FromSafetensors(data))
 
-    def stage_copies(self, tensors: dict[str, torch.Tensor], description: str) -> StagedWeights:
+    def stage_copies(self, tensors: dict[str, torch.Tensor], description: str,
+                     part: RankUpdate | None = None) -> StagedWeights:
         """Tensors someone else owns (any subset of the model's, possibly none), checked and copied into staged
-        ones."""
+        ones; `part`: how the other tensor-parallel ranks get theirs (default: these tensors, sent them)."""
         self._check_tensors({name: (list(t.shape), t.is_floating_point()) for name, t in tensors.items()},
                             complete=False)
-        staged = self._stage(tensors, description)
+        if part is None and self.ranks is not None:
+            part = FromTensors({name: tensor.detach().cpu() for name, tensor in tensors.items()})
+        staged = self._stage(tensors, description, part=part)
         if any(tensor.is_cuda for tensor in tensors.values()):
             torch.cuda.synchronize()  # the copies are done before the caller answers, and the sender reuses its memory
         return staged
@@ -171,15 +198,18 @@ class ServedWeights:
         """Room for a broadcast tensor: its served parameter's twin when the dtype and shape are the served ones
         (staged as it is, without a copy), else a tensor of what was declared (checked and cast when staged)."""
         served = self._tensors.get(name)
-        if served is not None and served.dtype == dtype and served.shape == shape and served.device == device:
+        if (served is not None and served.dtype == dtype and served.shape == shape == self._shapes[name]
+                and served.device == device):
             return torch.empty_like(served, requires_grad=False, memory_format=torch.contiguous_format)
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def stage_received(self, tensors: dict[str, torch.Tensor], description: str) -> StagedWeights:
-        """Received tensors (any subset of the model's), checked and staged."""
+    def stage_received(self, tensors: dict[str, torch.Tensor], description: str,
+                       part: RankUpdate | None = None) -> StagedWeights:
+        """Received tensors (any subset of the model's), checked and staged; `part`: what the other
+        tensor-parallel ranks received."""
         self._check_tensors({name: (list(t.shape), t.is_floating_point()) for name, t in tensors.items()},
                             complete=False)
-        return self._stage(tensors, description, received=True)
+        return self._stage(tensors, description, received=True, part=part)
 
     # -- checks ------------------------------------------------------------------------------------------
 
@@ -211,8 +241,8 @@ class ServedWeights:
         unknown = sorted(set(kinds) - set(self._tensors))
         if unknown:
             raise WeightsRefused(f"tensors the served model does not have: {listed(unknown)}")
-        shapes = [f"{name} {list(self._tensors[name].shape)} served, {shape} given"
-                  for name, (shape, _) in sorted(kinds.items()) if list(self._tensors[name].shape) != shape]
+        shapes = [f"{name} {list(self._shapes[name])} served, {shape} given"
+                  for name, (shape, _) in sorted(kinds.items()) if list(self._shapes[name]) != shape]
         if shapes:
             raise WeightsRefused(f"tensor shapes differ from the served model's: {listed(shapes)}")
         kind = [name for name, (_, floating) in sorted(kinds.items())
@@ -229,7 +259,8 @@ class ServedWeights:
         go now)."""
         latest = {id(served): (served, new) for served, new in first.pairs + then.pairs}
         complete = all(id(tensor) in latest for tensor in self.unique_tensors())
-        return StagedWeights(list(latest.values()), description, complete, then.source if then.complete else None)
+        return StagedWeights(list(latest.values()), description, complete, then.source if then.complete else None,
+                             first.parts + then.parts, self.ranks)
 
     def unique_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the model once (a tied one has several names)."""
@@ -240,18 +271,21 @@ class ServedWeights:
         return [(names[0], self._tensors[names[0]]) for names in self._names_per_tensor]
 
     def _stage(self, tensors: dict[str, torch.Tensor], description: str, received: bool = False,
-               source: Path | None = None) -> StagedWeights:
-        """Each tensor as a new one of its parameter's dtype, device and layout; a `received` one (receive_buffer's,
-        owned by nobody else) that already is one is taken as it is."""
+               source: Path | None = None, part: RankUpdate | None = None) -> StagedWeights:
+        """Each tensor (this rank's cut of it) as a new one of its parameter's dtype, device and layout; a `received`
+        one (receive_buffer's, owned by nobody else) that already is one is taken as it is."""
         pairs = []
         with torch.no_grad():
             for name, tensor in tensors.items():
                 served = self._tensors[name]
+                if self.sharding is not None:
+                    tensor = self.sharding.local(name, tensor)
                 if not (received and _same_layout(tensor, served)):
                     tensor = torch.empty_like(served, requires_grad=False).copy_(tensor)
                 pairs.append((served, tensor))
         complete = all(any(name in tensors for name in names) for names in self._names_per_tensor)
-        return StagedWeights(pairs, description, complete, source)
+        parts = (part,) if part is not None and self.ranks is not None else ()
+        return StagedWeights(pairs, description, complete, source, parts, self.ranks)
 
 
 def _same_layout(tensor: torch.Tensor, served: torch.Tensor) -> bool:

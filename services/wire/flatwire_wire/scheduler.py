@@ -152,6 +152,7 @@ class ModelInfo:
     load_format: str = ""  # --load-format
     max_loras_per_batch: int = 0  # --enable-lora: adapters one step runs (0: LoRA off)
     lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)  # loaded now
+    tp_size: int = 1  # tensor-parallel ranks the model is cut over (--tp-size)
 
 
 @twin(scheduler_pb2.SchedulerStats)

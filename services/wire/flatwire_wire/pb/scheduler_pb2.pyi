@@ -260,7 +260,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints", "return_routed_experts", "releases_memory", "load_format", "max_loras_per_batch", "lora_adapters")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_top_logprobs", "device", "dtype", "max_running_requests", "instance_id", "weight_version", "max_total_tokens", "page_size", "prefix_cache", "logprobs_mode", "kv_layers", "state_bytes_per_request", "state_checkpoints", "return_routed_experts", "releases_memory", "load_format", "max_loras_per_batch", "lora_adapters", "tp_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class ModelInfo(_message.Message):
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -305,7 +306,8 @@ class ModelInfo(_message.Message):
     load_format: str
     max_loras_per_batch: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., releases_memory: _Optional[bool] = ..., load_format: _Optional[str] = ..., max_loras_per_batch: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_top_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., instance_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., logprobs_mode: _Optional[_Union[_arrays_pb2.LogprobsMode, str]] = ..., kv_layers: _Optional[str] = ..., state_bytes_per_request: _Optional[int] = ..., state_checkpoints: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., releases_memory: _Optional[bool] = ..., load_format: _Optional[str] = ..., max_loras_per_batch: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
