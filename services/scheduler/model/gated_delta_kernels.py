@@ -5,7 +5,8 @@ Each takes the states of the rows it computes (gathered from their slots: conv [
 recurrent [N, Hv, dk, dv]) and returns their new ones, which the caller puts back:
 
 - torch: transformers' torch rules (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) and the
-  causal convolution as transformers computes it without its kernel; one sequence at a time. CPU, and the reference.
+  causal convolution as transformers computes it without its kernel; one sequence at a time. CPU, and the reference
+  (on CUDA with flash-linear-attention installed, transformers' rules call fla's kernels themselves).
 - fla: the flash-linear-attention Triton kernels (the `flash-linear-attention` package): chunk_gated_delta_rule over
   every prefill sequence of the step at once (cu_seqlens), fused_recurrent_gated_delta_rule for the decoding rows,
   and fla's own Triton causal conv1d (causal_conv1d over cu_seqlens, causal_conv1d_update), so no CUDA-only
