@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from bench.common import Progress, Table, fmt_ratio, fmt_time, write_results
+from bench.decode_context import STEPS, decode_step
 from bench.in_process import InProcessSteps, random_prompt
 from bench.models import mid_model
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.parallel.ranks import Ranks
 
 BATCH, CONTEXT, PREFILL = 32, 256, 512
-STEPS = 8  # timed decode steps (after one untimed)
 GREEDY_TOKENS = 16
 
 
@@ -46,19 +46,6 @@ class Timed:
         finally:
             self.seconds += time.perf_counter() - start
             self.calls += 1
-
-
-def decode_steps(runner: ModelRunner) -> list[float]:
-    engine = InProcessSteps(runner, BATCH)
-    for i in range(BATCH):
-        engine.place(engine.request(f"d{i}", random_prompt(i, CONTEXT - 1), STEPS + 2))
-    engine.step()
-    seconds = []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        engine.step()
-        seconds.append(time.perf_counter() - start)
-    return seconds
 
 
 def prefill_step(runner: ModelRunner) -> float:
@@ -81,7 +68,7 @@ def greedy(runner: ModelRunner) -> list[list[int]]:
 
 
 def measure(runner: ModelRunner) -> dict:
-    return {"decode": decode_steps(runner), "prefill": prefill_step(runner), "greedy": greedy(runner),
+    return {"decode": decode_step(runner, [CONTEXT] * BATCH), "prefill": prefill_step(runner), "greedy": greedy(runner),
             "kv_token_bytes": runner.kv_token_bytes}
 
 
@@ -109,7 +96,7 @@ def main() -> None:
     reduces_per_step = reduce.calls / tell.calls
     ranks.stop()
 
-    decode_one, decode_two = statistics.median(one["decode"]), statistics.median(two["decode"])
+    decode_one, decode_two = one["decode"], two["decode"]
     steps = Table("The mid-size model, one torch thread per rank: TP=1 against TP=2 (gloo)",
                   ["", "TP=1", "TP=2", "TP=2 vs TP=1"],
                   f"Median of {STEPS} decode steps; median of 3 prefills.")

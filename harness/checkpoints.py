@@ -1,13 +1,20 @@
 """Checkpoints for the tests: the default model on a small vocabulary (the engine tests), the default model with
-seeded noise on some layers (weight updates), and a small random Mixture-of-Experts model on a given model's
-vocabulary (routed experts); each beside its tokenizer."""
+seeded noise on some layers (weight updates), a small random Mixture-of-Experts model and a small random Qwen3-Next
+(linear attention, experts) on a given model's vocabulary; each beside its tokenizer."""
 
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from services.common import default_model
 
@@ -53,6 +60,23 @@ def moe_checkpoint(model_dir: Path, target: Path, seed: int = 7) -> Path:
         eos_token_id=vocabulary.eos_token_id, pad_token_id=vocabulary.pad_token_id)
     torch.manual_seed(seed)
     Qwen3MoeForCausalLM(config).save_pretrained(target)
+    _copy_tokenizer(model_dir, target)
+    return target
+
+
+def qwen3_next_checkpoint(model_dir: Path, target: Path, seed: int = 11) -> Path:
+    """A random Qwen3-Next of 4 decoder layers (3 Gated DeltaNet, 1 gated full attention; 4 experts, 2 per token,
+    and a shared expert) on the vocabulary and tokenizer of `model_dir`, saved to `target`; `target`."""
+    vocabulary = AutoConfig.from_pretrained(model_dir)
+    config = Qwen3NextConfig(
+        vocab_size=vocabulary.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=vocabulary.eos_token_id,
+        pad_token_id=vocabulary.pad_token_id)
+    torch.manual_seed(seed)
+    Qwen3NextForCausalLM(config).save_pretrained(target)
     _copy_tokenizer(model_dir, target)
     return target
 

@@ -1,8 +1,8 @@
 """Tensor parallelism (--tp-size 2, gloo on these CPUs): a scheduler whose model is cut over two ranks gives
-transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does) on a dense model and a MoE
-model, through chunked prefill, a prefix-cache hit and a mixed batch; a trainer's weight sync reaches both ranks
-(world_size 3: the trainer and two ranks), as do memory release, resume and a disk update; a rank killed takes the
-scheduler down as one unit.
+transformers' own forward (greedy tokens, logprobs within 1e-4, as one rank does) on a dense model, a MoE model
+and a hybrid linear-attention one (Qwen3-Next), through chunked prefill, a prefix-cache hit and a mixed batch; a
+trainer's weight sync reaches both ranks (world_size 3: the trainer and two ranks), as do pushed and colocated
+updates, memory release, resume and a disk update; a rank killed takes the scheduler down as one unit.
 
 Only the CPU (gloo) path runs here: NCCL on several GPUs has not run in this project.
 """
@@ -18,16 +18,18 @@ import numpy as np
 import pytest
 import torch
 from flatwire_client import FlatwireClient
-from flatwire_wire.scheduler import LogprobParams, SamplingParams
+from flatwire_wire.scheduler import SamplingParams
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.checkpoints import moe_checkpoint, perturbed_checkpoint
+from harness.checkpoints import moe_checkpoint, perturbed_checkpoint, qwen3_next_checkpoint
 from harness.procs import start_service
 from harness.scheduler_client import SchedulerClient
 from harness.stack import running
 from harness.trainer_process import Trainer
 from tests.scheduler import framework_calls as frameworks
+from tests.scheduler.test_routed_experts import reference as router_choices
+from tests.scheduler.test_routed_experts import routed
 
 pytestmark = pytest.mark.slow
 ADMIN_KEY = "admin-tp"
@@ -71,9 +73,9 @@ def check_generated(body: dict, prompt: list[int], expected: tuple[list[int], np
     for position, (value, token, _) in enumerate(meta["output_token_logprobs"], start=len(prompt)):
         assert token == sequence[position] and abs(value - logprobs[position - 1, token]) < ATOL
     for position, candidates in enumerate(meta["output_top_logprobs"], start=len(prompt)):
-        row = logprobs[position - 1]
-        assert [token for _, token, _ in candidates] == np.argsort(-row, kind="stable")[:K].tolist()
+        row = logprobs[position - 1]  # the top K by value, each candidate's its own (a near tie may swap two)
         assert np.allclose([value for value, _, _ in candidates], np.sort(row)[::-1][:K], atol=ATOL)
+        assert np.allclose([value for value, _, _ in candidates], [row[token] for _, token, _ in candidates], atol=ATOL)
     if not prompt_logprobs:
         return
     assert len(meta["input_token_logprobs"]) == len(prompt)
@@ -82,10 +84,10 @@ def check_generated(body: dict, prompt: list[int], expected: tuple[list[int], np
                        [logprobs[position - 1, prompt[position]] for position in range(1, len(prompt))], atol=ATOL)
 
 
-def generate(http, prompt: list[int], logprob_start_len: int = 0) -> dict:
+def generate(http, prompt: list[int], logprob_start_len: int = 0, **fields) -> dict:
     reply = http.post("/generate", json={
         "input_ids": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0},
-        "return_logprob": True, "top_logprobs_num": K, "logprob_start_len": logprob_start_len})
+        "return_logprob": True, "top_logprobs_num": K, "logprob_start_len": logprob_start_len, **fields})
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -160,24 +162,34 @@ def test_pushed_and_colocated_weights_reach_both_ranks(stack, http, small_model_
 
 
 def test_a_moe_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
-    """Every expert's intermediate features cut over the ranks, the router whole on each (a lone scheduler)."""
+    """Every expert's intermediate features cut over the ranks, the router whole on each: rank 0 records the
+    routed experts, as transformers' routers choose them."""
     moe = moe_checkpoint(small_model_dir, tmp_path / "moe")
-    proc, address = start_service("scheduler", ["--model", str(moe), "--tp-size", "2"], log_dir)
-    client = SchedulerClient(address)
-    try:
-        rids = [client.submit(input_ids=prompt, sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0),
-                              logprob=LogprobParams(return_logprob=True, top_logprobs_num=K, logprob_start_len=-1))
-                for prompt in PROMPTS]
-        for rid, prompt in zip(rids, PROMPTS):
-            collected, (tokens, logprobs) = client.wait(rid), reference(moe, prompt)
-            assert collected.token_ids == tokens
-            values, ids = collected.topk()
-            positions = np.arange(len(prompt) - 1, len(prompt) - 1 + NEW_TOKENS)
-            assert np.allclose(values, np.sort(logprobs[positions], -1)[:, ::-1][:, :K], atol=ATOL)
-            assert (ids[:, 0] == np.array(tokens)).all()
-    finally:
-        client.close()
-        proc.stop()
+    with running(moe, log_dir, scheduler_args=("--tp-size", "2", "--enable-return-routed-experts")) as moe_stack:
+        moe_stack.wait_ready()
+        with httpx.Client(base_url=moe_stack.http_url, timeout=300) as moe_http:
+            for prompt in PROMPTS:
+                body = generate(moe_http, prompt, return_routed_experts=True)
+                check_generated(body, prompt, reference(moe, prompt))
+                sequence = prompt + body["output_ids"][:-1]  # the last sampled token never went through the model
+                np.testing.assert_array_equal(np.sort(routed(body["meta_info"]), axis=-1),
+                                              np.sort(router_choices(moe, sequence), axis=-1))
+
+
+def test_a_hybrid_linear_attention_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
+    """Qwen3-Next: its full-attention layer and experts cut, its Gated DeltaNet layers whole on each rank (as
+    transformers' plan keeps them), their states too; chunks of 5 tokens cross the state's page boundaries, and a
+    prompt again resumes from the prefix cache's state checkpoint."""
+    hybrid = qwen3_next_checkpoint(small_model_dir, tmp_path / "qwen3-next")
+    with running(hybrid, log_dir, scheduler_args=("--tp-size", "2", "--chunked-prefill-size", "5",
+                                                  "--page-size", "4")) as hybrid_stack:
+        hybrid_stack.wait_ready()
+        with httpx.Client(base_url=hybrid_stack.http_url, timeout=300) as hybrid_http:
+            for prompt in PROMPTS:
+                check_generated(generate(hybrid_http, prompt), prompt, reference(hybrid, prompt))
+            again = generate(hybrid_http, PROMPTS[2], -1)
+            assert again["meta_info"]["cached_tokens"] > 0
+            check_generated(again, PROMPTS[2], reference(hybrid, PROMPTS[2]), prompt_logprobs=False)
 
 
 # The client's stream reader ends with the scheduler's socket: UNAVAILABLE, raised in its thread, is the point here.

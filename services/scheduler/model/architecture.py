@@ -128,8 +128,7 @@ def layer_specs(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtyp
         if getattr(text_config, "linear_num_key_heads", None) is None:
             raise UnsupportedModel(f"{name}: linear_attention layers that are not Gated DeltaNet (Qwen3.5's, "
                                    "Qwen3-Next's): the only linear attention this engine runs")
-        if tp_size > 1:
-            raise UnsupportedModel(f"{name}: linear-attention layers are not sharded yet (--tp-size {tp_size})")
+        # Whole on every rank under --tp-size (transformers' plans keep these layers whole): the state too.
         attention["linear_attention"] = gated_delta_spec(text_config, dtype)
     return [attention[kind] for kind in layer_types[:layers]]
 

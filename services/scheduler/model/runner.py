@@ -214,17 +214,17 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, tables[0])  # every row decodes: one token each
         starts = np.array([row.start for row in batch.rows], dtype=np.int64)
         ends = np.array([row.end for row in batch.rows], dtype=np.int64)
-        if self.ranks is not None:  # rank 0: every rank runs the same rows on its share
-            needed = (-(-ends // self.page_size)).tolist()  # the pages each row's context reaches
-            call = Forward([[np.asarray(table[:count], dtype=np.int64) for table, count in zip(group, needed)]
-                            for group in tables], starts, ends, input_ids, positions)
-            self.ranks.tell(call)
-            return self.forward_rows(call)
         states = None
         if self.state_slots is not None:
             kvs = [row.request.kv for row in batch.rows]
             states = state_rows([row.request.slot for row in batch.rows], starts, ends - starts,
                                 [kv.restore for kv in kvs], [kv.capture for kv in kvs], self.page_size)
+        if self.ranks is not None:  # rank 0: every rank runs the same rows on its share
+            needed = (-(-ends // self.page_size)).tolist()  # the pages each row's context reaches
+            call = Forward([[np.asarray(table[:count], dtype=np.int64) for table, count in zip(group, needed)]
+                            for group in tables], starts, ends, input_ids, positions, states)
+            self.ranks.tell(call)
+            return self.forward_rows(call)
         if self.lora is None:
             return self._forward_rows(tables, starts, ends, input_ids, positions, states)
         self.lora.prepare([row.request.adapter for row in batch.rows], ends - starts)
@@ -235,8 +235,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_rows(self, call: Forward) -> torch.Tensor:
-        """A tensor-parallel rank's forward over the rows rank 0 told (no linear attention, no LoRA: refused)."""
-        return self._forward_rows(call.tables, call.starts, call.ends, call.input_ids, call.positions, None)
+        """A tensor-parallel rank's forward over the rows rank 0 told (no LoRA: refused)."""
+        return self._forward_rows(call.tables, call.starts, call.ends, call.input_ids, call.positions, call.states)
 
     def _forward_rows(self, tables: Sequence[Sequence[PageTable]], starts: np.ndarray,
                       ends: np.ndarray, input_ids: np.ndarray, positions: np.ndarray,

@@ -12,17 +12,21 @@ from pathlib import Path
 import numpy as np
 from flatwire_wire.control import InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest, WeightsRelease
 
+from services.scheduler.model.linear_attention import StateRows
+
 
 @dataclass(frozen=True)
 class Forward:
     """One step's rows (ModelRunner.forward): row i feeds positions [starts[i], ends[i]) whose KV lives in
-    tables[g][i] (the pages its context reaches) in layer group g."""
+    tables[g][i] (the pages its context reaches) in layer group g; `states`: a linear-attention model's state
+    slots (every rank keeps the whole state: transformers' plans keep those layers whole)."""
 
     tables: list[list[np.ndarray]]  # the pages of each group, each row
     starts: np.ndarray
     ends: np.ndarray
     input_ids: np.ndarray
     positions: np.ndarray
+    states: StateRows | None = None
 
 
 # How a rank stages its part of a weight update (ServedWeights cuts each full tensor to the rank's part).
