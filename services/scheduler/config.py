@@ -54,6 +54,10 @@ class SchedulerConfig(ServiceConfig):
     attention_backend: str = option(
         "torch", "torch: batched SDPA over gathered pages (CPU, and the reference); triton: a paged kernel that "
         "reads the pages in place (CUDA; not yet run on a GPU in this project, so not the default)")
+    linear_attention_backend: str = option(
+        "torch", "a linear-attention model's (Qwen3.5, Qwen3-Next) Gated DeltaNet layers: torch, transformers' torch "
+        "rules (CPU, and the reference); fla, the flash-linear-attention Triton kernels (CUDA; the package "
+        "flash-linear-attention; run only in Triton's CPU interpreter in this project so far, so not the default)")
     load_format: str = option("auto", "auto: the checkpoint's weights; dummy: random weights from its config.json "
                               "alone (SGLang's and vLLM's name; for benchmarks of a shape whose weights are not here)")
     enable_cuda_graph: bool = option(

@@ -48,6 +48,7 @@ from services.scheduler.engine.engine import Engine, MemoryReleased, QueueFull
 from services.scheduler.kv.manager import longest_sequence
 from services.scheduler.lora_calls import LoraCalls
 from services.scheduler.model.architecture import UnsupportedModel
+from services.scheduler.model.attention import BackendUnavailable
 from services.scheduler.model.lora_adapter import AdapterRefused
 from services.scheduler.model.occupation import MemoryOccupation
 from services.scheduler.model.runner import ModelRunner
@@ -232,7 +233,8 @@ def runner_arguments(config: SchedulerConfig, model_dir: Path) -> dict:
                 routed_experts=config.enable_return_routed_experts, attention_backend=config.attention_backend,
                 cuda_graph_max_bs=config.cuda_graph_max_bs if config.enable_cuda_graph else 0,
                 load_format=config.load_format, state_checkpoints=config.state_checkpoints,
-                kv_cache_dtype=config.kv_cache_dtype, lora=config.lora_layers)
+                kv_cache_dtype=config.kv_cache_dtype, lora=config.lora_layers,
+                linear_attention_backend=config.linear_attention_backend)
 
 
 async def serve(config: SchedulerConfig) -> None:
@@ -293,7 +295,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.info("interrupted")
     except SystemExit as exc:  # the engine failed
         code = exc.code
-    except (ModelNotFound, UnsupportedModel, AdapterRefused) as exc:  # a setup error, said in one line
+    except (ModelNotFound, UnsupportedModel, AdapterRefused, BackendUnavailable) as exc:  # a setup error, one line
         code = f"{prog or 'scheduler'}: {exc}"
     except Exception:  # a bug: said, then ended at once (a weight-group join may wait minutes for its trainer)
         log.exception("the scheduler failed")

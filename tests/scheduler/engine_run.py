@@ -26,13 +26,15 @@ ATOL = 1e-4
 @functools.lru_cache(maxsize=4)
 def model_runner(model_dir: Path, slots: int, page_size: int, max_total_tokens: int, attention_backend: str,
                  cuda_graph_max_bs: int, state_checkpoints: int, kv_cache_dtype: str,
-                 lora: tuple[frozenset[str], int, int] | None = None) -> ModelRunner:
+                 lora: tuple[frozenset[str], int, int] | None = None,
+                 linear_attention_backend: str = "torch") -> ModelRunner:
     """A float32 CPU runner of the model, shared by the tests that ask for the same one: an engine's steps leave
     nothing in it that another engine reads (its pages and state slots are handed out anew, its sampling state is
     per request)."""
     return ModelRunner(model_dir, "cpu", "float32", 0, slots, page_size, max_total_tokens,
                        attention_backend=attention_backend, cuda_graph_max_bs=cuda_graph_max_bs,
-                       state_checkpoints=state_checkpoints, kv_cache_dtype=kv_cache_dtype, lora=lora)
+                       state_checkpoints=state_checkpoints, kv_cache_dtype=kv_cache_dtype, lora=lora,
+                       linear_attention_backend=linear_attention_backend)
 
 
 class Run:
@@ -52,7 +54,7 @@ class Run:
             build = model_runner.__wrapped__ if own_runner else model_runner
             model = build(model, slots, self.config.page_size, self.config.max_total_tokens,
                           self.config.attention_backend, graphs, self.config.state_checkpoints,
-                          self.config.kv_cache_dtype, self.config.lora_layers)
+                          self.config.kv_cache_dtype, self.config.lora_layers, self.config.linear_attention_backend)
         self.runner = model
         self.grammars = grammars
         self.published: list[StepMessage] = []

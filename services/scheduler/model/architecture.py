@@ -23,6 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from services.scheduler.kv.specs import AttentionSpec, KVLayout, LayerSpec, MLASpec, RecurrentSpec, kv_layout
+from services.scheduler.model.gated_delta_kernels import GatedDeltaKernels
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # Config fields whose feature the engine does not implement, and what it is: the model is refused when one is set.
@@ -147,9 +148,11 @@ def layout_of(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtype 
     return kv_layout(layer_specs(name, text_config, dtype, kv_dtype, tp_size))
 
 
-def route_layers(name: str, model: torch.nn.Module, layout: KVLayout, attention_backend: str) -> None:
+def route_layers(name: str, model: torch.nn.Module, layout: KVLayout, attention_backend: str,
+                 linear_kernels: GatedDeltaKernels) -> None:
     """Route the layers that keep more than keys and values through the KV pool: MLA layers through their latent
-    cache (model/mla.py), linear-attention layers through their state slots (model/linear_attention.py)."""
+    cache (model/mla.py), linear-attention layers through their state slots (model/linear_attention.py), computed
+    by `linear_kernels`."""
     from services.scheduler.model.linear_attention import use_paged_state
     from services.scheduler.model.mla import use_latent_cache
 
@@ -159,7 +162,7 @@ def route_layers(name: str, model: torch.nn.Module, layout: KVLayout, attention_
                                    "attention yet; use --attention-backend torch")
         if use_latent_cache(model) != sum(len(group.layers) for group in layout.groups):
             raise UnsupportedModel(f"{name}: a kv_lora_rank, but not every layer is DeepSeek V3's latent attention")
-    if layout.states is not None and use_paged_state(model) != len(layout.states.layers):
+    if layout.states is not None and use_paged_state(model, linear_kernels) != len(layout.states.layers):
         raise UnsupportedModel(f"{name}: linear_attention layers that are not Gated DeltaNet (Qwen3.5's, "
                                "Qwen3-Next's): the only linear attention this engine runs")
     if not layout.groups:

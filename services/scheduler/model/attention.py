@@ -33,19 +33,29 @@ PageTable = Sequence[int] | np.ndarray  # a row's pages in one layer group, in o
 BACKENDS = ("torch", "triton")
 
 
+class BackendUnavailable(ValueError):
+    """A backend flag this machine cannot run (an unknown name, no CUDA, a package missing): said at start, in one
+    line naming the flag."""
+
+
 def check_backend(backend: str, device: torch.device) -> str:
     """`backend`, if it can run on `device`."""
     if backend not in BACKENDS:
-        raise ValueError(f"--attention-backend: expected one of {', '.join(BACKENDS)}, not {backend!r}")
+        raise BackendUnavailable(f"--attention-backend: expected one of {', '.join(BACKENDS)}, not {backend!r}")
     if backend == "triton":
-        try:
-            from services.scheduler.model.triton_attention import INTERPRETED
-        except ImportError as exc:
-            raise ValueError(f"--attention-backend triton: Triton is not installed ({exc})") from None
-        if device.type != "cuda" and not INTERPRETED:
-            raise ValueError(f"--attention-backend triton runs on CUDA, not {device.type} (TRITON_INTERPRET=1 runs "
-                             "its kernels on the CPU, slowly, as the tests do)")
+        require_triton("--attention-backend triton", device)
     return backend
+
+
+def require_triton(flag: str, device: torch.device) -> None:
+    """What a Triton backend (`flag`, as given) needs: Triton, and CUDA or Triton's interpreter (the tests)."""
+    try:
+        from services.scheduler.model.triton_attention import INTERPRETED
+    except ImportError as exc:
+        raise BackendUnavailable(f"{flag}: Triton is not installed ({exc})") from None
+    if device.type != "cuda" and not INTERPRETED:
+        raise BackendUnavailable(f"{flag} runs on CUDA, not {device.type} (TRITON_INTERPRET=1 runs its kernels on "
+                                 "the CPU, slowly, as the tests do)")
 
 
 class AttentionPlan(Protocol):

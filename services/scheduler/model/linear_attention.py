@@ -3,17 +3,19 @@ slot of the KV pool (kv/pool.py: a conv state and a recurrent state per linear l
 
 transformers' layer runs one sequence, its state in a Cache. Here every row of the step is a request of its own:
 its causal convolution starts from the last inputs its slot keeps, and the gated delta rule from its recurrent
-state. Decoding rows (one token each) are one batched recurrent update (transformers'
-torch_recurrent_gated_delta_rule, as its cached decode runs); a prefill chunk runs the chunked rule
-(torch_chunk_gated_delta_rule) over its own tokens, no padding to the longest. A row that starts anew starts from
-zeros, or from a checkpoint of the prefix cache (a copy into its slot); a row that reaches a page boundary leaves a
-copy of the state there in a checkpoint slot (the chunk split at the boundary), for the prefix cache to keep
-(kv/states.py). transformers' own forward is the reference every path is tested against.
+state. Decoding rows (one token each) are one batched recurrent update, as transformers' cached decode runs; the
+prefill chunks run the chunked rule, each over its own tokens (no padding to the longest). A row that starts anew
+starts from zeros, or from a checkpoint of the prefix cache (a copy into its slot); a row that reaches a page
+boundary leaves a copy of the state there in a checkpoint slot (the chunk split at the boundary), for the prefix
+cache to keep (kv/states.py). What computes them is --linear-attention-backend's (model/gated_delta_kernels.py:
+transformers' torch rules, or the flash-linear-attention kernels); transformers' own forward is the reference every
+path is tested against.
 
-`use_paged_state(model)` swaps this forward in for every Gated DeltaNet layer; the step's PagedBatch reaches it as
-a forward kwarg, as it reaches model/attention.py.
+`use_paged_state(model, kernels)` swaps this forward in for every Gated DeltaNet layer; the step's PagedBatch
+reaches it as a forward kwarg, as it reaches model/attention.py.
 """
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.kv.manager import FRESH
+from services.scheduler.model.gated_delta_kernels import GatedDeltaKernels
 
 
 @dataclass
@@ -35,21 +38,36 @@ class StateRows:
     restore: list[int | None]  # where its state starts from: FRESH, a checkpoint slot, or None (its slot's)
     captures: list[tuple[int, int] | None]  # (tokens into the row, checkpoint slot): the state there is kept
 
-    @property
+    @functools.cached_property
     def decoding(self) -> list[int]:
         """Rows of one token that continue their state: one batched recurrent update."""
         return [i for i, count in enumerate(self.counts) if count == 1 and self.restore[i] is None]
+
+    @functools.cached_property
+    def prefill_waves(self) -> list[list[tuple[int, int, int]]]:
+        """The other rows as spans (row, first, end in the flat sequence), in at most two waves, each one kernel
+        call per layer: a row whose checkpoint falls inside it runs up to it in the first wave (its state is kept
+        there) and on from it in the second."""
+        first: list[tuple[int, int, int]] = []
+        second: list[tuple[int, int, int]] = []
+        for i in sorted(set(range(len(self.slots))) - set(self.decoding)):
+            start, count, capture = self.firsts[i], self.counts[i], self.captures[i]
+            cut = capture[0] if capture is not None and capture[0] < count else count
+            first.append((i, start, start + cut))
+            if cut < count:
+                second.append((i, start + cut, start + count))
+        return [wave for wave in (first, second) if wave]
 
 
 def is_gated_delta_net(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_v_dim"))
 
 
-def use_paged_state(model: nn.Module) -> int:
-    """Route every Gated DeltaNet layer through the paged state; how many layers that is."""
+def use_paged_state(model: nn.Module, kernels: GatedDeltaKernels) -> int:
+    """Route every Gated DeltaNet layer through the paged state, computed by `kernels`; how many layers that is."""
     layers = [module for module in model.modules() if is_gated_delta_net(module)]
     for module in layers:
-        module.forward = types.MethodType(gated_delta_net, module)
+        module.forward = types.MethodType(functools.partial(gated_delta_net, kernels=kernels), module)
     return len(layers)
 
 
@@ -66,82 +84,57 @@ def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
             self.in_proj_b(hidden), self.in_proj_a(hidden))
 
 
-def gated_delta_net(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, paged_batch=None, **kwargs):
+def gated_delta_net(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, paged_batch=None,
+                    kernels: GatedDeltaKernels | None = None, **kwargs):
     """Qwen3_5GatedDeltaNet / Qwen3NextGatedDeltaNet.forward over the step's flat batch [1, T, hidden]."""
-    assert paged_batch is not None and paged_batch.states is not None  # the model runner passes them
-    from transformers.models.qwen3_next.modeling_qwen3_next import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
-
+    assert paged_batch is not None and paged_batch.states is not None and kernels is not None  # use_paged_state's
     rows: StateRows = paged_batch.states
     conv_states, recurrent_states = paged_batch.pool.states(self.layer_idx)
     _restore(rows, conv_states, recurrent_states)
     mixed, z, b, a = _projections(self, hidden_states[0])
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float: in half precision A may be -inf
-    weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel]
+    weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [conv_dim, kernel]
     out = mixed.new_empty(mixed.shape[0], z.shape[1], self.head_v_dim)
+    device = mixed.device
 
-    def split(x: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved [tokens, conv_dim] -> query, key [1, tokens, Hk, dk], value [1, tokens, Hv, dv]."""
         query, key, value = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        tokens = x.shape[0]
         return (query.reshape(1, tokens, -1, self.head_k_dim), key.reshape(1, tokens, -1, self.head_k_dim),
                 value.reshape(1, tokens, -1, self.head_v_dim))
 
-    decoding = rows.decoding
-    if decoding:
-        slots = torch.tensor([rows.slots[i] for i in decoding], device=mixed.device)
-        flat = torch.tensor([rows.firsts[i] for i in decoding], device=mixed.device)
-        window = torch.cat([conv_states[slots], mixed[flat].unsqueeze(-1).to(conv_states.dtype)], dim=-1)
-        conv_states[slots] = window[:, :, 1:]
-        convolved = _conv_last(self, window, weight)
-        query, key, value = split(convolved, len(decoding))  # one token of each row, as a batch of one token each
-        attended, state = torch_recurrent_gated_delta_rule(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), g=g[flat].unsqueeze(1),
-            beta=beta[flat].unsqueeze(1), initial_state=recurrent_states[slots], output_final_state=True,
-            use_qk_l2norm_in_kernel=True)
+    if decoding := rows.decoding:
+        slots = torch.tensor([rows.slots[i] for i in decoding], device=device)
+        flat = torch.tensor([rows.firsts[i] for i in decoding], device=device)
+        convolved, conv_states[slots] = kernels.conv_step(mixed[flat], conv_states[slots], weight, bias,
+                                                          self.activation)
+        # one token of each row, as a batch of one token each
+        query, key, value = (x.transpose(0, 1) for x in split(convolved))
+        attended, state = kernels.recurrent_rule(query, key, value, g[flat].unsqueeze(1), beta[flat].unsqueeze(1),
+                                                 recurrent_states[slots])
         recurrent_states[slots] = state.to(recurrent_states.dtype)
         out[flat] = attended[:, 0].to(out.dtype)
-    for i in sorted(set(range(len(rows.slots))) - set(decoding)):
-        first, count, slot = rows.firsts[i], rows.counts[i], rows.slots[i]
-        capture = rows.captures[i]
-        cuts = [0, capture[0], count] if capture is not None and capture[0] < count else [0, count]
-        for start, end in zip(cuts, cuts[1:]):
-            span = slice(first + start, first + end)
-            tokens = end - start
-            window = torch.cat([conv_states[slot], mixed[span].T.to(conv_states.dtype)], dim=-1)
-            conv_states[slot] = window[:, -conv_states.shape[-1]:]
-            convolved = _activate(self, F.conv1d(window[None].to(weight.dtype), weight.unsqueeze(1), self.conv1d.bias,
-                                                 groups=window.shape[0])[0].T)
-            query, key, value = split(convolved, tokens)
-            attended, state = torch_chunk_gated_delta_rule(
-                query, key, value, g=g[span][None], beta=beta[span][None], initial_state=recurrent_states[slot][None],
-                output_final_state=True, use_qk_l2norm_in_kernel=True)
-            recurrent_states[slot] = state[0].to(recurrent_states.dtype)
-            out[span] = attended[0].to(out.dtype)
-            if capture is not None and end == capture[0]:
-                _keep(conv_states, recurrent_states, slot, capture[1])
+    for wave in rows.prefill_waves:
+        slots = torch.tensor([rows.slots[i] for i, _, _ in wave], device=device)
+        flat = torch.cat([torch.arange(start, end) for _, start, end in wave]).to(device)
+        bounds = np.cumsum([0] + [end - start for _, start, end in wave]).tolist()
+        convolved, conv_states[slots] = kernels.conv_chunks(mixed[flat], conv_states[slots], bounds, weight, bias,
+                                                            self.activation)
+        query, key, value = split(convolved)
+        attended, state = kernels.chunked_rule(query, key, value, g[flat][None], beta[flat][None],
+                                               recurrent_states[slots], bounds)
+        recurrent_states[slots] = state.to(recurrent_states.dtype)
+        out[flat] = attended[0].to(out.dtype)
+        for i, _, end in wave:
+            if (capture := rows.captures[i]) is not None and end == rows.firsts[i] + capture[0]:
+                _keep(conv_states, recurrent_states, rows.slots[i], capture[1])
     for i in decoding:
         if (capture := rows.captures[i]) is not None:  # a decoding row whose token ends a page
             _keep(conv_states, recurrent_states, rows.slots[i], capture[1])
     normed = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(normed.reshape(1, out.shape[0], -1))
-
-
-def _activate(self, x: torch.Tensor) -> torch.Tensor:
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[self.activation](x) if self.activation else x
-
-
-def _conv_last(self, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The causal convolution's output at the last input of each window [rows, conv_dim, kernel] -> [rows, conv_dim]
-    (what transformers' causal_conv1d_update computes for one token)."""
-    convolved = (window.to(weight.dtype) * weight[None]).sum(-1)
-    if self.conv1d.bias is not None:
-        convolved = convolved + self.conv1d.bias
-    return _activate(self, convolved)
 
 
 def _restore(rows: StateRows, conv: torch.Tensor, recurrent: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from services.scheduler.model.architecture import (
 )
 from services.scheduler.model.attention import ATTENTION_NAME, PagedBatch, PageTable, check_backend
 from services.scheduler.model.batch_step import LaunchedStep, launch_step
+from services.scheduler.model.gated_delta_kernels import gated_delta_kernels
 from services.scheduler.model.kv_scales import read_kv_scales
 from services.scheduler.model.linear_attention import StateRows, state_rows
 from services.scheduler.model.lora import LoraLayers
@@ -88,7 +89,7 @@ class ModelRunner:
                  logits_chunk_rows: int = 256, routed_experts: bool = False, attention_backend: str = "torch",
                  cuda_graph_max_bs: int = 0, load_format: str = "auto", state_checkpoints: int = 0,
                  kv_cache_dtype: str = "auto", lora: tuple[frozenset[str], int, int] | None = None,
-                 ranks: "RankGroup | None" = None):
+                 ranks: "RankGroup | None" = None, linear_attention_backend: str = "torch"):
         """`routed_experts`: record the experts a MoE model routes each token to (--enable-return-routed-experts);
         `attention_backend`: model/attention.py's BACKENDS; `cuda_graph_max_bs`: decode batches up to this many rows
         replay CUDA graphs (model/cuda_graphs.py), 0: none; `load_format` "dummy": random weights (the
@@ -96,11 +97,13 @@ class ModelRunner:
         checkpoints for the prefix cache (0: `max_running`); `kv_cache_dtype`: what the KV pages store
         (kv/quantize.py: auto, fp8_e4m3, fp8_e5m2); `lora`: (target module names, adapters per step, largest rank)
         of LoRA adapters to serve (model/lora.py), None: none; `ranks`: this process's tensor-parallel rank and the
-        others (parallel/): the model is cut into its share, and rank 0 tells the others each step's rows."""
+        others (parallel/): the model is cut into its share, and rank 0 tells the others each step's rows;
+        `linear_attention_backend`: what computes Gated DeltaNet layers (model/gated_delta_kernels.py's BACKENDS)."""
         self.logits_chunk_rows = logits_chunk_rows
         self.name = str(model_dir)
         self.device = pick_device(device)
         self.attention_backend = check_backend(attention_backend, self.device)
+        linear_kernels = gated_delta_kernels(linear_attention_backend, self.device)
         config = load_config(model_dir)
         text_config = config.get_text_config()
         self.dtype = pick_dtype(dtype, self.device, getattr(text_config, "dtype", None))
@@ -125,7 +128,7 @@ class ModelRunner:
             self.sharding.apply(model, ranks.devices)
         # transformers declares PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
-        route_layers(self.name, self.model, layout, self.attention_backend)
+        route_layers(self.name, self.model, layout, self.attention_backend, linear_kernels)
         if load_format != "dummy" and (unused := unused_tensors(model_dir, self.model)):
             matching = ", ".join(f"{count} matching {pattern}" for pattern, count in unused.items())
             log.info("%s: %s of its tensors are not loaded, as its model class declares (%s): multi-token prediction "
