@@ -1,6 +1,7 @@
 """Tensor parallelism (--tp-size 2, gloo), each test on services of its own (so that the two test processes share
-them out: tests/conftest.py's SPREAD): a MoE model with its routed experts and a hybrid linear-attention model
-against transformers; penalties, grammars, seeded draws and retraction as on one rank; a killed rank.
+them out: tests/conftest.py's SPREAD): a MoE model with its routed experts, a hybrid linear-attention model and a
+latent-attention one against transformers; penalties, grammars, seeded draws and retraction as on one rank; a
+killed rank.
 
 Only the CPU (gloo) path runs here: NCCL on several GPUs has not run in this project.
 """
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from flatwire_wire.scheduler import LogprobParams, SamplingParams
 
-from harness.checkpoints import moe_checkpoint, qwen3_next_checkpoint
+from harness.checkpoints import deepseek_v3_checkpoint, moe_checkpoint, qwen3_next_checkpoint
 from harness.procs import start_service
 from harness.scheduler_client import SchedulerClient
 from harness.stack import running
@@ -74,20 +75,22 @@ def test_a_moe_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
                                               np.sort(router_choices(moe, sequence), axis=-1))
 
 
-def test_a_hybrid_linear_attention_model_on_two_ranks(small_model_dir, log_dir, tmp_path):
+@pytest.mark.parametrize("make", [qwen3_next_checkpoint, deepseek_v3_checkpoint], ids=["qwen3_next", "deepseek_v3"])
+def test_hybrid_and_latent_attention_models_on_two_ranks(make, small_model_dir, log_dir, tmp_path):
     """Qwen3-Next: its full-attention layer and experts cut, its Gated DeltaNet layers whole on each rank (as
-    transformers' plan keeps them), their states too; chunks of 5 tokens cross the state's page boundaries, and a
-    prompt again resumes from the prefix cache's state checkpoint."""
-    hybrid = qwen3_next_checkpoint(small_model_dir, tmp_path / "qwen3-next")
-    with running(hybrid, log_dir, scheduler_args=("--tp-size", "2", "--chunked-prefill-size", "5",
-                                                  "--page-size", "4")) as hybrid_stack:
-        hybrid_stack.wait_ready()
-        with httpx.Client(base_url=hybrid_stack.http_url, timeout=300) as hybrid_http:
+    transformers' plan keeps them), their states too. DeepSeek V3: each rank's heads, the latent each token keeps
+    whole on every rank (every head attends to it). Chunks of 5 tokens cross page boundaries (the states'
+    checkpoints), and a prompt again resumes from the prefix cache."""
+    model = make(small_model_dir, tmp_path / "model")
+    with running(model, log_dir, scheduler_args=("--tp-size", "2", "--chunked-prefill-size", "5",
+                                                 "--page-size", "4")) as model_stack:
+        model_stack.wait_ready()
+        with httpx.Client(base_url=model_stack.http_url, timeout=300) as model_http:
             for prompt in PROMPTS:
-                check_generated(generate(hybrid_http, prompt), prompt, reference(hybrid, prompt))
-            again = generate(hybrid_http, PROMPTS[2], -1)
+                check_generated(generate(model_http, prompt), prompt, reference(model, prompt))
+            again = generate(model_http, PROMPTS[2], -1)
             assert again["meta_info"]["cached_tokens"] > 0
-            check_generated(again, PROMPTS[2], reference(hybrid, PROMPTS[2]), prompt_logprobs=False)
+            check_generated(again, PROMPTS[2], reference(model, PROMPTS[2]), prompt_logprobs=False)
 
 
 # The client's stream reader ends with the scheduler's socket: UNAVAILABLE, raised in its thread, is the point here.

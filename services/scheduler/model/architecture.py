@@ -104,8 +104,10 @@ def layer_specs(name: str, text_config, dtype: torch.dtype, kv_dtype: torch.dtyp
     layers = int(text_config.num_hidden_layers)
     pages = kv_dtype or dtype
     if latent := getattr(text_config, "kv_lora_rank", None):  # DeepSeek V3, Kimi K2: model/mla.py
-        if tp_size > 1:
-            raise UnsupportedModel(f"{name}: multi-head latent attention is not sharded yet (--tp-size {tp_size})")
+        if int(text_config.num_attention_heads) % tp_size:
+            raise UnsupportedModel(f"{name}: --tp-size {tp_size} does not divide its "
+                                   f"{text_config.num_attention_heads} attention heads: each rank keeps whole heads")
+        # Under --tp-size every rank keeps the whole latent: every head attends to it (SGLang's MLA does the same).
         return [MLASpec(int(latent), int(text_config.qk_rope_head_dim), pages)] * layers
     window = getattr(text_config, "sliding_window", None) or 0
     layer_types = list(getattr(text_config, "layer_types", None) or

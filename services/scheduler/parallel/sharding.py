@@ -24,9 +24,13 @@ import torch.distributed as dist
 
 from services.scheduler.model.architecture import UnsupportedModel
 
-# Styles whose module's output is whole on every rank: keeping the module whole is the same computation.
+# Styles whose module's output is whole on every rank: keeping the module whole is the same computation. (MLA's
+# latent projection, mla_kv_a_proj, is whole too: its style only sums its rope part's gradient.)
 REPLICATED = {"replicated_with_grad_allreduce", "replicate", "embedding_rowwise", "embedding_colwise",
-              "colwise_gather_output", "colwise_rep", "rowwise_rep"}
+              "colwise_gather_output", "colwise_rep", "rowwise_rep", "mla_kv_a_proj"}
+# The projections that give each attention head its own columns: each rank must keep its heads' alone, as the KV
+# memory keeps its share of the KV heads (model/architecture.py).
+HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
 EXPERTS = "ep_dispatch_experts"
 EXPERT_TENSORS = "grouped_gemm"  # the experts' parameters in the ep_plan: cut with their module
 
@@ -104,6 +108,12 @@ class Sharding:
             if style not in (None, EXPERT_TENSORS, *REPLICATED) and parameter not in sharding.cuts:
                 raise UnsupportedModel(f"{name}: {parameter} is sharded as {style!r} in transformers' plan, which "
                                        "this engine does not shard (--tp-size)")
+        for module_name, module in model.named_modules():
+            for projection in HEAD_PROJECTIONS:
+                if isinstance(getattr(module, projection, None), torch.nn.Linear) and \
+                        f"{module_name}.{projection}.weight" not in sharding.cuts:
+                    raise UnsupportedModel(f"{name}: transformers' plan leaves {module_name}.{projection} whole, and "
+                                           "--tp-size cuts every attention layer by its heads")
         for parameter, cut in sharding.cuts.items():
             shape = sharding.full_shapes[parameter]
             if not cut.divides(shape, size):
