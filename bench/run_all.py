@@ -231,14 +231,24 @@ ANALYSIS = """\
   whose pages already reach its next token now returns at once (72bd7ce): the 512-row synthetic step in process
   went from 1.66 to 1.13 ms (the same loop before the issue: 0.39 ms, which kept no per-row output entries);
   the capacity run after it is not repeated here on a quiet host.
-- **DeepSeek V3 at B=8** (bench.family_decode, run before ec5e5f9): the engine's step took 3.4x transformers' (295
-  against 87 ms) while every other family was within 0.9-1.1x. The cause: MLA attended with values narrower than
-  its keys (the latent without its rope columns), and torch's CPU scaled_dot_product_attention takes a path some
-  20x slower when the widths differ (the step's shapes alone, same load: 438 against 23 ms). MLA now attends
-  with values as wide as the keys and drops the rope columns after (the same numbers; its tests unchanged); in a
-  profile of the B=8 step under the same load, attention went from 25.6 s to 0.55 s of the run. The table's
-  DeepSeek row is from before the fix; gpt-oss's B=8 transformers figure is its own MoE at B=8 (dense over the
-  experts), not noise.
+- **DeepSeek V3 at B=8** (bench.family_decode): before ec5e5f9 the engine's step took 3.4x transformers' (295
+  against 87 ms, a busy host) while every other family was within 0.9-1.1x. The cause: MLA attended with values
+  narrower than its keys (the latent without its rope columns), and torch's CPU scaled_dot_product_attention
+  takes a path some 20x slower when the widths differ (the step's shapes alone, same load: 438 against 23 ms).
+  MLA now attends with values as wide as the keys and drops the rope columns after (the same numbers; its tests
+  unchanged). Rerun on a quiet host (load 1.5, 2026-12-06): 42.7 against 112.7 ms at B=8 (0.4x) and 18.0 against
+  25.2 ms at B=1 (0.7x): the latent cache attends over [c, k_r] where transformers decompresses every head's
+  keys and values. gpt-oss's B=8 transformers figure is its own MoE at B=8 (dense over the experts), not noise.
+- **LoRA, the mixed step** (bench.lora): the earlier run missed the 1.5x target on two threads (1.65x) on a host
+  whose load average was 1.4-5.4, where each of the adapters' small ops waited for the second thread. On a quiet
+  host (2026-12-06) a B=32 decode step over 4 adapters and the base model is 1.05x the base model's on two threads
+  (207 against 197 ms) and 1.02x on one; a prefill step 1.16x and 1.15x: every target met.
+- **Tensor parallelism on two CPU cores** (bench.tensor_parallel, gloo, one torch thread per rank, quiet host):
+  the mid-size model's 512-token prefill takes 0.74x TP=1's (564 against 763 ms); its B=32 decode step 1.06x
+  (382 against 362 ms): most of that step is the LM head over a 248k vocabulary, which runs whole on rank 0
+  (not vocabulary-parallel), and the 24 all-reduces a step over gloo cost 54 ms on rank 0 (waiting included).
+  Telling rank 1 a step's rows costs 1.8 ms, 0.5% of the decode step (target: under 5%); each rank keeps half
+  the KV bytes a token (12288 against 24576); greedy tokens identical. NCCL on GPUs has not run here.
 """
 
 
