@@ -4,6 +4,7 @@
 # services' logs copied to $OUT. One command of at most 10 minutes:
 #   bash bench/gpu/device.sh [python -m bench.gpu options]
 #   BENCH=bench.gpu.linear_attention bash bench/gpu/device.sh    # the flash-linear-attention kernels' check
+#   BENCH=bench.tensor_parallel bash bench/gpu/device.sh --device cuda --tp N --shape qwen3-8b   # N GPUs: TP=1 vs N
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 4096  # of a config that states none
+DUMMY_SEED = 0  # --load-format dummy's random weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -116,6 +117,7 @@ class ModelRunner:
         layout = layout_of(self.name, text_config, self.dtype, kv_dtype, tp_size)
         groups = layout.groups
         if load_format == "dummy":  # random weights built on the device, the config alone (benchmarks)
+            torch.manual_seed(DUMMY_SEED)  # the same random model on every tensor-parallel rank, and every start
             with self.device:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
         else:
