@@ -49,7 +49,10 @@ class RankSetup:
 class RankGroup:
     """This process's place among the ranks, and the channels."""
 
-    def __init__(self, rank: int, size: int, address: str, backend: str):
+    def __init__(self, rank: int, size: int, address: str, backend: str, device: str):
+        """`device`: this rank's (rank_device's); on CUDA the process's current device, NCCL's."""
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
                                 timeout=STEP_TIMEOUT)
         self.rank, self.size, self.backend = rank, size, backend

@@ -37,7 +37,8 @@ class Ranks:
     @classmethod
     def start(cls, size: int, runner: dict, log_level: str, weights_sync_timeout_s: float) -> "Ranks":
         """Spawn ranks 1..size-1 and join them as rank 0 (returns once every rank joined)."""
-        backend = "nccl" if rank_device(runner["device"], 0).startswith("cuda") else "gloo"
+        device = rank_device(runner["device"], 0)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
         with socket.socket() as probe:  # a free port for the rendezvous
             probe.bind(("127.0.0.1", 0))
             address = f"127.0.0.1:{probe.getsockname()[1]}"
@@ -50,7 +51,7 @@ class Ranks:
             process.start()
             processes.append(process)
         log.info("tensor parallelism: %d ranks over %s, ranks 1-%d spawned", size, backend, size - 1)
-        return cls(processes, RankGroup(0, size, address, backend))
+        return cls(processes, RankGroup(0, size, address, backend, device))
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: process for process in self.processes}

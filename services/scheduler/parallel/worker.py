@@ -128,9 +128,9 @@ def main(setup: RankSetup) -> None:
     setup_logging(setup.log_level, f"scheduler-rank-{setup.rank}")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
-        group = RankGroup(setup.rank, setup.size, setup.address, setup.backend)
         arguments = {**setup.runner, "device": rank_device(setup.runner["device"], setup.rank),
                      "routed_experts": False}  # rank 0 records them
+        group = RankGroup(setup.rank, setup.size, setup.address, setup.backend, arguments["device"])
         runner = ModelRunner(**arguments, ranks=group)
         worker = Worker(runner, group, Path(arguments["model_dir"]), arguments.get("load_format") != "dummy",
                         setup.weights_sync_timeout_s)
