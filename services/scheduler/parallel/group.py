@@ -55,7 +55,7 @@ class RankGroup:
             torch.cuda.set_device(torch.device(device))
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
                                 timeout=STEP_TIMEOUT)
-        self.rank, self.size, self.backend = rank, size, backend
+        self.rank, self.size = rank, size
         self.devices = dist.group.WORLD  # the model's all-reduces
         self._steps = dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT)
         self._weights = dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT)
