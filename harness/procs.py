@@ -82,6 +82,13 @@ class ServiceProcess:
         self._log.close()
 
 
+def tensor_parallel_ranks(scheduler_pid: int) -> list[int]:
+    """The pids of a scheduler's spawned tensor-parallel ranks (--tp-size), not multiprocessing's resource tracker."""
+    children = subprocess.run(["pgrep", "-P", str(scheduler_pid), "-f", "multiprocessing.spawn"],
+                              capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
+
+
 def start_service(command: str, args: list[str], log_dir: Path, env: dict | None = None) -> tuple[ServiceProcess, str]:
     """`flatwire <command> --port P *args` on a free loopback port P (a scheduler or a detokenizer: the gateway
     serves HTTP there, harness.stack.Stack runs gateways), once its gRPC health answers SERVING: (process,

@@ -20,7 +20,7 @@ from flatwire_client import FlatwireClient
 from harness.certificates import make_certificates
 from harness.http import post
 from harness.launcher import Launcher
-from harness.procs import ROOT, ServiceProcess, free_port
+from harness.procs import ROOT, ServiceProcess, free_port, tensor_parallel_ranks
 from services.common.config import env_name
 from services.common.rpc import check_health
 from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
@@ -58,32 +58,53 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
         _stop_up(up)
 
 
+def _served_again(up: Launcher, service: str, code: int) -> None:
+    """`service` exited with `code`: the launcher says it restarts it, and /generate answers 200 again."""
+    deadline = time.monotonic() + 10
+    while f"{service} exited with code {code}; restarting it in" not in up.log():
+        assert up.proc.poll() is None and time.monotonic() < deadline, f"no restart logged:\n{up.log()}"
+        time.sleep(0.2)
+
+    # The gateway may answer 503 (or not answer in time) until the new service is up.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            reply = _hello(up, timeout=10)
+            if reply.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"no /generate success after restart:\n{up.log()}"
+        time.sleep(1)
+    assert reply.json()["meta_info"]["completion_tokens"] == 4
+    assert up.proc.poll() is None, up.log()
+
+
 def test_up_restarts_a_crashed_service(model_dir, tmp_path):
     up = _start_up(model_dir, tmp_path / "up.log")
     try:
         detokenizer = up.child_pid("detokenizer")
         assert detokenizer is not None, "no detokenizer child found"
         os.kill(detokenizer, signal.SIGKILL)
-
-        deadline = time.monotonic() + 10
-        while "detokenizer exited with code -9; restarting it in" not in up.log():
-            assert up.proc.poll() is None and time.monotonic() < deadline, f"no restart logged:\n{up.log()}"
-            time.sleep(0.2)
-
-        # The gateway may answer 503 (or not answer in time) until the new detokenizer is up.
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                reply = _hello(up, timeout=10)
-                if reply.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"no /generate success after restart:\n{up.log()}"
-            time.sleep(1)
-        assert reply.json()["meta_info"]["completion_tokens"] == 4
-        assert up.proc.poll() is None, up.log()
+        _served_again(up, "detokenizer", -9)
         assert up.child_pid("detokenizer") not in (None, detokenizer)
+    finally:
+        _stop_up(up)
+
+
+def test_up_restarts_a_tensor_parallel_scheduler_as_one_unit(model_dir, tmp_path):
+    """`flatwire up --tp-size 2`: a rank killed takes its scheduler down (exit 1), and the launcher brings the
+    scheduler back, ranks and all."""
+    up = Launcher(tmp_path / "up.log", model_dir, ("--tp-size", "2"))
+    up.wait_up()
+    try:
+        scheduler = up.child_pid("scheduler")
+        assert scheduler is not None, "no scheduler child found"
+        [rank] = tensor_parallel_ranks(scheduler)
+        os.kill(rank, signal.SIGKILL)
+        _served_again(up, "scheduler", 1)
+        restarted = up.child_pid("scheduler")
+        assert restarted not in (None, scheduler) and len(tensor_parallel_ranks(restarted)) == 1
     finally:
         _stop_up(up)
 

@@ -6,10 +6,9 @@ killed rank.
 Only the CPU (gloo) path runs here: NCCL on several GPUs has not run in this project.
 """
 
+import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -18,7 +17,7 @@ from flatwire_wire.scheduler import LogprobParams, SamplingParams
 from flatwire_wire.steps import FinishReason
 
 from harness.checkpoints import deepseek_v3_checkpoint, moe_checkpoint, qwen3_next_checkpoint
-from harness.procs import start_service
+from harness.procs import start_service, tensor_parallel_ranks
 from harness.scheduler_client import SchedulerClient
 from harness.stack import running
 from tests.scheduler.test_routed_experts import reference as router_choices
@@ -103,11 +102,9 @@ def test_a_killed_rank_takes_the_scheduler_down(small_model_dir, log_dir):
         rid = client.submit(input_ids=PROMPTS[0], sampling=SamplingParams(max_new_tokens=4000, temperature=0,
                                                                           ignore_eos=True))
         client.wait_tokens(rid, 2)
-        children = subprocess.run(["pgrep", "-P", str(proc.proc.pid), "-f", "multiprocessing.spawn"],
-                                  capture_output=True, text=True).stdout.split()
-        ranks = [int(pid) for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(ranks) == 1, children
-        subprocess.run(["kill", f"-{signal.SIGKILL}", str(ranks[0])], check=True)
+        ranks = tensor_parallel_ranks(proc.proc.pid)
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGKILL)
         assert proc.proc.wait(timeout=30) == 1
         assert "tp-rank-1 exited" in proc.log()
         time.sleep(0.5)  # the stream's end reaches the client
