@@ -284,6 +284,8 @@ class ServedWeights:
                     tensor = torch.empty_like(served, requires_grad=False).copy_(tensor)
                 pairs.append((served, tensor))
         complete = all(any(name in tensors for name in names) for names in self._names_per_tensor)
+        if self.ranks is not None and part is None:  # rank 0 alone would swap it in: the ranks would diverge
+            raise ValueError(f"{description}: staged without saying how the other tensor-parallel ranks get it")
         parts = (part,) if part is not None and self.ranks is not None else ()
         return StagedWeights(pairs, description, complete, source, parts, self.ranks)
 
