@@ -9,6 +9,7 @@ process and moves DIR into place once it has exited 0: Ctrl-C then interrupts a 
 build's own code, where Python can lose it (a signal that lands in a `__del__` is printed and ignored).
 """
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -87,7 +88,9 @@ def build(target: Path, ranks: int | None = None) -> None:
     """Write the default model's checkpoint (tokenizer, config, weights) into `target`. `ranks` (the tests' small
     vocabulary): the vocabulary cut to its first `ranks` byte-pair ranks, the special tokens right after them; any
     text still encodes (the 256 bytes come first), in more tokens, to the same ids as far as the cut reaches."""
-    _build_tokenizer(ranks).save_pretrained(target)
+    tokenizer = _build_tokenizer(ranks)
+    tokenizer.save_pretrained(target)
+    _declare_added_tokens(tokenizer, target / "tokenizer_config.json")
     progress("tokenizer saved; initialising weights")
     _build_weights(target)
 
@@ -120,6 +123,16 @@ def _build_tokenizer(ranks: int | None = None) -> PreTrainedTokenizerFast:
         if tokenizer.convert_tokens_to_ids(token) != token_id - QWEN3_5_SPECIAL_TOKENS[0][0] + first_special:
             raise RuntimeError(f"special token {token} did not land on id {token_id}")
     return tokenizer
+
+
+def _declare_added_tokens(tokenizer: PreTrainedTokenizerFast, config_file: Path) -> None:
+    """tokenizer_config.json's `added_tokens_decoder`, as Qwen's own checkpoints carry it (transformers 5 no longer
+    writes it). Without it, every load of the tokenizer parses the whole tokenizer.json a second time in Python
+    to find the added tokens: 1.4 of a gateway's 2.3 s of tokenizer loading on this vocabulary."""
+    config = json.loads(config_file.read_text())
+    config["added_tokens_decoder"] = {str(token_id): token.__getstate__()
+                                      for token_id, token in tokenizer.added_tokens_decoder.items()}
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _build_weights(target: Path) -> None:

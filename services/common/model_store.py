@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "flatwire-default-qwen3-v2"  # v2: tools and reasoning in the template
+DEFAULT_MODEL_NAME = "flatwire-default-qwen3-v3"  # v2: tools and reasoning in the template; v3: added tokens declared
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flatwire"
 
 

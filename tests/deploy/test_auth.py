@@ -2,7 +2,7 @@
 HTTP and public gRPC, health open, reflection on the public port only, no filesystem path as model name.
 
 One stack for the module: scheduler, detokenizer and gateway sharing an internal secret, the gateway
-with an API key.
+with an API key, on the small vocabulary's model (tests/conftest.py small_model_dir).
 """
 
 import os
@@ -38,9 +38,9 @@ WRONG = [None, [(SECRET_METADATA, "wrong")], [(SECRET_METADATA, SECRET + "x")], 
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir, log_dir):
+def stack(small_model_dir, log_dir):
     # Health is open: the stack waits for each service's without a secret or a key.
-    with running(model_dir, log_dir, scheduler_args=("--max-running-requests", "8"),
+    with running(small_model_dir, log_dir, scheduler_args=("--max-running-requests", "8"),
                  env={"FLATWIRE_INTERNAL_SECRET": SECRET}, gateway_env={"FLATWIRE_API_KEY": API_KEY}) as stack:
         yield stack
 
@@ -105,9 +105,9 @@ def test_detokenizer_refuses_calls_without_the_secret(stack):
         assert code_of(stream_outputs, stack.detokenizer_address, metadata) == UNAUTHENTICATED, metadata
 
 
-def test_a_service_with_another_secret_says_so(stack, model_dir, log_dir):
+def test_a_service_with_another_secret_says_so(stack, small_model_dir, log_dir):
     """An error naming the likely cause, not the INFO line of a server that is not up yet, forever."""
-    detokenizer = ServiceProcess("detokenizer", ["--port", str(free_port()), "--model", str(model_dir),
+    detokenizer = ServiceProcess("detokenizer", ["--port", str(free_port()), "--model", str(small_model_dir),
                                                  "--schedulers", stack.scheduler_address], log_dir,
                                  {"FLATWIRE_INTERNAL_SECRET": SECRET + "-other"})
     try:
@@ -182,17 +182,17 @@ def openai_client(stack, api_key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
-def test_openai_client_needs_the_key(stack, model_dir):
+def test_openai_client_needs_the_key(stack, small_model_dir):
     with openai_client(stack, "sk-wrong") as client:
         with pytest.raises(openai.AuthenticationError) as refused:
             client.models.list()
         assert refused.value.status_code == 401
         with pytest.raises(openai.AuthenticationError):
-            client.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "Hi"}],
+            client.chat.completions.create(model=small_model_dir.name, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=2)
     with openai_client(stack, API_KEY) as client:
         [model] = client.models.list().data
-        assert model.id == model_dir.name  # --model was a path: its name only
+        assert model.id == small_model_dir.name  # --model was a path: its name only
         reply = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=3, temperature=0)
         assert reply.usage.completion_tokens == 3
@@ -220,7 +220,7 @@ def test_metrics_with_the_key(stack):
         assert reply.status_code == 200, reply.text
 
 
-def test_public_grpc_needs_the_key(stack, model_dir):
+def test_public_grpc_needs_the_key(stack, small_model_dir):
     for api_key in (None, "wrong"):
         with FlatwireClient(stack.grpc_address, api_key=api_key) as client:
             with pytest.raises(grpc.RpcError) as refused:
@@ -230,7 +230,7 @@ def test_public_grpc_needs_the_key(stack, model_dir):
     with FlatwireClient(stack.grpc_address, api_key=API_KEY) as client:
         result = client.generate("Hello", max_new_tokens=3, temperature=0, top_logprobs_num=4)
         assert result.completion_tokens == 3 and result.output.topk_ids.shape == (3, 4)
-        assert client.model_info().model == model_dir.name
+        assert client.model_info().model == small_model_dir.name
 
 
 def test_internal_secret_file(tmp_path):
@@ -243,10 +243,10 @@ def test_internal_secret_file(tmp_path):
 
 
 @pytest.mark.parametrize("service", ["scheduler", "detokenizer"])
-def test_an_internal_server_beyond_loopback_needs_a_secret(service, model_dir):
+def test_an_internal_server_beyond_loopback_needs_a_secret(service, small_model_dir):
     """Without a secret on 0.0.0.0 it exits at once naming the fix; --allow-no-secret starts it, with a warning."""
     command = [sys.executable, "-m", "services", service, "--host", "0.0.0.0", "--port", "0", "--model",
-               str(model_dir), *(["--schedulers", "127.0.0.1:1"] if service == "detokenizer" else [])]
+               str(small_model_dir), *(["--schedulers", "127.0.0.1:1"] if service == "detokenizer" else [])]
     env = {key: value for key, value in os.environ.items() if not key.startswith("FLATWIRE_INTERNAL_SECRET")}
     refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "needs an internal secret" in refused.stderr, refused.stderr[-2000:]

@@ -1,5 +1,8 @@
 """`flatwire up` starts the three services, serves, restarts a crashed one, and stops them all on Ctrl-C; two run
-side by side on their own internal ports; it takes every option of the services and passes those given on."""
+side by side on their own internal ports; it takes every option of the services and passes those given on.
+
+Serving and Ctrl-C's drain run on the default model; the launcher's other tests, whose subject is the processes,
+on the small vocabulary's (tests/conftest.py small_model_dir: its services start without reading 248k tokens)."""
 
 import concurrent.futures
 import contextlib
@@ -22,6 +25,7 @@ from harness.http import post
 from harness.launcher import Launcher
 from harness.procs import ROOT, ServiceProcess, free_port, tensor_parallel_ranks
 from services.common.config import env_name
+from services.common.model_store import DEFAULT_MODEL_NAME
 from services.common.rpc import check_health
 from services.launcher import SERVICES, Supervised, UpConfig, internal_ports, parse_up, service_options
 from tests.deploy.hub_cache import HUB_MODEL_ID, offline_env, populate_hub_cache
@@ -80,8 +84,8 @@ def _served_again(up: Launcher, service: str, code: int) -> None:
     assert up.proc.poll() is None, up.log()
 
 
-def test_up_restarts_a_crashed_service(model_dir, tmp_path):
-    up = _start_up(model_dir, tmp_path / "up.log")
+def test_up_restarts_a_crashed_service(small_model_dir, tmp_path):
+    up = _start_up(small_model_dir, tmp_path / "up.log")
     try:
         detokenizer = up.child_pid("detokenizer")
         assert detokenizer is not None, "no detokenizer child found"
@@ -92,10 +96,10 @@ def test_up_restarts_a_crashed_service(model_dir, tmp_path):
         _stop_up(up)
 
 
-def test_up_restarts_a_tensor_parallel_scheduler_as_one_unit(model_dir, tmp_path):
+def test_up_restarts_a_tensor_parallel_scheduler_as_one_unit(small_model_dir, tmp_path):
     """`flatwire up --tp-size 2`: a rank killed takes its scheduler down (exit 1), and the launcher brings the
     scheduler back, ranks and all."""
-    up = Launcher(tmp_path / "up.log", model_dir, ("--tp-size", "2"))
+    up = Launcher(tmp_path / "up.log", small_model_dir, ("--tp-size", "2"))
     up.wait_up()
     try:
         scheduler = up.child_pid("scheduler")
@@ -124,9 +128,9 @@ def test_ctrl_c_lets_the_requests_in_flight_finish(model_dir, tmp_path):
             assert reply.result().json()["meta_info"]["completion_tokens"] == 200
 
 
-def test_a_killed_launcher_takes_its_services_with_it(model_dir, tmp_path):
+def test_a_killed_launcher_takes_its_services_with_it(small_model_dir, tmp_path):
     """kill -9 (or the OOM killer) of `flatwire up`: its services stop too, and free the ports for the next one."""
-    up = _start_up(model_dir, tmp_path / "up.log")
+    up = _start_up(small_model_dir, tmp_path / "up.log")
     children = [pid for service in ("scheduler", "detokenizer", "gateway") for pid in up.children(service)]
     assert len(children) == 3
     up.proc.kill()
@@ -172,10 +176,11 @@ def test_a_taken_port_stops_up_before_it_starts_anything(model_dir, tmp_path, wh
                                 f"on 127.0.0.1:{port}")
 
 
-def test_a_service_that_exits_while_starting_stops_up_with_one_line_that_names_it(model_dir, tmp_path):
+def test_a_service_that_exits_while_starting_stops_up_with_one_line_that_names_it(small_model_dir, tmp_path):
     """A service that exits during startup (here the gateway: its TLS key is not there) is a setup error: `flatwire
     up` stops the others and exits 1 with one line naming it."""
-    up = Launcher(tmp_path / "up.log", model_dir, options=["--ssl-keyfile=/no/such.key", "--ssl-certfile=/no/such.crt"])
+    up = Launcher(tmp_path / "up.log", small_model_dir,
+                  options=["--ssl-keyfile=/no/such.key", "--ssl-certfile=/no/such.crt"])
     up.proc.wait(timeout=240)
     assert up.proc.returncode == 1, up.log()
     last = up.log().rstrip().splitlines()[-1]
@@ -196,11 +201,11 @@ def test_the_health_command_says_why_a_target_is_unhealthy():
         assert says in result.stderr, result.stderr
 
 
-def test_a_gateway_alone_says_it_waits_for_its_scheduler(model_dir, tmp_path):
+def test_a_gateway_alone_says_it_waits_for_its_scheduler(small_model_dir, tmp_path):
     """It serves once a scheduler answers; until then its log says which one it waits for (it said nothing)."""
     scheduler = f"127.0.0.1:{free_port()}"
     gateway = ServiceProcess("gateway", ["--port", str(free_port()), "--grpc-port", str(free_port()), "--model",
-                                         str(model_dir), "--schedulers", scheduler, "--detokenizers",
+                                         str(small_model_dir), "--schedulers", scheduler, "--detokenizers",
                                          f"127.0.0.1:{free_port()}"], tmp_path)
     try:
         deadline = time.monotonic() + 60
@@ -251,7 +256,7 @@ def test_ctrl_c_while_the_default_model_is_built_stops_quietly(tmp_path):
     finally:
         up.kill()
     assert up.returncode == 130 and "Traceback" not in stderr, read + stderr
-    assert [path.name for path in tmp_path.iterdir()] == ["flatwire-default-qwen3-v2.lock"]
+    assert [path.name for path in tmp_path.iterdir()] == [f"{DEFAULT_MODEL_NAME}.lock"]
 
 
 def test_restart_delay_doubles_up_to_the_cap_and_resets(capsys):
@@ -288,12 +293,12 @@ def test_internal_ports_are_free_and_distinct_unless_given():
     assert scheduler == 30010 and detokenizer != 30010
 
 
-def test_two_launchers_side_by_side(model_dir, tmp_path):
+def test_two_launchers_side_by_side(small_model_dir, tmp_path):
     """Two `flatwire up` on their own public ports, without internal ones, at once; the second serves a Hub model
     id from the Hugging Face cache (offline), resolved alike by all three of its services."""
     hub_cache = tmp_path / "hub"
-    populate_hub_cache(hub_cache, HUB_MODEL_ID, model_dir)
-    local = Launcher(tmp_path / "local.log", model_dir)
+    populate_hub_cache(hub_cache, HUB_MODEL_ID, small_model_dir)
+    local = Launcher(tmp_path / "local.log", small_model_dir)
     hub = Launcher(tmp_path / "hub.log", HUB_MODEL_ID, env=offline_env(HF_HUB_CACHE=str(hub_cache)))
     launched = [local, hub]
     try:
@@ -356,12 +361,12 @@ def test_up_takes_vllm_s_names_of_the_lora_and_parallel_options_and_passes_sglan
     assert flags["gateway"] == flags["detokenizer"] == []
 
 
-def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, tmp_path):
+def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(small_model_dir, tmp_path):
     """A flag given to `flatwire up` reaches its service; a FLATWIRE_* variable still reaches it unchanged; a
     secret is on no command line."""
     env = {**os.environ, env_name("max_top_logprobs"): "7"}
-    up = Launcher(tmp_path / "up.log", model_dir, ("--engine", "synthetic", "--max-running-requests", "3",
-                                                    "--stream-interval", "2", "--api-key", "up-test-key"), env)
+    up = Launcher(tmp_path / "up.log", small_model_dir, ("--engine", "synthetic", "--max-running-requests", "3",
+                                                          "--stream-interval", "2", "--api-key", "up-test-key"), env)
     try:
         up.wait_up()
         info = httpx.get(f"{up.http_url}/server_info", timeout=10,
@@ -382,10 +387,10 @@ def test_up_passes_options_on_and_leaves_the_rest_to_the_environment(model_dir, 
         _stop_up(up)
 
 
-def test_up_with_tls_serves_https_and_mutual_tls_inside(model_dir, tmp_path):
+def test_up_with_tls_serves_https_and_mutual_tls_inside(small_model_dir, tmp_path):
     certs = make_certificates(tmp_path / "tls")
-    up = Launcher(tmp_path / "up.log", model_dir, ["--ssl-keyfile", str(certs.key), "--ssl-certfile", str(certs.cert),
-                                                    "--ssl-ca-certs", str(certs.ca)])
+    up = Launcher(tmp_path / "up.log", small_model_dir, ["--ssl-keyfile", str(certs.key), "--ssl-certfile",
+                                                          str(certs.cert), "--ssl-ca-certs", str(certs.ca)])
     up.wait_up()
     try:
         https = up.http_url.replace("http://", "https://")
@@ -398,8 +403,8 @@ def test_up_with_tls_serves_https_and_mutual_tls_inside(model_dir, tmp_path):
         assert up.stop() == 0, up.log()
 
 
-def test_up_with_two_gateway_workers_serves_from_both(model_dir, tmp_path):
-    up = Launcher(tmp_path / "up.log", model_dir, ["--gateway-workers", "2"])
+def test_up_with_two_gateway_workers_serves_from_both(small_model_dir, tmp_path):
+    up = Launcher(tmp_path / "up.log", small_model_dir, ["--gateway-workers", "2"])
     up.wait_up()
     try:
         gateways = up.children("gateway")

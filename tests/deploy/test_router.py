@@ -6,7 +6,8 @@ base64) and chat through unchanged; a routing key keeps its worker (X-SMG-Routin
 
 The two gateways share one scheduler (and detokenizer): each is a whole worker to the router, and the gateway that
 served a request is the one whose request counter moved. The routers run as `python -m` (both distributions install
-an `smg` command).
+an `smg` command). They run on the small vocabulary's model (tests/conftest.py small_model_dir): what is routed, not
+the tokens, is the subject.
 """
 
 import base64
@@ -59,9 +60,9 @@ class Routed:
 
 
 @pytest.fixture(scope="module")
-def workers(model_dir, log_dir):
+def workers(small_model_dir, log_dir):
     """Two gateways on one scheduler and detokenizer: their HTTP URLs."""
-    with Stack(model_dir, log_dir, scheduler_args=("--max-running-requests", "16")) as stack:
+    with Stack(small_model_dir, log_dir, scheduler_args=("--max-running-requests", "16")) as stack:
         stack.add("gateway")
         stack.start()
         yield [stack.services["gateway"].http_url, stack.services["gateway-1"].http_url]

@@ -350,7 +350,11 @@ def test_prime_rl_filesystem_weight_update(stack, http, model_dir, perturbed_dir
                                                                      "dtype_names": ["float32"], "shapes": [[1]]}})
     assert vllm_native.status_code == 400 and vllm_native.json()["error"]["param"] == "update_info"
     assert http.post("/update_weights", json={}).json()["error"]["param"] == "weight_dir"
-    prime.update_weights(model_dir)
+    served_again = tmp_path / "served"  # the served checkpoint's files, not its directory: the marker goes here
+    served_again.mkdir()
+    for file in model_dir.iterdir():
+        (served_again / file.name).symlink_to(file)
+    prime.update_weights(served_again)
     assert greedy(http, 3).json()["output_ids"] == references["served", 3]
 
 

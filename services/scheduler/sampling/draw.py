@@ -57,19 +57,25 @@ class Draw:
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> Draw:
     """Next token per row of float32 logits [B, V]; rows not in params.rows are greedy."""
-    tokens = logits.argmax(dim=-1)
     if not params.rows:
-        return Draw(tokens, None, None)
-    rows = put(params.rows, torch.long, logits.device)
-    temperature = put(params.temperature, torch.float32, logits.device)
-    scaled = logits[rows] / temperature.unsqueeze(1)
+        return Draw(logits.argmax(dim=-1), None, None)
+    temperature = put(params.temperature, torch.float32, logits.device).unsqueeze(1)
+    # Every row sampled (a batch of default requests: temperature 1) needs neither a gather nor a greedy argmax
+    # over the vocabulary: on a CPU each is a pass as long as the softmax.
+    rows = None if params.rows == list(range(logits.shape[0])) else put(params.rows, torch.long, logits.device)
+    scaled = (logits if rows is None else logits[rows]) / temperature
     probs = torch.softmax(scaled, dim=-1)
     probs = _keep_top_k(probs, params.top_k)
     probs, head = _keep_top_p(probs, params.top_p)
     if any(min_p > 0 for min_p in params.min_p):
         floor = put(params.min_p, torch.float32, probs.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
-    tokens[rows] = (probs / _exponential_noise(params.generators, probs)).argmax(dim=-1)
+    race = _exponential_noise(params.generators, probs)
+    drawn = torch.div(probs, race, out=race).argmax(dim=-1)
+    if rows is None:
+        return Draw(drawn, probs, scaled, head)
+    tokens = logits.argmax(dim=-1)
+    tokens[rows] = drawn
     return Draw(tokens, probs, scaled, head)
 
 
@@ -77,7 +83,9 @@ def _exponential_noise(generators: list[torch.Generator | None], like: torch.Ten
     """Exp(1) draws shaped like `like` [S, V]; row i from generators[i]."""
     uniforms = torch.empty_like(like)
     shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
+    if len(shared) == len(generators):
+        uniforms.uniform_()
+    elif shared:
         uniforms[shared] = torch.rand(len(shared), like.shape[1], device=like.device, dtype=like.dtype)
     for row, generator in enumerate(generators):
         if generator is not None:
