@@ -37,8 +37,8 @@ def model_dir() -> Path:
 def small_model_dir(tmp_path_factory) -> Path:
     """The default model's architecture on a small vocabulary (harness.checkpoints.SMALL_VOCABULARY, and its
     tokenizer), built once per test process: what the engine and scheduler tests run on, that need no text, and the
-    stacks whose subject is the processes (launcher, router, auth): their services start without reading 248k
-    tokens."""
+    stacks whose subject is the processes (launcher, router, auth, the synthetic engine's): their services start
+    without reading 248k tokens."""
     return small_vocabulary_checkpoint(tmp_path_factory.mktemp("small-vocabulary"))
 
 

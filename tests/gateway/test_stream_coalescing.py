@@ -16,9 +16,9 @@ STREAMS, TOKENS = 192, 48  # at 1 ms steps: up to 192,000 tokens/s offered, far 
 
 
 @pytest.fixture(scope="module")
-def loaded(model_dir, log_dir) -> Iterator[Stack]:
+def loaded(small_model_dir, log_dir) -> Iterator[Stack]:
     """A synthetic scheduler at 1 ms steps running every stream at once, and a gateway that never coalesces."""
-    with running(model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", "1",
+    with running(small_model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", "1",
                                                      "--max-running-requests", str(STREAMS)),
                  gateway_args=("--stream-coalesce-ms", "0")) as stack:
         yield stack

@@ -22,8 +22,8 @@ def burst(url: str) -> list[int]:
     return [200] + [result["meta_info"]["completion_tokens"] for result in reply.json()]
 
 
-def test_a_burst_after_the_scheduler_restarts_is_served(model_dir, log_dir):
-    with running(model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", "2"),
+def test_a_burst_after_the_scheduler_restarts_is_served(small_model_dir, log_dir):
+    with running(small_model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", "2"),
                  gateway_args=("--health-interval-s", "0.2")) as stack:
         stack.wait_ready()
         url = stack.services["gateway"].http_url

@@ -18,9 +18,9 @@ PROMPT = "Capacity planning without a GPU"
 
 
 @pytest.fixture(scope="module")
-def synthetic(model_dir, log_dir) -> Iterator[Stack]:
+def synthetic(small_model_dir, log_dir) -> Iterator[Stack]:
     """A synthetic scheduler, a detokenizer following it, and a gateway."""
-    with running(model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", str(STEP_MS),
+    with running(small_model_dir, log_dir, scheduler_args=("--engine", "synthetic", "--step-ms", str(STEP_MS),
                                                      "--max-running-requests", "8")) as stack:
         yield stack
 
@@ -59,8 +59,8 @@ def test_identical_requests_give_identical_output(http):
     assert seeded["output_ids"] != first["output_ids"]  # the seed picks another place in the table
 
 
-def test_model_info_is_the_checkpoints(http, model_dir):
-    config = json.loads((model_dir / "config.json").read_text())
+def test_model_info_is_the_checkpoints(http, small_model_dir):
+    config = json.loads((small_model_dir / "config.json").read_text())
     info = http.get("/server_info").json()
     assert info["vocab_size"] == config["vocab_size"]
     assert info["eos_token_ids"] == config["eos_token_id"]
