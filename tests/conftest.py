@@ -105,8 +105,8 @@ def work_unit(nodeid: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pyproject's `-n 2 --dist loadscope`: work_unit's units to whichever process is free, in collection order
-    (the longest first: pytest_collection_modifyitems), so that neither process idles at the end while the other
+    """pyproject's `-n 3 --dist loadscope`: work_unit's units to whichever process is free, in collection order
+    (the longest first: pytest_collection_modifyitems), so that no process idles at the end while another
     runs a long one. (`--dist loadgroup` would do, but pytest-xdist 3.8 cannot rename pytest 9's node ids: its
     xdist_group marks are ignored.) Another --dist on the command line: pytest-xdist's own."""
     if config.getvalue("dist") != "loadscope":
