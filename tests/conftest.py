@@ -3,7 +3,7 @@ import os
 # No test has a GPU: Triton kernels (services/scheduler/model/triton_attention.py) run in Triton's interpreter on
 # CPU tensors. Read when triton is first imported, which transformers may do below.
 os.environ["TRITON_INTERPRET"] = "1"
-# One thread per process for torch's intra-op work: the suite runs two test processes, and the services they start,
+# One thread per process for torch's intra-op work: the suite runs three test processes, and the services they start,
 # on two cores; a second OpenMP thread per process finds no core of its own and spins in OpenMP's barriers (the
 # engine tests took 2 to 4 times as long, and as much more CPU). Read when torch is imported, below; the services
 # the tests start inherit it.
