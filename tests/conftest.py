@@ -9,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 # the tests start inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import json  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -92,6 +93,9 @@ def http(stack) -> httpx.Client:
 
 
 DURATIONS_KEY = "flatwire/work-unit-seconds"  # pytest's cache: how long each work unit took when it last ran
+# That cache entry as a full run left it, committed, so that a fresh clone (CI's) orders its units as well.
+# Refresh after a full run: cp .pytest_cache/v/flatwire/work-unit-seconds tests/work_units.json
+COMMITTED_DURATIONS = Path(__file__).with_name("work_units.json")
 # Modules whose tests share nothing of module scope (each starts what it needs): each test a work unit of its own.
 SPREAD = frozenset({"tests/deploy/test_launcher.py", "tests/scheduler/test_tensor_parallel_models.py"})
 _took: dict[str, float] = {}
@@ -124,14 +128,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Mark `slow` every test that runs services as processes through start_service or the session's stack
     (modules that start processes otherwise mark themselves): `python -m pytest -m "not slow"` is the fast inner
     loop. Then order the work units (work_unit) longest first: as long as they took when they last ran (pytest's
-    cache), or until then 10 s a test that runs processes and 0.5 s another."""
+    cache, else COMMITTED_DURATIONS), or for a new unit 10 s a test that runs processes and 0.5 s another."""
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
         if "start_service" in item.fixturenames or "session_stack" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
         units.setdefault(work_unit(item.nodeid), []).append(item)
     cache = getattr(config, "cache", None)
-    took = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    took = json.loads(COMMITTED_DURATIONS.read_text())
+    took.update(cache.get(DURATIONS_KEY, {}) if cache is not None else {})
 
     def cost(unit: str) -> float:
         return took.get(unit) or sum(10.0 if item.get_closest_marker("slow") else 0.5 for item in units[unit])
